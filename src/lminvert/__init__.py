@@ -1,0 +1,10 @@
+"""lminvert: exact prompt recovery from transformer hidden states, and injectivity (collision) tests."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import LminvertError
+from .models import DEFAULT_MODEL, LayerProbe, LoadedModel, load_model
+
+__all__ = ["DEFAULT_MODEL", "LayerProbe", "LminvertError", "LoadedModel", "__version__", "load_model"]

@@ -1,0 +1,55 @@
+"""`lminvert models`: list registered aliases and whether they are usable offline now."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..models import REGISTRY, sources
+from .common import print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("models", help="list model aliases", description="List registered model aliases.")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--prepare", metavar="ALIAS", help="convert ALIAS into the cache now (idempotent)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prepare:
+        from ..models.registry import resolve
+
+        spec = resolve(args.prepare)
+        if spec is None or spec.kind != "gguf-package":
+            print(f"{args.prepare}: nothing to prepare")
+            return 0
+        path = sources.convert(spec)
+        print(f"{spec.alias}: ready in {path}")
+        return 0
+    rows = []
+    for spec in REGISTRY.values():
+        rows.append(
+            {
+                "alias": spec.alias,
+                "architecture": spec.architecture,
+                "layers": spec.n_layers,
+                "hidden_size": spec.hidden_size,
+                "vocab_size": spec.vocab_size,
+                "source": spec.source,
+                "available_offline": sources.is_available(spec),
+                "converted": sources.is_converted(spec.alias) if spec.kind == "gguf-package" else None,
+            }
+        )
+    if args.json:
+        print_json(rows)
+        return 0
+    header = f"{'alias':<18} {'arch':<12} {'layers':>6} {'d':>5} {'vocab':>7}  {'offline':<7} {'cached':<6}  source"
+    print(header)
+    for r in rows:
+        cached = "-" if r["converted"] is None else ("yes" if r["converted"] else "no")
+        print(
+            f"{r['alias']:<18} {r['architecture']:<12} {r['layers']:>6} {r['hidden_size']:>5} "
+            f"{r['vocab_size']:>7}  {'yes' if r['available_offline'] else 'no':<7} {cached:<6}  {r['source']}"
+        )
+    print("\nAlso accepted: a Hugging Face hub id (org/name), a local model directory or a .gguf file.")
+    return 0

@@ -1,0 +1,143 @@
+"""Loading a model by alias, hub id, directory or .gguf path, into a :class:`LoadedModel`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ..errors import LminvertError
+from . import sources
+from .probe import LayerProbe
+from .registry import DEFAULT_MODEL, ModelSpec, resolve
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model ready for probing: the unmodified transformers model, its tokenizer and identity."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: object | None
+    weights_hash: str
+    spec: ModelSpec | None = None
+
+    @cached_property
+    def probe(self) -> LayerProbe:
+        return LayerProbe(self.model)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.probe.dtype).replace("torch.", "")
+
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text`` as the model's tokenizer makes them (its own special tokens included)."""
+        if not text or not text.strip():
+            raise LminvertError("empty text: give a prompt with at least one non-blank character")
+        if self.tokenizer is None:
+            raise LminvertError(f"model '{self.name}' has no tokenizer: pass token ids instead of text")
+        ids = list(self.tokenizer(text)["input_ids"])
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(t) for t in token_ids)
+        return self.tokenizer.decode(token_ids)
+
+    def describe(self) -> dict:
+        probe = self.probe
+        return {
+            "model": self.name,
+            "architecture": self.model.config.model_type,
+            "n_layers": probe.n_layers,
+            "hidden_size": probe.hidden_size,
+            "vocab_size": probe.vocab_size,
+            "dtype": self.dtype,
+            "weights_hash": self.weights_hash,
+            "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+            "threads": torch.get_num_threads(),
+        }
+
+
+_LOADED: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+def _random_model(spec: ModelSpec, seed: int) -> tuple[PreTrainedModel, object]:
+    assert spec.model_type is not None
+    config = AutoConfig.for_model(spec.model_type, **spec.config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(sources.tokenizer_dir())
+    return model, tokenizer
+
+
+def _external(name: str) -> tuple[PreTrainedModel, object]:
+    path = Path(os.path.expanduser(name))
+    try:
+        if name.endswith(".gguf"):
+            if not path.is_file():
+                raise LminvertError(f"GGUF file not found: {name}")
+            kwargs = {"gguf_file": path.name}
+            where: str | Path = path.parent
+        else:
+            kwargs = {}
+            where = path if path.exists() else name
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        except Exception:  # a model directory without tokenizer files still works on ids
+            tokenizer = None
+    except LminvertError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LminvertError(
+            f"could not load model '{name}' ({first}); give a registered alias (lminvert models), "
+            "a local transformers model directory, a .gguf file, or a hub id on a machine with network access"
+        ) from exc
+    if model.config.is_encoder_decoder:
+        raise LminvertError(f"'{name}' is an encoder-decoder model; lminvert needs a decoder-only causal LM")
+    return model, tokenizer
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int | None = None,
+) -> LoadedModel:
+    """Load ``name`` (alias, hub id, directory or .gguf) once per process; later calls return the same object."""
+    if dtype not in DTYPES:
+        raise LminvertError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    key = (name if seed is None else f"{name}@{seed}", dtype, device)
+    if key in _LOADED:
+        return _LOADED[key]
+    spec = resolve(name)
+    if spec is not None and spec.kind == "gguf-package":
+        directory = sources.convert(spec)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        digest = sources.converted_meta(spec.alias)["weights_hash"]
+    elif spec is not None:
+        model, tokenizer = _random_model(spec, spec.seed if seed is None else seed)
+        digest = sources.weights_hash(model)
+    else:
+        model, tokenizer = _external(name)
+        digest = sources.weights_hash(model)
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    model.requires_grad_(False)
+    loaded = LoadedModel(name=key[0], model=model, tokenizer=tokenizer, weights_hash=digest, spec=spec)
+    _LOADED[key] = loaded
+    log.info("loaded %s (%s, %d layers, d=%d)", name, dtype, loaded.probe.n_layers, loaded.probe.hidden_size)
+    return loaded

@@ -1,0 +1,290 @@
+"""The layer probe: the one place that knows where a transformers model keeps its blocks.
+
+Layer semantics (used everywhere in lminvert):
+
+* ``0`` - the input of the first block: the input embeddings as the model uses them (after any scaling,
+  e.g. Gemma's sqrt(d); for GPT-2 this includes the learned position embedding). Equal to transformers'
+  ``hidden_states[0]``.
+* ``1..L`` - the residual stream after block ``l``, never passed through the final norm. (transformers'
+  ``output_hidden_states`` applies the final norm to its last entry for most models; we do not.)
+* negative ``l`` counts from ``L`` (``-1`` is ``L``); ``"final"`` is the output of the final norm.
+
+The probe wraps the unmodified model: it runs transformers' own forward and reads block outputs with hooks,
+stopping the forward right after the highest layer asked for (no work above it, never the LM head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import LminvertError
+
+Layer = int | str
+
+
+class _Stop(Exception):
+    """Raised by a hook to end the forward after the last block we need."""
+
+
+def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
+    for name in ("layers", "h", "blocks"):
+        blocks = getattr(base, name, None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) == n_layers:
+            return blocks
+    for module in base.children():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers:
+            return module
+    raise LminvertError(f"cannot find the {n_layers} transformer blocks of {type(base).__name__}")
+
+
+def _find_final_norm(base: nn.Module) -> nn.Module | None:
+    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
+        module = getattr(base, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+class _FrozenPrefixLayer(CacheLayerMixin):
+    """Read-only view of one layer of a prefix cache, broadcast over a batch of continuations.
+
+    ``update`` returns prefix keys/values (expanded, not copied) concatenated with the new ones and stores
+    nothing, so one prefix cache serves any number of candidate batches.
+    """
+
+    def __init__(self, inner: CacheLayerMixin, batch: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.batch = batch
+        self.keys, self.values = inner.keys, inner.values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        assert self.keys is not None and self.values is not None
+        shape = (key_states.shape[0], *self.keys.shape[1:])
+        keys = torch.cat([self.keys.expand(shape), key_states], dim=-2)
+        values = torch.cat([self.values.expand(shape[:-1] + self.values.shape[-1:]), value_states], dim=-2)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.inner.get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.inner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.inner.get_max_length()
+
+
+@dataclass
+class Prefix:
+    """A prompt prefix whose KV cache (blocks 1..layer) has been computed once."""
+
+    token_ids: list[int]
+    layer: int
+    cache: Cache | None  # None for the empty prefix
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+class LayerProbe:
+    """Hidden states at chosen layers of a transformers causal LM, with truncated and cached forwards."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        self.config = model.config.get_text_config(decoder=True)
+        self.base: nn.Module = model.base_model
+        self.n_layers: int = int(self.config.num_hidden_layers)
+        self.blocks = _find_blocks(self.base, self.n_layers)
+        self.final_norm = _find_final_norm(self.base)
+        self.embedding: nn.Module = model.get_input_embeddings()
+        self.hidden_size: int = int(self.config.hidden_size)
+        self.vocab_size: int = int(self.embedding.weight.shape[0])
+        self._vocab_matrix: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    @property
+    def final(self) -> int:
+        """Internal index of the ``"final"`` layer (after the final norm)."""
+        return self.n_layers + 1
+
+    def resolve_layer(self, layer: Layer) -> int:
+        """Normalise a layer spec to ``0..L`` (or ``L+1`` for ``"final"``); one-line error if out of range."""
+        if isinstance(layer, str):
+            text = layer.strip().lower()
+            if text == "final":
+                return self.final
+            try:
+                layer = int(text)
+            except ValueError:
+                raise LminvertError(
+                    f"layer '{layer}' is not a number: use 0..{self.n_layers}, -1..-{self.n_layers} or 'final'"
+                ) from None
+        if not -self.n_layers <= layer <= self.n_layers:
+            raise LminvertError(
+                f"layer {layer} is out of range for this model: use 0..{self.n_layers} "
+                f"(or -1..-{self.n_layers} from the top, or 'final')"
+            )
+        return layer % (self.n_layers + 1) if layer < 0 else layer
+
+    def layer_name(self, layer: int) -> str:
+        return "final" if layer == self.final else str(layer)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the model's own embedding module produces them (scaling included)."""
+        return self.embedding(token_ids.to(self.device))
+
+    def vocab_matrix(self) -> torch.Tensor:
+        """All |V| input vectors, ``embed(arange(V))``, built once (the weight itself when unscaled)."""
+        if self._vocab_matrix is None:
+            if type(self.embedding) is nn.Embedding:
+                self._vocab_matrix = self.embedding.weight.detach()
+            else:
+                with torch.no_grad():
+                    ids = torch.arange(self.vocab_size, device=self.device)
+                    self._vocab_matrix = torch.cat([self.embed(chunk) for chunk in ids.split(16384)])
+        return self._vocab_matrix
+
+    def check_ids(self, token_ids: torch.Tensor) -> None:
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size):
+            raise LminvertError(
+                f"token ids must lie in 0..{self.vocab_size - 1} for this model; got "
+                f"{int(token_ids.min())}..{int(token_ids.max())}"
+            )
+
+    # ------------------------------------------------------------------ forwards
+    def _forward(self, layers: Iterable[int], **kwargs) -> dict[int, torch.Tensor]:
+        """Run the base model, capture the requested layers, stop after the highest one."""
+        wanted = sorted(set(layers))
+        captured: dict[int, torch.Tensor] = {}
+        top = wanted[-1]
+        handles = []
+
+        def pre_hook(module, args, kw):
+            hidden = args[0] if args else kw["hidden_states"]
+            captured[0] = hidden
+            if top == 0:
+                raise _Stop
+
+        def make_hook(layer: int):
+            def hook(module, args, output):
+                captured[layer] = output[0] if isinstance(output, tuple) else output
+                if layer == top:
+                    raise _Stop
+
+            return hook
+
+        if 0 in wanted:
+            handles.append(self.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        for layer in wanted:
+            if 1 <= layer <= self.n_layers:
+                handles.append(self.blocks[layer - 1].register_forward_hook(make_hook(layer)))
+        try:
+            out = self.base(**kwargs)
+            if self.final in wanted:
+                captured[self.final] = out.last_hidden_state
+        except _Stop:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {layer: captured[layer] for layer in wanted}
+
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        layers: Sequence[Layer] | Layer,
+        attention_mask: torch.Tensor | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """States ``[B, T, d]`` of full sequences at one or several layers (keys: resolved layer indices)."""
+        if isinstance(layers, int | str):
+            layers = [layers]
+        resolved = [self.resolve_layer(layer) for layer in layers]
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        self.check_ids(input_ids)
+        kwargs = {"input_ids": input_ids.to(self.device), "use_cache": False}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
+        with torch.no_grad():
+            return self._forward(resolved, **kwargs)
+
+    def prefix(self, token_ids: Sequence[int], layer: Layer) -> Prefix:
+        """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""
+        resolved = self.resolve_layer(layer)
+        ids = list(int(t) for t in token_ids)
+        if not ids:
+            return Prefix([], resolved, None)
+        cache = DynamicCache(config=self.config)
+        tensor = torch.tensor([ids], device=self.device)
+        self.check_ids(tensor)
+        with torch.no_grad():
+            self._forward(
+                [min(max(resolved, 1), self.n_layers)], input_ids=tensor, past_key_values=cache, use_cache=True
+            )
+        return Prefix(ids, resolved, cache)
+
+    def extend(self, prefix: Prefix, token_id: int) -> Prefix:
+        """The prefix with one more token, reusing (and taking over) its cache."""
+        if prefix.cache is None:
+            return self.prefix([token_id], prefix.layer)
+        tensor = torch.tensor([[int(token_id)]], device=self.device)
+        with torch.no_grad():
+            self._forward(
+                [min(max(prefix.layer, 1), self.n_layers)],
+                input_ids=tensor,
+                past_key_values=prefix.cache,
+                use_cache=True,
+            )
+        return Prefix([*prefix.token_ids, int(token_id)], prefix.layer, prefix.cache)
+
+    def continuation(
+        self,
+        prefix: Prefix,
+        token_ids: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> torch.Tensor | dict[int, torch.Tensor]:
+        """States at position ``prefix.length`` for B one-token continuations, in one batched forward.
+
+        Give either ``token_ids`` ``[B]`` or continuous input vectors ``embeds`` ``[B, d]`` (in the space of
+        the embedding module's output; gradients flow through them if they require grad). Returns ``[B, d]``
+        at ``prefix.layer``, or a dict when ``layers`` (each <= prefix.layer) is given.
+        """
+        if (token_ids is None) == (embeds is None):
+            raise ValueError("give exactly one of token_ids or embeds")
+        if token_ids is not None:
+            self.check_ids(token_ids)
+            embeds = self.embed(token_ids.reshape(-1))
+        assert embeds is not None
+        batch = embeds.shape[0]
+        kwargs: dict = {"inputs_embeds": embeds[:, None, :].to(self.dtype), "use_cache": prefix.cache is not None}
+        if prefix.cache is not None:
+            view = Cache(layers=[_FrozenPrefixLayer(layer, batch) for layer in prefix.cache.layers])
+            kwargs["past_key_values"] = view
+        wanted = [prefix.layer] if layers is None else [self.resolve_layer(x) for x in layers]
+        if max(wanted) > prefix.layer and prefix.cache is not None:
+            raise ValueError("continuation layers must not exceed the prefix's layer")
+        with torch.set_grad_enabled(embeds.requires_grad):
+            out = self._forward(wanted, **kwargs)
+        out = {layer: state[:, 0, :] for layer, state in out.items()}
+        return out[prefix.layer] if layers is None else out

@@ -1,0 +1,171 @@
+"""Hidden states of prompts at one layer, and their safetensors file format.
+
+A states file is exactly what leaks in practice (a KV cache, activations in a split-inference pipeline), so
+by default it holds only the states and the metadata needed to invert them - not the prompt, not its ids
+(``keep_ids=True`` stores the ids, e.g. for evaluation).
+
+Layout: one tensor per prompt, ``states.<i>`` of shape ``[T_i, d]``; optional ``token_ids.<i>`` (int64);
+string metadata: format, model, weights_hash, layer, n_layers, hidden_size, dtype, tokens_per_prompt (JSON
+list), lminvert_version.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+
+from .errors import LminvertError
+
+FORMAT = "lminvert.states/1"
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """Per-position states of N prompts at one layer of one model."""
+
+    states: tuple[torch.Tensor, ...]  # N tensors [T_i, d]
+    model: str | None = None
+    weights_hash: str | None = None
+    layer: str | None = None  # "0".."L" or "final"
+    n_layers: int | None = None
+    dtype: str | None = None
+    token_ids: tuple[tuple[int, ...], ...] | None = None
+    lminvert_version: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.states:
+            raise LminvertError("no states: the file or array holds no prompts")
+        for i, state in enumerate(self.states):
+            if state.dim() != 2 or state.shape[0] == 0:
+                raise LminvertError(f"prompt {i}: states must have shape [T, d] with T >= 1, got {list(state.shape)}")
+            if not torch.isfinite(state).all():
+                raise LminvertError(
+                    f"prompt {i}: states contain NaN or inf; they cannot come from a forward pass - check the file"
+                )
+        if len({s.shape[1] for s in self.states}) != 1:
+            raise LminvertError("all prompts' states must have the same hidden size")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.states[0].shape[1])
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(s.shape[0]) for s in self.states]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def with_meta(self, **changes) -> HiddenStates:
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            raise LminvertError(f"output must end in .safetensors, got '{path.name}'")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"states.{i}": s.detach().cpu().contiguous() for i, s in enumerate(self.states)}
+        if self.token_ids is not None:
+            for i, ids in enumerate(self.token_ids):
+                tensors[f"token_ids.{i}"] = torch.tensor(ids, dtype=torch.int64)
+        meta = {
+            "format": FORMAT,
+            "model": self.model or "",
+            "weights_hash": self.weights_hash or "",
+            "layer": self.layer or "",
+            "n_layers": "" if self.n_layers is None else str(self.n_layers),
+            "hidden_size": str(self.hidden_size),
+            "dtype": self.dtype or str(self.states[0].dtype).replace("torch.", ""),
+            "tokens_per_prompt": json.dumps(self.lengths),
+            "n_prompts": str(len(self)),
+            "lminvert_version": self.lminvert_version or "",
+        }
+        save_file(tensors, str(path), metadata=meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> HiddenStates:
+        """Read a states file (.safetensors written by lminvert) or a plain array (.npy / .pt)."""
+        path = Path(path)
+        if not path.exists():
+            raise LminvertError(f"states file not found: {path}")
+        if not path.is_file():
+            raise LminvertError(f"not a file: {path}")
+        suffix = path.suffix.lower()
+        if suffix == ".safetensors":
+            return cls._load_safetensors(path)
+        if suffix in (".npy", ".pt", ".pth"):
+            return cls._load_array(path)
+        raise LminvertError(f"unsupported states file '{path.name}': use .safetensors (lminvert encode), .npy or .pt")
+
+    @classmethod
+    def _load_safetensors(cls, path: Path) -> HiddenStates:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise LminvertError(f"cannot read {path.name} as safetensors ({exc}); is it a states file?") from exc
+        if meta.get("format") != FORMAT:
+            if set(tensors) == {"states"}:  # a bare safetensors array
+                return cls.from_array(tensors["states"])
+            raise LminvertError(f"{path.name} is not an lminvert states file (no '{FORMAT}' metadata)")
+        n = int(meta.get("n_prompts", "0"))
+        try:
+            states = tuple(tensors[f"states.{i}"] for i in range(n))
+        except KeyError as exc:
+            raise LminvertError(f"{path.name} is truncated or corrupt: missing {exc}") from None
+        ids = None
+        if n and "token_ids.0" in tensors:
+            ids = tuple(tuple(int(x) for x in tensors[f"token_ids.{i}"].tolist()) for i in range(n))
+        return cls(
+            states=states,
+            model=meta.get("model") or None,
+            weights_hash=meta.get("weights_hash") or None,
+            layer=meta.get("layer") or None,
+            n_layers=int(meta["n_layers"]) if meta.get("n_layers") else None,
+            dtype=meta.get("dtype") or None,
+            token_ids=ids,
+            lminvert_version=meta.get("lminvert_version") or None,
+        )
+
+    @classmethod
+    def _load_array(cls, path: Path) -> HiddenStates:
+        try:
+            if path.suffix.lower() == ".npy":
+                array = torch.from_numpy(np.load(path, allow_pickle=False))
+            else:
+                array = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise LminvertError(
+                f"cannot read {path.name} as an array ({type(exc).__name__}); give a [T, d] or [N, T, d] float array"
+            ) from exc
+        if not isinstance(array, torch.Tensor):
+            raise LminvertError(f"{path.name} does not hold a single tensor; give a [T, d] or [N, T, d] array")
+        return cls.from_array(array)
+
+    @classmethod
+    def from_array(cls, array: torch.Tensor | np.ndarray | Sequence[torch.Tensor], **meta) -> HiddenStates:
+        if isinstance(array, np.ndarray):
+            array = torch.from_numpy(array)
+        if isinstance(array, torch.Tensor):
+            if not array.is_floating_point():
+                raise LminvertError(f"states must be floating point, got {array.dtype}")
+            if array.dim() == 2:
+                array = array[None]
+            if array.dim() != 3:
+                raise LminvertError(f"states must have shape [T, d] or [N, T, d], got {list(array.shape)}")
+            if array.shape[0] == 0 or array.shape[1] == 0:
+                raise LminvertError(f"states array is empty (shape {list(array.shape)})")
+            items = tuple(array[i] for i in range(array.shape[0]))
+        else:
+            items = tuple(array)
+        return cls(states=items, **meta)

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+TINY = ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-gemma3"]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import lminvert
+
+    return lminvert.load_model("smollm2-135m")
+
+
+def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """Run the `lminvert` command as a user would."""
+    proc = subprocess.run([sys.executable, "-m", "lminvert", *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"lminvert {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    return tmp_path

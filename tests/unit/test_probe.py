@@ -1,0 +1,122 @@
+"""The layer probe against transformers' own forward, on tiny random models of each architecture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lminvert
+from lminvert.errors import LminvertError
+
+from ..conftest import TINY
+
+
+@pytest.fixture(scope="module", params=TINY)
+def tiny(request):
+    return lminvert.load_model(request.param)
+
+
+def _ids(model, length=9, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.probe.vocab_size, (2, length), generator=gen)
+
+
+def test_states_match_transformers(tiny):
+    probe = tiny.probe
+    ids = _ids(tiny)
+    with torch.no_grad():
+        ref = tiny.model(input_ids=ids, output_hidden_states=True).hidden_states
+    layers = [*range(probe.n_layers + 1), "final"]
+    ours = probe.states(ids, layers)
+    for layer in range(probe.n_layers):  # blocks below the top: transformers gives them un-normed
+        torch.testing.assert_close(ours[layer], ref[layer], rtol=0, atol=0)
+    # transformers' last entry has the final norm applied; ours at L does not, 'final' does
+    torch.testing.assert_close(ours[probe.final], ref[-1], rtol=0, atol=0)
+    torch.testing.assert_close(probe.final_norm(ours[probe.n_layers]), ours[probe.final])
+    assert not torch.allclose(ours[probe.n_layers], ours[probe.final])
+
+
+def test_layer_zero_is_what_the_model_uses(tiny):
+    probe = tiny.probe
+    ids = _ids(tiny)
+    zero = probe.states(ids, 0)[0]
+    emb = probe.embed(ids)
+    if tiny.model.config.model_type == "gpt2":
+        emb = emb + tiny.model.transformer.wpe(torch.arange(ids.shape[1]))[None]
+    torch.testing.assert_close(zero, emb)
+    if tiny.model.config.model_type == "gemma3_text":  # Gemma scales by sqrt(d) inside its embedding module
+        raw = tiny.model.get_input_embeddings().weight[ids]
+        assert torch.allclose(zero, raw * math.sqrt(probe.hidden_size), rtol=1e-3)
+        assert not torch.allclose(zero, raw)
+
+
+def test_truncated_forward_runs_nothing_above(tiny):
+    probe = tiny.probe
+    calls = []
+    handles = [b.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, b in enumerate(probe.blocks)]
+    head = tiny.model.get_output_embeddings()
+    handles.append(head.register_forward_hook(lambda m, a, o: calls.append("head")))
+    try:
+        probe.states(_ids(tiny), 1)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [0]
+
+
+@pytest.mark.parametrize("layer", [1, -1])
+def test_cached_continuation_equals_full_forward(tiny, layer):
+    probe = tiny.probe
+    ids = _ids(tiny, 8)[0]
+    full = probe.states(ids, layer)[probe.resolve_layer(layer)][0]
+    prefix = probe.prefix(ids[:5].tolist(), layer)
+    cands = torch.tensor([int(ids[5]), 3, int(ids[5]), 7])
+    got = probe.continuation(prefix, token_ids=cands)
+    scale = full[5].norm()
+    assert (got[0] - full[5]).norm() <= 1e-5 * scale
+    assert (got[2] - full[5]).norm() <= 1e-5 * scale
+    assert (got[1] - full[5]).norm() > 1e-3 * scale
+    # extending the prefix one token reuses the cache and stays exact
+    prefix = probe.extend(prefix, int(ids[5]))
+    got = probe.continuation(prefix, token_ids=ids[6:7])
+    assert (got[0] - full[6]).norm() <= 1e-5 * full[6].norm()
+    # the empty prefix: position 0
+    first = probe.continuation(probe.prefix([], layer), token_ids=ids[:1])
+    assert (first[0] - full[0]).norm() <= 1e-5 * full[0].norm()
+
+
+def test_continuation_with_vectors_has_gradient(tiny):
+    probe = tiny.probe
+    ids = _ids(tiny, 6)[0]
+    prefix = probe.prefix(ids[:4].tolist(), 2)
+    vec = probe.embed(ids[4:5]).detach().clone().requires_grad_(True)
+    by_vec = probe.continuation(prefix, embeds=vec)
+    by_id = probe.continuation(prefix, token_ids=ids[4:5])
+    torch.testing.assert_close(by_vec.detach(), by_id)
+    by_vec.square().sum().backward()
+    assert vec.grad is not None and vec.grad.norm() > 0
+
+
+def test_resolve_layer(tiny):
+    probe = tiny.probe
+    n = probe.n_layers
+    assert probe.resolve_layer(-1) == n
+    assert probe.resolve_layer(f"-{n}") == 1
+    assert probe.resolve_layer("final") == n + 1
+    for bad in [n + 1, -n - 1, "x"]:
+        with pytest.raises(LminvertError, match="layer"):
+            probe.resolve_layer(bad)
+
+
+def test_vocab_matrix_uses_embedding_module(tiny):
+    probe = tiny.probe
+    ids = torch.tensor([0, 5, probe.vocab_size - 1])
+    torch.testing.assert_close(probe.vocab_matrix()[ids], probe.embed(ids))
+
+
+def test_lower_precision_is_selectable():
+    model = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    out = model.probe.states(torch.tensor([[1, 2, 3]]), 1)[1]
+    assert out.dtype == torch.bfloat16
