@@ -1,0 +1,118 @@
+"""Filling a :class:`~.store.StateStore`: last-token states of prompts, or of every one-token continuation.
+
+Both go through the layer probe (the one place that knows the architecture): prompts with batched, right-padded
+full forwards that stop after the highest layer asked for; continuations with one KV cache per prefix, built
+once, and batches of vocabulary tokens over it. States are stored as float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..models import LoadedModel
+from .store import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def _batches(ids: Sequence[Sequence[int]], order: list[int], batch_tokens: int) -> list[list[int]]:
+    """Split ``order`` (sorted by length) into batches of at most ``batch_tokens`` padded tokens."""
+    batches, current, width = [], [], 0
+    for i in order:
+        wider = max(width, len(ids[i]))
+        if current and wider * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, wider = [], len(ids[i])
+        current.append(i)
+        width = wider
+    if current:
+        batches.append(current)
+    return batches
+
+
+def last_token_states(
+    model: LoadedModel, ids: Sequence[Sequence[int]], layers: Sequence[int], batch_tokens: int = 4096
+) -> dict[int, np.ndarray]:
+    """``{layer: [len(ids), d]}`` float32 states of each prompt's last token (batched, sorted by length)."""
+    probe = model.probe
+    out = {layer: np.empty((len(ids), probe.hidden_size), dtype=np.float32) for layer in layers}
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+    for batch in _batches(ids, order, batch_tokens):
+        width = max(len(ids[i]) for i in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            tokens[row, : len(ids[i])] = torch.tensor(ids[i])
+            mask[row, : len(ids[i])] = 1
+        padded = bool((mask == 0).any())
+        states = probe.states(tokens, list(layers), attention_mask=mask if padded else None)
+        last = torch.tensor([len(ids[i]) - 1 for i in batch])
+        rows = torch.arange(len(batch))
+        for layer in layers:
+            out[layer][batch] = states[layer][rows, last].float().cpu().numpy()
+    return out
+
+
+def encode_prompts(
+    model: LoadedModel,
+    ids: Sequence[Sequence[int]],
+    store: StateStore,
+    batch_tokens: int = 4096,
+    progress: bool = True,
+    max_chunks: int | None = None,
+) -> float:
+    """Encode the store's pending chunks of ``ids``; returns seconds spent. ``max_chunks`` stops early."""
+    pending = store.pending()
+    if max_chunks is not None:
+        pending = pending[:max_chunks]
+    if not pending:
+        return 0.0
+    start = time.perf_counter()
+    todo = sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
+    bar = tqdm(total=todo, desc="encoding", unit="prompt", disable=not progress, leave=False)
+    for chunk in pending:
+        lo, hi = store.chunk_range(chunk)
+        store.write_chunk(chunk, last_token_states(model, ids[lo:hi], store.layers, batch_tokens))
+        bar.update(hi - lo)
+    bar.close()
+    seconds = time.perf_counter() - start
+    log.info("encoded %d prompts at %d layers in %.1f s", todo, len(store.layers), seconds)
+    return seconds
+
+
+def encode_continuations(
+    model: LoadedModel,
+    prefix_ids: Sequence[int],
+    store: StateStore,
+    progress: bool = True,
+    max_chunks: int | None = None,
+    desc: str = "continuations",
+) -> float:
+    """States of ``prefix + [v]`` for every vocabulary token ``v`` (store rows = token ids), one cache per prefix."""
+    pending = store.pending()
+    if max_chunks is not None:
+        pending = pending[:max_chunks]
+    if not pending:
+        return 0.0
+    probe = model.probe
+    start = time.perf_counter()
+    prefix = probe.prefix(list(prefix_ids), max(store.layers))
+    todo = sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
+    bar = tqdm(total=todo, desc=desc, unit="token", unit_scale=True, disable=not progress, leave=False)
+    with torch.no_grad():
+        for chunk in pending:
+            lo, hi = store.chunk_range(chunk)
+            states = probe.continuation(prefix, token_ids=torch.arange(lo, hi), layers=store.layers)
+            assert isinstance(states, dict)
+            store.write_chunk(chunk, {layer: s.float().cpu().numpy() for layer, s in states.items()})
+            bar.update(hi - lo)
+    bar.close()
+    seconds = time.perf_counter() - start
+    log.info("encoded %d continuations of a %d-token prefix in %.1f s", todo, len(prefix_ids), seconds)
+    return seconds

@@ -1,0 +1,408 @@
+"""Exact minimum pairwise L2 distance over N vectors, blocked so that the N×N matrix never exists.
+
+Algorithm (one pass over the upper triangle):
+
+1. Centre the vectors on their float64 mean (distances are translation invariant; this shrinks the norms that
+   the rounding error is proportional to) and round them to float32: ``a_i``. Build two operands with one
+   augmented column, ``P_i = [a_i, fl32(‖a_i‖²)]`` and ``Q_j = [-2 a_j, 1]``, and a bias ``fl32(‖a_j‖²)``.
+2. For each tile (rows ``R``, columns ``C`` of the upper triangle) one fused ``torch.addmm(bias, P, Qᵀ)`` gives
+   every squared distance of the tile; two ``amin`` reductions update each vector's nearest-neighbour value.
+   Nothing else touches the whole tile, so the GEMM dominates.
+3. Exactness: :mod:`.bounds` bounds the rounding error of every computed value. A running set of exactly
+   measured pairs gives ``τ``, the k-th smallest exact squared distance so far; with ``T = max(τ, threshold²)``
+   a row of a tile can hold a pair with exact squared distance <= T only if its row minimum is under the
+   rigorous cutoff. Only such rows are scanned; their pairs under the cutoff are re-measured in float64
+   from the input vectors themselves (``Σ (x_ik - x_jk)²``). Since τ only decreases, one pass suffices: every
+   pair among the k closest, and every pair under the threshold, is measured exactly and counted once.
+
+The nearest-neighbour distance of each vector is exact (float64) whenever it is at most ``√τ`` at the end
+(those pairs were all measured); otherwise it is the float32 GEMM value, within the bound reported in the
+stats, and never below ``√τ``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import LminvertError
+from . import bounds
+
+log = logging.getLogger(__name__)
+
+ArrayLike = np.ndarray | torch.Tensor
+
+DEFAULT_TILE_ROWS = 1024
+DEFAULT_TILE_COLS = 4096
+_EXACT_CHUNK = 8192  # pairs re-measured per float64 batch
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two vectors (indices ``i < j``) and their exact float64 distance."""
+
+    i: int
+    j: int
+    distance: float
+
+
+@dataclass(frozen=True)
+class SearchStats:
+    """How the search ran: sizes, work and time."""
+
+    n: int
+    d: int
+    n_pairs: int
+    tile_rows: int
+    tile_cols: int
+    n_tiles: int
+    n_tiles_scanned: int  # tiles whose row minima fell under the cutoff
+    n_exact: int  # pairs re-measured in float64
+    seconds: float
+    prepare_seconds: float
+    gemm_seconds: float
+    reduce_seconds: float
+    exact_seconds: float
+    max_sq_error_bound: float  # largest GEMM error bound on a squared distance (squared units)
+    mean_norm: float  # mean norm of the centred vectors
+    max_norm: float  # largest norm of the centred vectors
+    offset_norm: float  # norm of the mean that was subtracted
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.n_pairs / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def pair_flops(self) -> float:
+        """Useful floating-point work: 2·d flops per pair (the dot product a GEMM must do for it)."""
+        return 2.0 * self.d * self.n_pairs
+
+
+@dataclass(frozen=True, eq=False)
+class SearchResult:
+    """Exact minimum, k closest pairs, threshold count and nearest-neighbour distances of N vectors."""
+
+    min_distance: float
+    closest: tuple[Pair, ...]
+    n_below_threshold: int
+    threshold: float
+    nn_distance: np.ndarray = field(repr=False)  # [N] float64
+    nn_exact: np.ndarray = field(repr=False)  # [N] bool: nn_distance is a float64 measurement
+    stats: SearchStats
+
+    @property
+    def nn_error_bound(self) -> float:
+        """Bound on |reported - exact| for the nearest-neighbour distances that are not exact (distance units)."""
+        stats = self.stats
+        return math.sqrt(stats.max_sq_error_bound) + float(bounds.cast_error_bound(stats.max_norm, stats.max_norm))
+
+
+def exact_sq_distances(x: ArrayLike, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """``Σ_k (x_ik - x_jk)²`` in float64, from the vectors themselves (float32 inputs are widened exactly)."""
+    out = np.empty(len(i), dtype=np.float64)
+    for start in range(0, len(i), _EXACT_CHUNK):
+        stop = start + _EXACT_CHUNK
+        a = _rows64(x, i[start:stop])
+        b = _rows64(x, j[start:stop])
+        diff = a - b
+        out[start:stop] = np.einsum("ij,ij->i", diff, diff)
+    return out
+
+
+def _rows64(x: ArrayLike, index: np.ndarray) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x[torch.from_numpy(np.asarray(index, dtype=np.int64))].double().numpy()
+    return np.asarray(x[np.asarray(index, dtype=np.int64)], dtype=np.float64)
+
+
+def _check_input(x: ArrayLike) -> tuple[int, int]:
+    if x.ndim != 2:
+        raise LminvertError(f"expected a [N, d] array of vectors, got shape {list(x.shape)}")
+    n, d = int(x.shape[0]), int(x.shape[1])
+    if n < 2:
+        raise LminvertError(f"need at least 2 vectors to compare, got {n}")
+    if d < 1:
+        raise LminvertError("vectors have dimension 0")
+    dtype = str(x.dtype).replace("torch.", "")
+    if dtype not in ("float32", "float64"):
+        raise LminvertError(f"vectors must be float32 or float64, got {dtype}")
+    return n, d
+
+
+def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+@dataclass
+class _Operands:
+    P: torch.Tensor  # [N, d+1] float32: [a, fl32(|a|²)]
+    Q: torch.Tensor  # [N, d+1] float32: [-2a, 1]
+    bias: torch.Tensor  # [N] float32: fl32(|a|²)
+    norm: torch.Tensor  # [N] float64: |a| (of the float32 vectors)
+    offset_norm: float
+
+
+def _as_tensor(x: ArrayLike) -> torch.Tensor:
+    """A zero-copy torch view of ``x`` where possible (numpy arrays and memmaps included)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    return torch.from_numpy(np.asarray(x))
+
+
+def _prepare(x: ArrayLike, chunk: int = 8192) -> _Operands:
+    """Centre on the mean (held in the input dtype: any translation will do), round once to float32."""
+    xt = _as_tensor(x)
+    n, d = xt.shape
+    mean = xt.mean(dim=0)  # in the input dtype, so ``x - mean`` below rounds once
+    P = torch.empty(n, d + 1, dtype=torch.float32)
+    Q = torch.empty(n, d + 1, dtype=torch.float32)
+    sq = np.empty(n, dtype=np.float64)
+    P_np = P.numpy()
+    for start, stop in _chunks(n, chunk):
+        if xt.dtype == torch.float32:
+            torch.sub(xt[start:stop], mean, out=P[start:stop, :d])
+        else:
+            P[start:stop, :d] = (xt[start:stop] - mean).float()
+        a = P_np[start:stop, :d]
+        sq[start:stop] = np.einsum("ij,ij->i", a, a, dtype=np.float64)
+        torch.mul(P[start:stop, :d], -2.0, out=Q[start:stop, :d])
+    if not np.isfinite(sq).all():  # NaN/inf anywhere in x reaches the mean or the row's norm
+        raise LminvertError("vectors contain NaN or inf (or are too large for float32 after centring): check the input")
+    if float(sq.max()) >= 1e36:
+        raise LminvertError("vectors are too large for float32 squared distances (norm > 1e18): rescale them first")
+    sq_t = torch.from_numpy(sq)
+    P[:, d] = sq_t.float()
+    Q[:, d] = 1.0
+    return _Operands(P, Q, P[:, d].clone(), sq_t.sqrt(), float(mean.double().norm()))
+
+
+@contextlib.contextmanager
+def ieee_float32_matmul() -> Iterator[None]:
+    """Make sure float32 GEMMs really run in float32 (no TF32 / bf16 shortcuts that void the bound)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class _Best:
+    """Exactly measured pairs that can still be among the k closest; the running τ; the threshold count."""
+
+    def __init__(self, k: int, threshold: float, max_keep: int) -> None:
+        self.k = k
+        self.thr_sq = threshold * threshold
+        self.threshold = threshold
+        self.max_keep = max(max_keep, k)
+        self.i = np.empty(0, dtype=np.int64)
+        self.j = np.empty(0, dtype=np.int64)
+        self.d2 = np.empty(0, dtype=np.float64)
+        self.n_below = 0
+        self.n_exact = 0
+
+    @property
+    def tau(self) -> float:
+        return float(self.d2.max()) if len(self.d2) >= self.k else math.inf
+
+    @property
+    def cutoff(self) -> float:
+        return max(self.tau, self.thr_sq)
+
+    def add(self, i: np.ndarray, j: np.ndarray, d2: np.ndarray, count: bool = True) -> None:
+        if count:
+            self.n_exact += len(d2)
+            self.n_below += int(np.count_nonzero(np.sqrt(d2) < self.threshold))
+        self.i = np.concatenate([self.i, i])
+        self.j = np.concatenate([self.j, j])
+        self.d2 = np.concatenate([self.d2, d2])
+        if len(self.d2) > self.k:
+            tau = np.partition(self.d2, self.k - 1)[self.k - 1]
+            keep = self.d2 <= tau
+            if keep.sum() > self.max_keep:  # exact ties at tau: keep the first max_keep by (d2, i, j)
+                order = np.lexsort((self.j, self.i, self.d2))[: self.max_keep]
+                keep = np.zeros(len(self.d2), dtype=bool)
+                keep[order] = True
+            self.i, self.j, self.d2 = self.i[keep], self.j[keep], self.d2[keep]
+
+    def tau_with(self, d2: np.ndarray) -> float:
+        """τ if ``d2`` were added (without adding them)."""
+        both = np.concatenate([self.d2, d2])
+        return float(np.partition(both, self.k - 1)[self.k - 1]) if len(both) >= self.k else math.inf
+
+    def sorted_pairs(self) -> list[Pair]:
+        order = np.lexsort((self.j, self.i, self.d2))
+        return [Pair(int(self.i[o]), int(self.j[o]), math.sqrt(float(self.d2[o]))) for o in order]
+
+
+def pairwise_min(
+    x: ArrayLike,
+    k: int = 10,
+    threshold: float = 1e-6,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+    tile_cols: int = DEFAULT_TILE_COLS,
+    progress: bool = False,
+    desc: str = "pairs",
+) -> SearchResult:
+    """Exact minimum distance, the ``k`` closest pairs and the count of pairs closer than ``threshold``.
+
+    ``x`` is ``[N, d]`` (float32 or float64; numpy, memmap or torch). Exact means: equal to a float64
+    brute force ``Σ_k (x_ik - x_jk)²`` over all N(N-1)/2 pairs, whatever the rounding of the float32 GEMM.
+    """
+    n, d = _check_input(x)
+    if k < 1:
+        raise LminvertError("k must be at least 1")
+    if not threshold >= 0:
+        raise LminvertError("the collision threshold must be a non-negative number")
+    rows = max(1, int(tile_rows))
+    cols = max(rows, int(tile_cols))  # the diagonal square must fit in the first column chunk
+    n_pairs = n * (n - 1) // 2
+    start = time.perf_counter()
+    with ieee_float32_matmul(), torch.no_grad():
+        ops = _prepare(x)
+        prepared = time.perf_counter()
+        best = _Best(k, threshold, max_keep=max(4 * k, 1024))
+        nn_sq = torch.full((n,), math.inf, dtype=torch.float32)
+        tril = torch.ones(min(rows, n), min(rows, n), dtype=torch.bool).tril()
+        buffers: dict[tuple[int, int], torch.Tensor] = {}
+        t_gemm = t_reduce = t_exact = 0.0
+        n_tiles = n_scanned = 0
+        max_bound = 0.0
+        bar = tqdm(total=n_pairs, desc=desc, unit="pair", unit_scale=True, disable=not progress, leave=False)
+        for r0, r1 in _chunks(n - 1, rows):
+            row_ops = ops.P[r0:r1]
+            row_norm = ops.norm[r0:r1]
+            for c0 in range(r0, n, cols):
+                c1 = min(c0 + cols, n)
+                shape = (r1 - r0, c1 - c0)
+                tile = buffers.get(shape)
+                if tile is None:
+                    tile = buffers[shape] = torch.empty(shape, dtype=torch.float32)
+                t0 = time.perf_counter()
+                torch.addmm(ops.bias[c0:c1].unsqueeze(0), row_ops, ops.Q[c0:c1].T, out=tile)
+                t1 = time.perf_counter()
+                if c0 == r0:  # the diagonal square: keep only j > i
+                    side = min(r1, c1) - r0
+                    tile[:, :side].masked_fill_(tril[: r1 - r0, :side], math.inf)
+                row_min = tile.amin(dim=1)
+                col_min = tile.amin(dim=0)
+                torch.minimum(nn_sq[r0:r1], row_min, out=nn_sq[r0:r1])
+                torch.minimum(nn_sq[c0:c1], col_min, out=nn_sq[c0:c1])
+                t2 = time.perf_counter()
+                col_norm_max = float(ops.norm[c0:c1].max())
+                max_bound = max(max_bound, float(bounds.sq_error_bound(float(row_norm.max()), col_norm_max, d)))
+                masked = shape[0] * (shape[0] + 1) // 2 if c0 == r0 else 0
+                valid = shape[0] * shape[1] - masked
+                scanned = _exact_pass(x, tile, valid, r0, c0, row_min, row_norm, col_norm_max, ops.norm, best, d)
+                t3 = time.perf_counter()
+                n_tiles += 1
+                n_scanned += int(scanned)
+                t_gemm += t1 - t0
+                t_reduce += t2 - t1
+                t_exact += t3 - t2
+                bar.update(valid)
+        bar.close()
+        nn_distance, nn_exact = _nearest(nn_sq.double().numpy(), best, n)
+    seconds = time.perf_counter() - start
+    closest = best.sorted_pairs()[:k]
+    stats = SearchStats(
+        n=n,
+        d=d,
+        n_pairs=n_pairs,
+        tile_rows=rows,
+        tile_cols=cols,
+        n_tiles=n_tiles,
+        n_tiles_scanned=n_scanned,
+        n_exact=best.n_exact,
+        seconds=seconds,
+        prepare_seconds=prepared - start,
+        gemm_seconds=t_gemm,
+        reduce_seconds=t_reduce,
+        exact_seconds=t_exact,
+        max_sq_error_bound=max_bound,
+        mean_norm=float(ops.norm.mean()),
+        max_norm=float(ops.norm.max()),
+        offset_norm=ops.offset_norm,
+    )
+    log.info(
+        "%d vectors (d=%d): min %.6g, %d below %.3g; %.3g pairs/s, %d pairs re-measured in float64",
+        n,
+        d,
+        closest[0].distance,
+        best.n_below,
+        threshold,
+        stats.pairs_per_second,
+        best.n_exact,
+    )
+    return SearchResult(
+        min_distance=closest[0].distance,
+        closest=tuple(closest),
+        n_below_threshold=best.n_below,
+        threshold=threshold,
+        nn_distance=nn_distance,
+        nn_exact=nn_exact,
+        stats=stats,
+    )
+
+
+def _exact_pass(
+    x: ArrayLike,
+    tile: torch.Tensor,
+    valid: int,
+    r0: int,
+    c0: int,
+    row_min: torch.Tensor,
+    row_norm: torch.Tensor,
+    col_norm_max: float,
+    norm: torch.Tensor,
+    best: _Best,
+    d: int,
+) -> bool:
+    """Re-measure in float64 every pair of the tile that could be among the k closest or under the threshold."""
+    cutoff = best.cutoff
+    if math.isinf(cutoff):  # fewer than k pairs known: measure this tile's k smallest to get a finite τ
+        count = min(best.k, valid)  # the masked (lower-triangle) entries are +inf and sort last
+        if count:
+            idx = torch.topk(tile.view(-1), count, largest=False).indices.numpy()
+            i, j = r0 + idx // tile.shape[1], c0 + idx % tile.shape[1]
+            cutoff = max(best.tau_with(exact_sq_distances(x, i, j)), best.thr_sq)
+    row_cut = bounds.candidate_cutoff(cutoff, row_norm, col_norm_max, d)
+    hit = torch.nonzero(row_min.double() <= row_cut).flatten()
+    if hit.numel() == 0:
+        return False
+    sub = tile.index_select(0, hit)
+    within = (sub.double() <= row_cut[hit].unsqueeze(1)) & torch.isfinite(sub)
+    ri, cj = torch.nonzero(within, as_tuple=True)
+    i = (r0 + hit[ri]).numpy()
+    j = (c0 + cj).numpy()
+    # a tighter, per-pair cutoff using both norms (the row cutoff used the tile's largest column norm)
+    pair_cut = bounds.candidate_cutoff(cutoff, norm[i], norm[j], d)
+    keep = (sub[ri, cj].double() <= pair_cut).numpy()
+    i, j = i[keep], j[keep]
+    if len(i):
+        best.add(i, j, exact_sq_distances(x, i, j))
+    return True
+
+
+def _nearest(nn_sq: np.ndarray, best: _Best, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-vector nearest-neighbour distance: exact where the pair was measured, else the GEMM value."""
+    tau = best.tau
+    exact = np.zeros(n, dtype=bool)
+    exact_sq = np.full(n, math.inf)
+    for a, b, v in zip(best.i, best.j, best.d2, strict=True):
+        exact[a] = exact[b] = True
+        exact_sq[a] = min(exact_sq[a], v)
+        exact_sq[b] = min(exact_sq[b], v)
+    # a vector in no kept pair has every pair above τ (or tied at τ): its exact NN is at least √τ
+    approx = np.maximum(nn_sq, tau if math.isfinite(tau) else 0.0)
+    value = np.where(exact, exact_sq, approx)
+    return np.sqrt(np.maximum(value, 0.0)), exact

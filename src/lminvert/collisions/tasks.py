@@ -1,0 +1,109 @@
+"""One unit of search work: the exact pairwise search of one layer's stored states, saved to disk.
+
+A task is a small picklable record (paths and settings), so an executor can run it in this process or on a
+Ray worker that sees the same filesystem. A task whose outputs exist is not run again (resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .search import pairwise_min
+from .store import read_json, write_json
+from .summary import log_histogram, pair_sample, quantiles
+from .throughput import matmul_flops, median
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerTask:
+    """Search ``states_path`` (an ``[N, d]`` float32 .npy); write ``out_json`` and the NN distances ``out_nn``."""
+
+    states_path: str
+    layer: int
+    out_json: str
+    out_nn: str
+    k: int = 10
+    threshold: float = 1e-6
+    tile_rows: int = 1024
+    tile_cols: int = 4096
+    seed: int = 0
+    progress: bool = True
+    desc: str = "pairs"
+    matmul_reps: int = 3
+    pair_sample_size: int = 100_000
+
+
+def run_layer_task(task: LayerTask) -> dict[str, Any]:
+    """Run (or load, if done before) one layer's search; return its JSON summary."""
+    out_json, out_nn = Path(task.out_json), Path(task.out_nn)
+    if out_json.exists() and out_nn.exists():
+        log.info("layer %d: search already done, loading %s", task.layer, out_json)
+        return read_json(out_json)
+    x = np.load(task.states_path)
+    n, d = x.shape
+    rows, cols = min(task.tile_rows, n), min(max(task.tile_cols, task.tile_rows), n)
+    before = matmul_flops(rows, cols, d, reps=task.matmul_reps)
+    result = pairwise_min(
+        x,
+        k=task.k,
+        threshold=task.threshold,
+        tile_rows=task.tile_rows,
+        tile_cols=task.tile_cols,
+        progress=task.progress,
+        desc=task.desc,
+    )
+    after = matmul_flops(rows, cols, d, reps=task.matmul_reps)
+    stats = result.stats
+    reference = median(before + after)
+    achieved = stats.pair_flops / stats.seconds
+    summary = {
+        "layer": task.layer,
+        "n": n,
+        "d": d,
+        "n_pairs": stats.n_pairs,
+        "min_distance": result.min_distance,
+        "closest": [[p.i, p.j, p.distance] for p in result.closest],
+        "n_below_threshold": result.n_below_threshold,
+        "threshold": result.threshold,
+        "nn_quantiles": quantiles(result.nn_distance),
+        "nn_histogram": log_histogram(result.nn_distance),
+        "nn_exact_count": int(result.nn_exact.sum()),
+        "nn_error_bound": result.nn_error_bound,
+        "pair_sample": pair_sample(x, size=min(task.pair_sample_size, max(1000, stats.n_pairs)), seed=task.seed),
+        "search": {
+            "seconds": stats.seconds,
+            "prepare_seconds": stats.prepare_seconds,
+            "gemm_seconds": stats.gemm_seconds,
+            "reduce_seconds": stats.reduce_seconds,
+            "exact_seconds": stats.exact_seconds,
+            "pairs_per_second": stats.pairs_per_second,
+            "pair_flops": stats.pair_flops,
+            "achieved_flops_per_second": achieved,
+            "matmul_flops_per_second": reference,
+            "matmul_samples": before + after,
+            "matmul_shape": [rows, d, cols],
+            "matmul_fraction": achieved / reference,
+            "n_exact": stats.n_exact,
+            "n_tiles": stats.n_tiles,
+            "n_tiles_scanned": stats.n_tiles_scanned,
+            "tile_rows": stats.tile_rows,
+            "tile_cols": stats.tile_cols,
+            "max_sq_error_bound": stats.max_sq_error_bound,
+            "mean_norm": stats.mean_norm,
+            "max_norm": stats.max_norm,
+            "offset_norm": stats.offset_norm,
+        },
+    }
+    tmp = out_nn.with_name(out_nn.name + ".tmp.npy")
+    np.save(tmp, result.nn_distance)
+    os.replace(tmp, out_nn)
+    write_json(out_json, summary)
+    return summary
