@@ -4,7 +4,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .collisions import exhaustive_test, find_collisions, pairwise_min
 from .errors import LminvertError
 from .models import DEFAULT_MODEL, LayerProbe, LoadedModel, load_model
 
 __all__ = ["DEFAULT_MODEL", "LayerProbe", "LminvertError", "LoadedModel", "__version__", "load_model"]
+__all__ += ["exhaustive_test", "find_collisions", "pairwise_min"]

@@ -75,7 +75,7 @@ def encode_prompts(
         return 0.0
     start = time.perf_counter()
     todo = sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
-    bar = tqdm(total=todo, desc="encoding", unit="prompt", disable=not progress, leave=False)
+    bar = tqdm(total=todo, desc="encoding", unit="prompt", disable=None if progress else True, leave=False)
     for chunk in pending:
         lo, hi = store.chunk_range(chunk)
         store.write_chunk(chunk, last_token_states(model, ids[lo:hi], store.layers, batch_tokens))
@@ -104,7 +104,7 @@ def encode_continuations(
     start = time.perf_counter()
     prefix = probe.prefix(list(prefix_ids), max(store.layers))
     todo = sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
-    bar = tqdm(total=todo, desc=desc, unit="token", unit_scale=True, disable=not progress, leave=False)
+    bar = tqdm(total=todo, desc=desc, unit="token", unit_scale=True, disable=None if progress else True, leave=False)
     with torch.no_grad():
         for chunk in pending:
             lo, hi = store.chunk_range(chunk)

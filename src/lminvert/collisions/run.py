@@ -261,12 +261,16 @@ def demo_run(
     seed: int = 0,
     progress: bool = False,
 ) -> CollisionDemo:
-    """A small collision search for ``lminvert demo`` (prints nothing; logs). Layers beyond the model are dropped."""
+    """A small collision search for ``lminvert demo`` (prints nothing; logs).
+
+    If the model lacks some of ``layers``, layers 1, L/2 and L are searched instead.
+    """
     loaded = _model(model)
     top = loaded.probe.n_layers
-    wanted = [x for x in (layers or ()) if isinstance(x, str) or -top <= int(x) <= top]
-    if not wanted:
+    wanted: list[int | str] = [x for x in (layers or ()) if isinstance(x, str) or -top <= int(x) <= top]
+    if not layers or len(wanted) < len(layers):
         wanted = sorted({1, max(1, top // 2), top})
+        log.info("%s has %d layers: the demo searches layers %s", loaded.name, top, wanted)
     results = find_collisions(
         loaded,
         corpus=corpus,

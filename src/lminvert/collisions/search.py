@@ -277,7 +277,9 @@ def pairwise_min(
         t_gemm = t_reduce = t_exact = 0.0
         n_tiles = n_scanned = 0
         max_bound = 0.0
-        bar = tqdm(total=n_pairs, desc=desc, unit="pair", unit_scale=True, disable=not progress, leave=False)
+        bar = tqdm(
+            total=n_pairs, desc=desc, unit="pair", unit_scale=True, disable=None if progress else True, leave=False
+        )
         for r0, r1 in _chunks(n - 1, rows):
             row_ops = ops.P[r0:r1]
             row_norm = ops.norm[r0:r1]

@@ -1,0 +1,194 @@
+"""End to end on tiny random models: planted collisions, resume after an interruption, outputs, the exhaustive test."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import lminvert
+from lminvert.collisions import demo_run, exhaustive_test, find_collisions
+from lminvert.collisions import run as run_module
+from lminvert.collisions.store import StateStore
+from lminvert.errors import LminvertError
+from lminvert.models import LoadedModel
+
+WORDS = [" cat", " dog", " cow", " pig", " hen", " fox", " owl", " bee"]
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """tiny-llama (its own seed) where the tokens ' cat' and ' dog' share one embedding row."""
+    model = lminvert.load_model("tiny-llama", seed=7)
+    tok = model.tokenizer
+    cat, dog = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" cat", " dog"))
+    with torch.no_grad():
+        model.probe.embedding.weight[dog] = model.probe.embedding.weight[cat]
+    return model
+
+
+def _animal_corpus(path):
+    lines = [f'{{"text": "the quick{w}"}}' for w in WORDS] + [f'{{"text": "a lazy{w} sat"}}' for w in WORDS]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_planted_collision_is_found_at_distance_zero(planted, tmp_path):
+    corpus = _animal_corpus(tmp_path / "animals.jsonl")
+    results = find_collisions(planted, corpus=corpus, n_prompts=16, layers="all", max_tokens=16, out=tmp_path / "run")
+    assert results.n_prompts == 16  # all distinct windows (the whole short documents)
+    for name, layer in results.layers.items():
+        assert layer.min_distance == 0.0, name
+        # "the quick cat"/"the quick dog" and "a lazy cat sat"/"a lazy dog sat": identical states, distinct ids
+        assert layer.n_below_threshold == 2
+        pairs = {frozenset((p.a_text, p.b_text)) for p in layer.closest_pairs[:2]}
+        assert pairs == {frozenset(("the quick cat", "the quick dog")), frozenset(("a lazy cat sat", "a lazy dog sat"))}
+        assert all(p.a_ids != p.b_ids and p.distance == 0.0 for p in layer.closest_pairs[:2])
+        assert layer.closest_pairs[2].distance > 1e-3  # every other pair is far from a collision
+    doc = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert doc["layers"]["1"]["n_below_threshold"] == 2
+
+
+def test_results_files_and_schema(tmp_path):
+    model = lminvert.load_model("tiny-gpt2")
+    results = find_collisions(model, corpus="prose", n_prompts=80, layers=[1, 2], max_tokens=8, out=tmp_path, k=5)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    for key in ("model", "n_prompts", "n_pairs", "layers", "pairs_per_second", "matmul_fraction", "config", "versions"):
+        assert key in doc
+    assert doc["n_pairs"] == 80 * 79 // 2 and set(doc["layers"]) == {"1", "2"}
+    layer = doc["layers"]["2"]
+    assert {"min_distance", "closest_pairs", "n_below_threshold", "nn_quantiles"} <= set(layer)
+    assert len(layer["closest_pairs"]) == 5
+    assert set(layer["closest_pairs"][0]) >= {"a_ids", "b_ids", "a_text", "b_text", "distance"}
+    assert layer["nn_quantiles"]["0"] == pytest.approx(layer["min_distance"])
+    assert sum(layer["nn_histogram"]["counts"]) + layer["nn_histogram"]["zeros"] == 80
+    assert doc["config"]["seed"] == 0 and doc["versions"]["torch"] == torch.__version__
+    assert doc["memory_peak_mb"] > 0 and doc["layers"]["1"]["search"]["matmul_fraction"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| layer | min distance" in table and f"{results.layers['1'].min_distance:.4g}" in table
+    assert (tmp_path / "nn_distances.png").stat().st_size > 10_000
+    states = np.load(tmp_path / "states" / "layer_002.npy")
+    ids = [tuple(p["a_ids"]) for p in layer["closest_pairs"][:1]] + [tuple(layer["closest_pairs"][0]["b_ids"])]
+    direct = [model.probe.states(torch.tensor([i]), 2)[2][0, -1].numpy() for i in ids]
+    distance = float(np.linalg.norm(direct[0].astype(np.float64) - direct[1]))
+    assert distance == pytest.approx(layer["min_distance"], rel=1e-3)  # the stored states are the last tokens'
+    assert states.shape == (80, 64)
+
+
+def _summary(doc: dict) -> dict:
+    keep = ("min_distance", "closest_pairs", "n_below_threshold", "nn_quantiles", "nn_histogram", "nn_exact_count")
+    return {name: {k: layer[k] for k in keep} for name, layer in doc["layers"].items()}
+
+
+def test_resume_after_interruptions_gives_the_same_results(tmp_path, monkeypatch):
+    model = lminvert.load_model("tiny-qwen2")
+    kwargs = dict(corpus="mixed", n_prompts=120, layers="all", max_tokens=10, chunk_size=32, figure=False)
+    reference = find_collisions(model, out=tmp_path / "straight", **kwargs)
+
+    original_write = StateStore.write_chunk
+    calls = {"n": 0}
+
+    def interrupted_write(self, chunk, rows):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        original_write(self, chunk, rows)
+
+    monkeypatch.setattr(StateStore, "write_chunk", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        find_collisions(model, out=tmp_path / "resumed", **kwargs)
+    monkeypatch.setattr(StateStore, "write_chunk", original_write)
+    progress = json.loads((tmp_path / "resumed" / "states" / "progress.json").read_text())
+    assert progress["done"] == [0, 1]
+
+    original_task = run_module.run_layer_task
+    written = []
+
+    def counting_write(self, chunk, rows):
+        written.append(chunk)
+        original_write(self, chunk, rows)
+
+    def interrupted_task(task):
+        if task.layer == 2:
+            raise KeyboardInterrupt
+        return original_task(task)
+
+    monkeypatch.setattr(StateStore, "write_chunk", counting_write)
+    monkeypatch.setattr(run_module, "run_layer_task", interrupted_task)
+    with pytest.raises(KeyboardInterrupt):
+        find_collisions(model, out=tmp_path / "resumed", **kwargs)
+    assert written == [2, 3]  # only the chunks the first attempt had not finished
+    saved = json.loads((tmp_path / "resumed" / "search" / "layer_001.json").read_text())
+
+    monkeypatch.setattr(run_module, "run_layer_task", original_task)
+    resumed = find_collisions(model, out=tmp_path / "resumed", **kwargs)
+    assert written == [2, 3] and resumed.to_dict()["timings"]["encoding_seconds"] == 0.0
+    again = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert again["layers"]["1"]["search"] == saved["search"]  # layer 1 was loaded, not searched again
+    straight = json.loads((tmp_path / "straight" / "results.json").read_text())
+    assert _summary(again) == _summary(straight)
+    assert resumed.min_distances == reference.min_distances
+    assert (tmp_path / "resumed" / "prompts.jsonl").read_text() == (tmp_path / "straight" / "prompts.jsonl").read_text()
+    for layer in (1, 2):
+        name = f"layer_{layer:03d}.npy"
+        assert np.array_equal(
+            np.load(tmp_path / "resumed" / "states" / name), np.load(tmp_path / "straight" / "states" / name)
+        )
+
+
+def test_a_different_run_in_the_same_directory_is_refused(tmp_path):
+    model = lminvert.load_model("tiny-llama")
+    find_collisions(model, corpus="prose", n_prompts=20, layers=[1], max_tokens=6, out=tmp_path, figure=False)
+    with pytest.raises(LminvertError, match="different collision run"):
+        find_collisions(model, corpus="prose", n_prompts=20, layers=[1], max_tokens=6, out=tmp_path, seed=1)
+
+
+def test_demo_run_returns_table_and_figure(tmp_path):
+    demo = demo_run("tiny-gemma3", tmp_path, n_prompts=40, layers=(1, 15, 30))
+    assert list(demo.results.layers) == ["1", "2"]  # layers beyond the model's 2 are dropped
+    assert demo.table.read_text().startswith("# Collision search")
+    assert demo.figure.suffix == ".png" and demo.figure.exists()
+
+
+@pytest.fixture(scope="module")
+def small_vocab() -> LoadedModel:
+    """A random Llama with a 300-token vocabulary (no tokenizer), tokens 5 and 9 sharing an embedding row."""
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[9] = model.get_input_embeddings().weight[5]
+    return LoadedModel(name="small-vocab", model=model, tokenizer=None, weights_hash="test")
+
+
+def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, tmp_path):
+    results = exhaustive_test(small_vocab, [[1, 2, 3], [7]], layers="all", out=tmp_path, batch_size=64)
+    assert results.n_pairs == 300 * 299 // 2 and len(results.prefixes) == 2
+    for prefix in results.prefixes:
+        for name, layer in prefix.layers.items():
+            best = layer.closest_pairs[0]
+            assert (best.a_index, best.b_index, best.distance) == (5, 9, 0.0), name
+            assert layer.n_below_threshold == 1
+    # the search over stored continuation states equals a float64 brute force on the same states
+    states = np.load(tmp_path / "prefix_000" / "states" / "layer_002.npy").astype(np.float64)
+    d2 = ((states[:, None] - states[None]) ** 2).sum(-1)
+    d2[np.tril_indices(300)] = np.inf
+    d2[5, 9] = np.inf  # the planted pair aside, the next closest must agree
+    second = results.prefixes[0].layers["2"].closest_pairs[1].distance
+    assert second == pytest.approx(np.sqrt(d2.min()), rel=1e-12)
+    # and the stored states are what a full forward gives for prefix + token
+    full = small_vocab.probe.states(torch.tensor([[1, 2, 3, 42]]), 2)[2][0, -1].numpy()
+    np.testing.assert_allclose(states[42], full, rtol=1e-4, atol=1e-5)
+    assert results.layers["3"]["n_below_threshold"] == 2  # summed over the two prefixes
+    assert (tmp_path / "results.md").exists() and (tmp_path / "nn_distances.png").exists()
