@@ -103,7 +103,16 @@ def layer_result(summary: dict[str, Any], ids: list[tuple[int, ...]], texts: lis
         ClosePair(int(i), int(j), ids[int(i)], ids[int(j)], texts[int(i)], texts[int(j)], float(dist))
         for i, j, dist in summary["closest"]
     )
-    keep = ("n_pairs", "threshold", "nn_histogram", "nn_exact_count", "nn_error_bound", "pair_sample", "search")
+    keep = (
+        "n_pairs",
+        "threshold",
+        "nn_histogram",
+        "nn_exact_count",
+        "nn_error_bound",
+        "nn_spot_check",
+        "pair_sample",
+        "search",
+    )
     return LayerResult(
         layer=str(summary["layer"]),
         min_distance=float(summary["min_distance"]),

@@ -16,7 +16,7 @@ import numpy as np
 
 from .search import pairwise_min
 from .store import read_json, write_json
-from .summary import log_histogram, pair_sample, quantiles
+from .summary import log_histogram, nn_spot_check, pair_sample, quantiles
 from .throughput import matmul_flops, median
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
         "nn_histogram": log_histogram(result.nn_distance),
         "nn_exact_count": int(result.nn_exact.sum()),
         "nn_error_bound": result.nn_error_bound,
+        "nn_spot_check": nn_spot_check(x, result.nn_distance, seed=task.seed),
         "pair_sample": pair_sample(x, size=min(task.pair_sample_size, max(1000, stats.n_pairs)), seed=task.seed),
         "search": {
             "seconds": stats.seconds,

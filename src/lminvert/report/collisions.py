@@ -16,7 +16,7 @@ def plot_nn_distances(
     path: str | Path,
     threshold: float | None = None,
     title: str = "",
-    xlabel: str = "layer",
+    xlabel: str = "layer (boxes: 25-75% of prompts, whiskers: 1-99%)",
 ) -> Path:
     """Box plot per layer (whiskers 1%-99%, box 25%-75%, median) on a log axis; exact minima as red marks.
 
