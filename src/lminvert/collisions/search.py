@@ -271,8 +271,9 @@ def pairwise_min(
         ops = _prepare(x)
         prepared = time.perf_counter()
         best = _Best(k, threshold, max_keep=max(4 * k, 1024))
-        nn_sq = torch.full((n,), math.inf, dtype=torch.float32)
-        tril = torch.ones(min(rows, n), min(rows, n), dtype=torch.bool).tril()
+        norm = ops.norm.numpy()
+        nn_sq = np.full(n, np.inf, dtype=np.float32)
+        tril = np.tri(min(rows, n), dtype=bool)  # lower triangle with the diagonal: pairs j <= i
         buffers: dict[tuple[int, int], torch.Tensor] = {}
         t_gemm = t_reduce = t_exact = 0.0
         n_tiles = n_scanned = 0
@@ -282,7 +283,7 @@ def pairwise_min(
         )
         for r0, r1 in _chunks(n - 1, rows):
             row_ops = ops.P[r0:r1]
-            row_norm = ops.norm[r0:r1]
+            row_norm = norm[r0:r1]
             for c0 in range(r0, n, cols):
                 c1 = min(c0 + cols, n)
                 shape = (r1 - r0, c1 - c0)
@@ -292,19 +293,23 @@ def pairwise_min(
                 t0 = time.perf_counter()
                 torch.addmm(ops.bias[c0:c1].unsqueeze(0), row_ops, ops.Q[c0:c1].T, out=tile)
                 t1 = time.perf_counter()
+                # The reductions run in numpy, single-threaded: streaming over a cache-resident tile is
+                # memory-bound, and short OpenMP regions stall whenever a core is busy elsewhere.
+                values = tile.numpy()
+                masked = 0
                 if c0 == r0:  # the diagonal square: keep only j > i
-                    side = min(r1, c1) - r0
-                    tile[:, :side].masked_fill_(tril[: r1 - r0, :side], math.inf)
-                row_min = tile.amin(dim=1)
-                col_min = tile.amin(dim=0)
-                torch.minimum(nn_sq[r0:r1], row_min, out=nn_sq[r0:r1])
-                torch.minimum(nn_sq[c0:c1], col_min, out=nn_sq[c0:c1])
+                    side = r1 - r0
+                    np.putmask(values[:, :side], tril[:side, :side], np.inf)
+                    masked = side * (side + 1) // 2
+                row_min = values.min(axis=1)
+                col_min = values.min(axis=0)
+                np.minimum(nn_sq[r0:r1], row_min, out=nn_sq[r0:r1])
+                np.minimum(nn_sq[c0:c1], col_min, out=nn_sq[c0:c1])
                 t2 = time.perf_counter()
-                col_norm_max = float(ops.norm[c0:c1].max())
+                col_norm_max = float(norm[c0:c1].max())
                 max_bound = max(max_bound, float(bounds.sq_error_bound(float(row_norm.max()), col_norm_max, d)))
-                masked = shape[0] * (shape[0] + 1) // 2 if c0 == r0 else 0
                 valid = shape[0] * shape[1] - masked
-                scanned = _exact_pass(x, tile, valid, r0, c0, row_min, row_norm, col_norm_max, ops.norm, best, d)
+                scanned = _exact_pass(x, values, valid, r0, c0, row_min, row_norm, col_norm_max, norm, best, d)
                 t3 = time.perf_counter()
                 n_tiles += 1
                 n_scanned += int(scanned)
@@ -313,7 +318,7 @@ def pairwise_min(
                 t_exact += t3 - t2
                 bar.update(valid)
         bar.close()
-        nn_distance, nn_exact = _nearest(nn_sq.double().numpy(), best, n)
+        nn_distance, nn_exact = _nearest(nn_sq.astype(np.float64), best, n)
     seconds = time.perf_counter() - start
     closest = best.sorted_pairs()[:k]
     stats = SearchStats(
@@ -358,14 +363,14 @@ def pairwise_min(
 
 def _exact_pass(
     x: ArrayLike,
-    tile: torch.Tensor,
+    values: np.ndarray,
     valid: int,
     r0: int,
     c0: int,
-    row_min: torch.Tensor,
-    row_norm: torch.Tensor,
+    row_min: np.ndarray,
+    row_norm: np.ndarray,
     col_norm_max: float,
-    norm: torch.Tensor,
+    norm: np.ndarray,
     best: _Best,
     d: int,
 ) -> bool:
@@ -374,21 +379,20 @@ def _exact_pass(
     if math.isinf(cutoff):  # fewer than k pairs known: measure this tile's k smallest to get a finite τ
         count = min(best.k, valid)  # the masked (lower-triangle) entries are +inf and sort last
         if count:
-            idx = torch.topk(tile.view(-1), count, largest=False).indices.numpy()
-            i, j = r0 + idx // tile.shape[1], c0 + idx % tile.shape[1]
+            flat = values.reshape(-1)
+            idx = np.argpartition(flat, count - 1)[:count] if count < flat.size else np.arange(flat.size)
+            i, j = r0 + idx // values.shape[1], c0 + idx % values.shape[1]
             cutoff = max(best.tau_with(exact_sq_distances(x, i, j)), best.thr_sq)
     row_cut = bounds.candidate_cutoff(cutoff, row_norm, col_norm_max, d)
-    hit = torch.nonzero(row_min.double() <= row_cut).flatten()
-    if hit.numel() == 0:
+    hit = np.flatnonzero(row_min <= row_cut)
+    if hit.size == 0:
         return False
-    sub = tile.index_select(0, hit)
-    within = (sub.double() <= row_cut[hit].unsqueeze(1)) & torch.isfinite(sub)
-    ri, cj = torch.nonzero(within, as_tuple=True)
-    i = (r0 + hit[ri]).numpy()
-    j = (c0 + cj).numpy()
+    sub = values[hit]
+    ri, cj = np.nonzero((sub <= row_cut[hit, None]) & np.isfinite(sub))
+    i = r0 + hit[ri]
+    j = c0 + cj
     # a tighter, per-pair cutoff using both norms (the row cutoff used the tile's largest column norm)
-    pair_cut = bounds.candidate_cutoff(cutoff, norm[i], norm[j], d)
-    keep = (sub[ri, cj].double() <= pair_cut).numpy()
+    keep = sub[ri, cj] <= bounds.candidate_cutoff(cutoff, norm[i], norm[j], d)
     i, j = i[keep], j[keep]
     if len(i):
         best.add(i, j, exact_sq_distances(x, i, j))
