@@ -55,4 +55,8 @@ def test_results_json(run):
     assert doc["model"] == "smollm2-135m" and doc["n_pairs"] == 19900
     assert doc["config"]["layers"] == ["1", "15", "30"] and doc["dtype"] == "float32"
     assert doc["layers"]["30"]["nn_spot_check"]["max_rel_error"] < 1e-4
-    assert 0 < doc["matmul_fraction"] and doc["pairs_per_second"] > 0
+    assert doc["matmul_fraction"] > 0 and doc["pairs_per_second"] > 0
+    for name, layer in results.layers.items():
+        assert doc["layers"][name]["min_distance"] == layer.min_distance
+        noise = layer.details["rounding_noise"]["max"]  # batched vs alone: rounding, far below the minimum
+        assert 0 <= noise < 1e-2 * layer.min_distance

@@ -46,7 +46,8 @@ def test_planted_collision_is_found_at_distance_zero(planted, tmp_path):
         assert layer.n_below_threshold == 2
         pairs = {frozenset((p.a_text, p.b_text)) for p in layer.closest_pairs[:2]}
         assert pairs == {frozenset(("the quick cat", "the quick dog")), frozenset(("a lazy cat sat", "a lazy dog sat"))}
-        assert all(p.a_ids != p.b_ids and p.distance == 0.0 for p in layer.closest_pairs[:2])
+        assert all(p.a_ids != p.b_ids and p.distance == 0.0 and p.same_input for p in layer.closest_pairs[:2])
+        assert layer.details["n_below_threshold_same_input"] == 2  # flagged: the ids differ, the inputs do not
         assert layer.closest_pairs[2].distance > 1e-3  # every other pair is far from a collision
     doc = json.loads((tmp_path / "run" / "results.json").read_text())
     assert doc["layers"]["1"]["n_below_threshold"] == 2
@@ -185,8 +186,15 @@ def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, 
     d2 = ((states[:, None] - states[None]) ** 2).sum(-1)
     d2[np.tril_indices(300)] = np.inf
     d2[5, 9] = np.inf  # the planted pair aside, the next closest must agree
-    second = results.prefixes[0].layers["2"].closest_pairs[1].distance
-    assert second == pytest.approx(np.sqrt(d2.min()), rel=1e-12)
+    layer2 = results.prefixes[0].layers["2"]
+    assert layer2.closest_pairs[1].distance == pytest.approx(np.sqrt(d2.min()), rel=1e-12)
+    # the tied pair is reported apart: identical inputs by construction, not a counterexample
+    assert layer2.closest_pairs[0].same_input and not layer2.closest_pairs[1].same_input
+    assert layer2.details["tied_tokens"]["groups"] == [[5, 9]]
+    assert layer2.details["inputs_differ"]["min_distance"] == pytest.approx(np.sqrt(d2.min()), rel=1e-12)
+    assert layer2.details["inputs_differ"]["n_below_threshold"] == 0
+    assert results.layers["2"]["n_below_threshold_inputs_differ"] == 0
+    assert 0 <= layer2.details["rounding_noise"]["max"] < 1e-4
     # and the stored states are what a full forward gives for prefix + token
     full = small_vocab.probe.states(torch.tensor([[1, 2, 3, 42]]), 2)[2][0, -1].numpy()
     np.testing.assert_allclose(states[42], full, rtol=1e-4, atol=1e-5)

@@ -116,3 +116,43 @@ def encode_continuations(
     seconds = time.perf_counter() - start
     log.info("encoded %d continuations of a %d-token prefix in %.1f s", todo, len(prefix_ids), seconds)
     return seconds
+
+
+def _noise_summary(stored: dict[int, np.ndarray], again: dict[int, np.ndarray], rows: np.ndarray) -> dict[int, dict]:
+    out = {}
+    for layer, values in again.items():
+        diff = np.asarray(stored[layer][rows], dtype=np.float64) - values.astype(np.float64)
+        distance = np.sqrt((diff * diff).sum(axis=1))
+        out[layer] = {"n": len(rows), "max": float(distance.max()), "median": float(np.median(distance))}
+    return out
+
+
+def prompt_rounding_noise(
+    model: LoadedModel, ids: Sequence[Sequence[int]], store: StateStore, sample: int = 16, seed: int = 0
+) -> dict[int, dict]:
+    """Distance between stored states and the same prompts encoded again alone (batch of one, no padding).
+
+    Both are the same mathematical function of the same input; the distance is rounding only (batched GEMMs
+    round differently from unbatched ones). Distances at or below this scale cannot be told from noise.
+    """
+    rows = np.sort(np.random.default_rng(seed).choice(len(ids), size=min(sample, len(ids)), replace=False))
+    again = {layer: np.empty((len(rows), store.d), dtype=np.float32) for layer in store.layers}
+    for n, row in enumerate(rows):
+        alone = last_token_states(model, [ids[row]], store.layers)
+        for layer in store.layers:
+            again[layer][n] = alone[layer][0]
+    return _noise_summary({layer: store.layer(layer) for layer in store.layers}, again, rows)
+
+
+def continuation_rounding_noise(
+    model: LoadedModel, prefix_ids: Sequence[int], store: StateStore, sample: int = 16, seed: int = 0
+) -> dict[int, dict]:
+    """Like :func:`prompt_rounding_noise` for continuations: ``sample`` tokens again, in one batch of their own."""
+    rows = np.sort(np.random.default_rng(seed).choice(store.n, size=min(sample, store.n), replace=False))
+    probe = model.probe
+    prefix = probe.prefix(list(prefix_ids), max(store.layers))
+    with torch.no_grad():
+        states = probe.continuation(prefix, token_ids=torch.from_numpy(rows), layers=store.layers)
+    assert isinstance(states, dict)
+    again = {layer: s.float().cpu().numpy() for layer, s in states.items()}
+    return _noise_summary({layer: store.layer(layer) for layer in store.layers}, again, rows)

@@ -15,7 +15,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,17 @@ from ..errors import LminvertError
 from ..executors import Executor, get_executor
 from ..models import LoadedModel, load_model
 from ..report.collisions import plot_nn_distances
-from .encoding import encode_continuations
+from .encoding import continuation_rounding_noise, encode_continuations
 from .results import LayerResult, layer_result, layer_table, overall_throughput
-from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
+from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS, exact_sq_distances
 from .store import StateStore, read_json, write_json
 from .tasks import LayerTask, run_layer_task
 from .throughput import machine, peak_rss_mb, versions
+from .ties import representatives, tied_pairs, tied_token_groups
 
 log = logging.getLogger(__name__)
+
+MAX_TIED = 5000  # beyond this many tied pairs, the closest pairs with differing inputs are not tracked
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,21 @@ class ExhaustiveResults:
         out: dict[str, dict[str, Any]] = {}
         for p in self.prefixes:
             for name, r in p.layers.items():
-                row = out.setdefault(name, {"min_distance": float("inf"), "n_below_threshold": 0, "prefix": -1})
+                row = out.setdefault(
+                    name,
+                    {"min_distance": float("inf"), "n_below_threshold": 0, "prefix": -1,
+                     "min_distance_inputs_differ": None, "n_below_threshold_inputs_differ": 0},
+                )  # fmt: skip
                 if r.min_distance < row["min_distance"]:
                     row.update(min_distance=r.min_distance, prefix=p.index)
                 row["n_below_threshold"] += r.n_below_threshold
+                differ = r.details.get("inputs_differ", {})
+                row["n_below_threshold_inputs_differ"] += differ.get("n_below_threshold", r.n_below_threshold)
+                best = differ.get("min_distance")
+                if best is not None and (
+                    row["min_distance_inputs_differ"] is None or best < row["min_distance_inputs_differ"]
+                ):
+                    row["min_distance_inputs_differ"] = best
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +198,14 @@ def exhaustive_test(
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="lminvert-exhaustive-"))
     _check_manifest(out_dir, config)
     vocab = probe.vocab_size
+    groups = tied_token_groups(loaded)
+    tied = tied_pairs(groups)
+    rep = representatives(groups)
+    # search deep enough that the k closest pairs whose inputs differ are known exactly, past every tied pair
+    k_search = k + len(tied) if len(tied) <= MAX_TIED else k
+    if tied:
+        log.info("%d tokens share an embedding row with another (%d tied pairs)", len({t for g in groups for t in g}),
+                 len(tied))  # fmt: skip
     token_texts = [loaded.decode([t]) for t in range(vocab)]
     results, encode_seconds, nn_paths = [], 0.0, []
     for index, prefix in enumerate(ids):
@@ -198,7 +220,7 @@ def exhaustive_test(
                 layer=layer,
                 out_json=str(base / "search" / f"layer_{layer:03d}.json"),
                 out_nn=str(base / "search" / f"nn_{layer:03d}.npy"),
-                k=k,
+                k=k_search,
                 threshold=threshold,
                 tile_rows=tile_rows,
                 tile_cols=tile_cols,
@@ -210,9 +232,19 @@ def exhaustive_test(
         ]
         (base / "search").mkdir(parents=True, exist_ok=True)
         summaries = runner.map(run_layer_task, tasks)
+        noise = _noise(loaded, prefix, store, base, seed)
         full_ids = [(*prefix, t) for t in range(vocab)]
         texts = [f"{loaded.decode(list(prefix)) if prefix else ''}⟨{tok}⟩" for tok in token_texts]
-        by_layer = {probe.layer_name(s["layer"]): layer_result(s, full_ids, texts) for s in summaries}
+        by_layer = {}
+        for s in summaries:
+            x = store.layer(s["layer"])
+            extra = {
+                "rounding_noise": noise[str(s["layer"])],
+                "tied_tokens": _tied_summary(x, groups, tied, threshold),
+                "inputs_differ": _untied_summary(s, tied, k, threshold, x, complete=k_search > k or not tied),
+            }
+            full = layer_result(s, full_ids, texts, rep, extra)
+            by_layer[probe.layer_name(s["layer"])] = replace(full, closest_pairs=full.closest_pairs[:k])
         results.append(PrefixResult(index, prefix, loaded.decode(list(prefix)) if prefix else "", by_layer))
         nn_paths.append([t.out_nn for t in tasks])
     all_layers = [r for p in results for r in p.layers.values()]
@@ -243,6 +275,46 @@ def exhaustive_test(
         extra=extra,
     )
     return _write(done, out_dir, nn_paths, figure)
+
+
+def _noise(loaded: LoadedModel, prefix: tuple[int, ...], store: StateStore, base: Path, seed: int) -> dict:
+    path = base / "noise.json"
+    if path.exists():
+        return read_json(path)
+    noise = {str(k): v for k, v in continuation_rounding_noise(loaded, prefix, store, seed=seed).items()}
+    write_json(path, noise)
+    return noise
+
+
+def _tied_summary(x: np.ndarray, groups: list[list[int]], tied: list[tuple[int, int]], threshold: float) -> dict:
+    """Exact distances between continuations by tokens with identical embedding rows (identical inputs)."""
+    if not tied:
+        return {"groups": [], "n_pairs": 0}
+    i, j = np.array(tied).T
+    distance = np.sqrt(exact_sq_distances(x, i, j))
+    return {
+        "groups": groups,
+        "n_pairs": len(tied),
+        "n_below_threshold": int(np.count_nonzero(distance < threshold)),
+        "max_distance": float(distance.max()),
+    }
+
+
+def _untied_summary(
+    summary: dict, tied: list[tuple[int, int]], k: int, threshold: float, x: np.ndarray, complete: bool
+) -> dict:
+    """The k closest pairs whose inputs differ, and the count of such pairs under the threshold."""
+    tied_set = set(tied)
+    rows = [(int(i), int(j), float(d)) for i, j, d in summary["closest"] if (int(i), int(j)) not in tied_set]
+    tied_below = 0
+    if tied:
+        i, j = np.array(tied).T
+        tied_below = int(np.count_nonzero(np.sqrt(exact_sq_distances(x, i, j)) < threshold))
+    return {
+        "min_distance": rows[0][2] if rows and complete else None,
+        "closest_pairs": [{"a_token": i, "b_token": j, "distance": d} for i, j, d in rows[:k]] if complete else [],
+        "n_below_threshold": int(summary["n_below_threshold"]) - tied_below,
+    }
 
 
 def _check_manifest(out_dir: Path, config: ExhaustiveConfig) -> None:
@@ -294,12 +366,23 @@ def _markdown(results: ExhaustiveResults, figure: str | None) -> str:
         shown = p.text if len(p.text) <= 80 else "…" + p.text[-79:]
         lines += ["", f"## prefix {p.index}: `{shown!r}` ({len(p.ids)} tokens)", ""]
         lines += layer_table(p.layers, c.threshold, c.k)
+        lines.append("")
         for name, r in p.layers.items():
+            differ, tied = r.details.get("inputs_differ", {}), r.details.get("tied_tokens", {})
             if r.closest_pairs:
                 best = r.closest_pairs[0]
                 lines.append(
-                    f"\nlayer {name}: closest continuations {best.a_index} {best.a_text.rsplit('⟨', 1)[-1]!r} and "
-                    f"{best.b_index} {best.b_text.rsplit('⟨', 1)[-1]!r} at {best.distance:.6g}"
+                    f"- layer {name}: closest continuations {best.a_index} {best.a_text.rsplit('⟨', 1)[-1][:-1]!r} and "
+                    f"{best.b_index} {best.b_text.rsplit('⟨', 1)[-1][:-1]!r} at {best.distance:.6g}"
+                    + (" (identical embedding rows)" if best.same_input else "")
+                )
+            if tied.get("n_pairs"):
+                lines.append(
+                    f"  - {tied['n_pairs']} pairs of tokens with identical embedding rows (identical inputs): "
+                    f"{tied['n_below_threshold']} under {c.threshold:g}, the rest within {tied['max_distance']:.3g} "
+                    "(rounding); pairs whose inputs differ: minimum "
+                    + (f"{differ['min_distance']:.6g}" if differ.get("min_distance") is not None else "not tracked")
+                    + f", {differ.get('n_below_threshold', 0)} under {c.threshold:g}"
                 )
     if figure:
         lines += ["", f"![nearest-neighbour distances per layer]({figure})"]

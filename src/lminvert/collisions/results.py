@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .store import write_json
+from .ties import same_input
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ClosePair:
     a_text: str
     b_text: str
     distance: float
+    same_input: bool = False  # the ids differ only in tied tokens (identical embedding rows): identical inputs
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +71,7 @@ class ClosePair:
             "distance": self.distance,
             "a_index": self.a_index,
             "b_index": self.b_index,
+            "same_input": self.same_input,
         }
 
 
@@ -97,10 +100,30 @@ class LayerResult:
         }
 
 
-def layer_result(summary: dict[str, Any], ids: list[tuple[int, ...]], texts: list[str]) -> LayerResult:
-    """A :class:`LayerResult` from a task summary, with each pair's prompts looked up by index."""
+def layer_result(
+    summary: dict[str, Any],
+    ids: list[tuple[int, ...]],
+    texts: list[str],
+    tied: dict[int, int] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> LayerResult:
+    """A :class:`LayerResult` from a task summary, with each pair's prompts looked up by index.
+
+    ``tied`` maps tokens with identical embedding rows to one representative (see :mod:`.ties`); pairs whose ids
+    differ only there are flagged ``same_input``. ``extra`` is merged into the details.
+    """
+    rep = tied or {}
     pairs = tuple(
-        ClosePair(int(i), int(j), ids[int(i)], ids[int(j)], texts[int(i)], texts[int(j)], float(dist))
+        ClosePair(
+            int(i),
+            int(j),
+            ids[int(i)],
+            ids[int(j)],
+            texts[int(i)],
+            texts[int(j)],
+            float(dist),
+            same_input(ids[int(i)], ids[int(j)], rep),
+        )
         for i, j, dist in summary["closest"]
     )
     keep = (
@@ -119,7 +142,7 @@ def layer_result(summary: dict[str, Any], ids: list[tuple[int, ...]], texts: lis
         closest_pairs=pairs,
         n_below_threshold=int(summary["n_below_threshold"]),
         nn_quantiles=dict(summary["nn_quantiles"]),
-        details={key: summary[key] for key in keep if key in summary},
+        details={**{key: summary[key] for key in keep if key in summary}, **(extra or {})},
     )
 
 
@@ -187,15 +210,17 @@ def _g(value: float) -> str:
 
 def layer_table(layers: dict[str, LayerResult], threshold: float, k: int) -> list[str]:
     lines = [
-        f"| layer | min distance | {k}th closest | pairs < {threshold:g} | NN 1% | NN median | NN 99% "
-        "| re-measured (float64) | search s | pairs/s | matmul fraction |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| layer | min distance | {k}th closest | pairs < {threshold:g} | rounding noise | NN 1% | NN median "
+        "| NN 99% | re-measured (float64) | search s | pairs/s | matmul fraction |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in layers.items():
         q, s = r.nn_quantiles, r.search
         kth = r.closest_pairs[-1].distance if r.closest_pairs else float("nan")
+        noise = r.details.get("rounding_noise", {}).get("max", float("nan"))
         lines.append(
-            f"| {name} | {_g(r.min_distance)} | {_g(kth)} | {r.n_below_threshold} | {_g(q['0.01'])} | {_g(q['0.5'])} "
+            f"| {name} | {_g(r.min_distance)} | {_g(kth)} | {r.n_below_threshold} | {_g(noise)} | {_g(q['0.01'])} "
+            f"| {_g(q['0.5'])} "
             f"| {_g(q['0.99'])} | {s.get('n_exact', 0)} | {s.get('seconds', 0):.2f} "
             f"| {s.get('pairs_per_second', 0):.3g} | {s.get('matmul_fraction', float('nan')):.2f} |"
         )
@@ -207,7 +232,8 @@ def closest_lines(layers: dict[str, LayerResult], shown: int = 3) -> list[str]:
     for name, r in layers.items():
         lines.append(f"\n**layer {name}**\n")
         for p in r.closest_pairs[:shown]:
-            lines.append(f"- {p.distance:.6g}: `{_snippet(p.a_text)}` vs `{_snippet(p.b_text)}`")
+            tied = " (identical inputs: the ids differ only in tokens with identical embedding rows)" * p.same_input
+            lines.append(f"- {p.distance:.6g}: `{_snippet(p.a_text)}` vs `{_snippet(p.b_text)}`{tied}")
     return lines
 
 
@@ -232,7 +258,9 @@ def markdown(results: CollisionResults, figure: str | None = None) -> str:
         f"Peak memory {extra.get('memory_peak_mb', 0):.0f} MiB.",
         "",
         "NN = each prompt's nearest-neighbour distance (quantiles over prompts); 're-measured' counts the pairs the "
-        "GEMM's rigorous error bound could not rule out, measured again in float64.",
+        "GEMM's rigorous error bound could not rule out, measured again in float64. 'Rounding noise' is the largest "
+        "distance between a stored state and the same prompt encoded again alone: the same function of the same "
+        "input, so distances at that scale cannot be told from rounding.",
     ]
     if figure:
         lines += ["", f"![nearest-neighbour distances per layer]({figure})"]

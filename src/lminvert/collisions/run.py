@@ -26,12 +26,13 @@ from ..errors import LminvertError
 from ..executors import Executor, get_executor
 from ..models import DEFAULT_MODEL, LoadedModel, load_model
 from ..report.collisions import plot_nn_distances
-from .encoding import encode_prompts
+from .encoding import encode_prompts, prompt_rounding_noise
 from .results import CollisionConfig, CollisionResults, layer_result, markdown, overall_throughput
 from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 from .store import StateStore, read_json, write_json
 from .tasks import LayerTask, run_layer_task
 from .throughput import machine, peak_rss_mb, versions
+from .ties import representatives, same_input, tied_token_groups
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,15 @@ def _prompts(model: LoadedModel, config: CollisionConfig, out: Path) -> tuple[li
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     tmp.replace(path)
     return prompts, summary, time.perf_counter() - start
+
+
+def _noise(loaded: LoadedModel, ids: list[tuple[int, ...]], store: StateStore, out: Path, seed: int) -> dict:
+    path = out / "noise.json"
+    if path.exists():
+        return read_json(path)
+    noise = {str(layer): value for layer, value in prompt_rounding_noise(loaded, ids, store, seed=seed).items()}
+    write_json(path, noise)
+    return noise
 
 
 def find_collisions(
@@ -177,8 +187,17 @@ def find_collisions(
     if not store.complete:
         raise LminvertError(f"{out_dir}: encoding did not finish; rerun the same command to resume")
     summaries = runner.map(run_layer_task, tasks)
+    noise = _noise(loaded, ids, store, out_dir, seed)
+    rep = representatives(tied_token_groups(loaded))
     texts = [p.text for p in prompts]
-    by_layer = {loaded.probe.layer_name(s["layer"]): layer_result(s, ids, texts) for s in summaries}
+    by_layer = {}
+    for s in summaries:
+        listed = s.get("below_threshold", [])
+        extra = {
+            "rounding_noise": noise[str(s["layer"])],
+            "n_below_threshold_same_input": sum(same_input(ids[i], ids[j], rep) for i, j, _ in listed),
+        }
+        by_layer[loaded.probe.layer_name(s["layer"])] = layer_result(s, ids, texts, rep, extra)
     throughput = overall_throughput(list(by_layer.values()))
     extra = {
         "n_pairs_total": int(sum(r.details["n_pairs"] for r in by_layer.values())),

@@ -2,12 +2,13 @@
 
 Algorithm (one pass over the upper triangle):
 
-1. Centre the vectors on their float64 mean (distances are translation invariant; this shrinks the norms that
-   the rounding error is proportional to) and round them to float32: ``a_i``. Build two operands with one
+1. Centre the vectors on their mean, held in the input dtype so that ``x - μ`` rounds once (distances are
+   translation invariant; centring shrinks the norms that the rounding error is proportional to), and round
+   them to float32: ``a_i``. Build two operands with one
    augmented column, ``P_i = [a_i, fl32(‖a_i‖²)]`` and ``Q_j = [-2 a_j, 1]``, and a bias ``fl32(‖a_j‖²)``.
 2. For each tile (rows ``R``, columns ``C`` of the upper triangle) one fused ``torch.addmm(bias, P, Qᵀ)`` gives
-   every squared distance of the tile; two ``amin`` reductions update each vector's nearest-neighbour value.
-   Nothing else touches the whole tile, so the GEMM dominates.
+   every squared distance of the tile; a row-wise and a column-wise minimum (numpy, over the cache-resident
+   tile) update each vector's nearest-neighbour value. Nothing else touches the whole tile: the GEMM dominates.
 3. Exactness: :mod:`.bounds` bounds the rounding error of every computed value. A running set of exactly
    measured pairs gives ``τ``, the k-th smallest exact squared distance so far; with ``T = max(τ, threshold²)``
    a row of a tile can hold a pair with exact squared distance <= T only if its row minimum is under the
@@ -43,6 +44,7 @@ ArrayLike = np.ndarray | torch.Tensor
 DEFAULT_TILE_ROWS = 1024
 DEFAULT_TILE_COLS = 4096
 _EXACT_CHUNK = 8192  # pairs re-measured per float64 batch
+MAX_LISTED = 10_000  # pairs under the threshold listed individually (all are counted)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class SearchResult:
     closest: tuple[Pair, ...]
     n_below_threshold: int
     threshold: float
+    below_threshold: tuple[Pair, ...]  # pairs under the threshold, sorted (the first MAX_LISTED found; all counted)
     nn_distance: np.ndarray = field(repr=False)  # [N] float64
     nn_exact: np.ndarray = field(repr=False)  # [N] bool: nn_distance is a float64 measurement
     stats: SearchStats
@@ -209,6 +212,7 @@ class _Best:
         self.d2 = np.empty(0, dtype=np.float64)
         self.n_below = 0
         self.n_exact = 0
+        self.below: list[tuple[float, int, int]] = []
 
     @property
     def tau(self) -> float:
@@ -218,10 +222,13 @@ class _Best:
     def cutoff(self) -> float:
         return max(self.tau, self.thr_sq)
 
-    def add(self, i: np.ndarray, j: np.ndarray, d2: np.ndarray, count: bool = True) -> None:
-        if count:
-            self.n_exact += len(d2)
-            self.n_below += int(np.count_nonzero(np.sqrt(d2) < self.threshold))
+    def add(self, i: np.ndarray, j: np.ndarray, d2: np.ndarray) -> None:
+        """Pairs measured exactly (each pair is offered once): count them, keep those that can still be top-k."""
+        self.n_exact += len(d2)
+        under = np.flatnonzero(np.sqrt(d2) < self.threshold)
+        self.n_below += len(under)
+        room = MAX_LISTED - len(self.below)
+        self.below += [(float(d2[u]), int(i[u]), int(j[u])) for u in under[: max(room, 0)]]
         self.i = np.concatenate([self.i, i])
         self.j = np.concatenate([self.j, j])
         self.d2 = np.concatenate([self.d2, d2])
@@ -259,11 +266,14 @@ def pairwise_min(
     brute force ``Σ_k (x_ik - x_jk)²`` over all N(N-1)/2 pairs, whatever the rounding of the float32 GEMM.
     """
     n, d = _check_input(x)
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
     if k < 1:
         raise LminvertError("k must be at least 1")
     if not threshold >= 0:
         raise LminvertError("the collision threshold must be a non-negative number")
-    rows = max(1, int(tile_rows))
+    # the diagonal tiles waste half their work: for small N, shorter row blocks keep that waste near 1/8
+    rows = max(1, min(int(tile_rows), max(256, -(-n // 8 // 64) * 64)))
     cols = max(rows, int(tile_cols))  # the diagonal square must fit in the first column chunk
     n_pairs = n * (n - 1) // 2
     start = time.perf_counter()
@@ -355,6 +365,7 @@ def pairwise_min(
         closest=tuple(closest),
         n_below_threshold=best.n_below,
         threshold=threshold,
+        below_threshold=tuple(Pair(i, j, math.sqrt(v)) for v, i, j in sorted(best.below)),
         nn_distance=nn_distance,
         nn_exact=nn_exact,
         stats=stats,

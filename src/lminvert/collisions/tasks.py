@@ -21,6 +21,8 @@ from .throughput import matmul_flops, median
 
 log = logging.getLogger(__name__)
 
+MAX_IN_JSON = 1000  # pairs under the threshold listed in a layer's summary (all are counted)
+
 
 @dataclass(frozen=True)
 class LayerTask:
@@ -73,6 +75,7 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
         "closest": [[p.i, p.j, p.distance] for p in result.closest],
         "n_below_threshold": result.n_below_threshold,
         "threshold": result.threshold,
+        "below_threshold": [[p.i, p.j, p.distance] for p in result.below_threshold[:MAX_IN_JSON]],
         "nn_quantiles": quantiles(result.nn_distance),
         "nn_histogram": log_histogram(result.nn_distance),
         "nn_exact_count": int(result.nn_exact.sum()),
