@@ -133,6 +133,10 @@ def collisions(model, args: argparse.Namespace, out: Path) -> dict:
     print(f"| SmolLM2-135M (here, exact) | {mins[0]:.3f} | {mins[1]:.3f} | {mins[2]:.3f} |")
     for name, row in PAPER.items():
         print(f"| {name} (paper) | {row[0]:.3f} | {row[1]:.3f} | {row[2]:.3f} |")
+    noise = [results.layers[name].details["rounding_noise"]["max"] for name in ("1", "15", "30")]
+    print(f"| rounding noise (same prompt re-encoded alone) | {noise[0]:.2g} | {noise[1]:.2g} | {noise[2]:.2g} |")
+    median = [results.layers[name].nn_quantiles["0.5"] for name in ("1", "15", "30")]
+    print(f"| median nearest-neighbour distance (here) | {median[0]:.3f} | {median[1]:.3f} | {median[2]:.3f} |")
     below = sum(r.n_below_threshold for r in results.layers.values())
     t = doc["timings"]
     print(
@@ -143,6 +147,10 @@ def collisions(model, args: argparse.Namespace, out: Path) -> dict:
     return doc
 
 
+def _fmt(value: float | None) -> str:
+    return "not tracked" if value is None else f"{value:.4g}"
+
+
 def exhaustive(model, source: Path, count: int, out: Path) -> dict:
     prefixes = prefixes_from_collisions(source, count)
     results = exhaustive_test(model, prefixes, layers=[1, 15, 30], out=out, progress=False)
@@ -151,12 +159,23 @@ def exhaustive(model, source: Path, count: int, out: Path) -> dict:
         f"\n## Exhaustive: {len(prefixes)} prefix(es) x {results.vocab_size:,} continuations, "
         f"{results.n_pairs:,} pairs per prefix and layer"
     )
+    print("| prefix | layer | min distance | pairs < 1e-6 | tied-token pairs (< 1e-6, max distance) "
+          "| min, inputs differ | pairs < 1e-6, inputs differ | rounding noise |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for p in results.prefixes:
-        mins = ", ".join(f"layer {n}: {r.min_distance:.4g}" for n, r in p.layers.items())
-        print(f"- {p.text[-60:]!r}: {mins}")
+        for n, r in p.layers.items():
+            tied, differ = r.details["tied_tokens"], r.details["inputs_differ"]
+            tied_text = f"{tied['n_pairs']} ({tied['n_below_threshold']}, {tied['max_distance']:.2g})" if tied[
+                "n_pairs"] else "0"  # fmt: skip
+            print(
+                f"| {p.text[-40:]!r} | {n} | {r.min_distance:.4g} | {r.n_below_threshold} | {tied_text} "
+                f"| {_fmt(differ['min_distance'])} | {differ['n_below_threshold']} "
+                f"| {r.details['rounding_noise']['max']:.2g} |"
+            )
     t = doc["timings"]
     print(
-        f"collisions under 1e-6: {sum(r['n_below_threshold'] for r in results.layers.values())}; "
+        f"collisions under 1e-6: {sum(r['n_below_threshold'] for r in results.layers.values())} "
+        f"({sum(r['n_below_threshold_inputs_differ'] for r in results.layers.values())} with differing inputs); "
         f"{results.pairs_per_second:.3g} pairs/s, matmul fraction {results.matmul_fraction:.3f}; "
         f"encoding {t['encoding_seconds']:.0f} s, search {t['search_seconds']:.0f} s; "
         f"peak memory {doc['memory_peak_mb']:.0f} MiB"
