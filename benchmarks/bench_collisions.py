@@ -134,7 +134,7 @@ def collisions(model, args: argparse.Namespace, out: Path) -> dict:
     for name, row in PAPER.items():
         print(f"| {name} (paper) | {row[0]:.3f} | {row[1]:.3f} | {row[2]:.3f} |")
     noise = [results.layers[name].details["rounding_noise"]["max"] for name in ("1", "15", "30")]
-    print(f"| rounding noise (same prompt re-encoded alone) | {noise[0]:.2g} | {noise[1]:.2g} | {noise[2]:.2g} |")
+    print(f"| rounding noise (re-encoded in another batch) | {noise[0]:.2g} | {noise[1]:.2g} | {noise[2]:.2g} |")
     median = [results.layers[name].nn_quantiles["0.5"] for name in ("1", "15", "30")]
     print(f"| median nearest-neighbour distance (here) | {median[0]:.3f} | {median[1]:.3f} | {median[2]:.3f} |")
     below = sum(r.n_below_threshold for r in results.layers.values())

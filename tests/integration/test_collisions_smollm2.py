@@ -58,5 +58,5 @@ def test_results_json(run):
     assert doc["matmul_fraction"] > 0 and doc["pairs_per_second"] > 0
     for name, layer in results.layers.items():
         assert doc["layers"][name]["min_distance"] == layer.min_distance
-        noise = layer.details["rounding_noise"]["max"]  # batched vs alone: rounding, far below the minimum
+        noise = layer.details["rounding_noise"]["max"]  # another batch: rounding only, far below the minimum
         assert 0 <= noise < 1e-2 * layer.min_distance

@@ -130,17 +130,13 @@ def _noise_summary(stored: dict[int, np.ndarray], again: dict[int, np.ndarray], 
 def prompt_rounding_noise(
     model: LoadedModel, ids: Sequence[Sequence[int]], store: StateStore, sample: int = 16, seed: int = 0
 ) -> dict[int, dict]:
-    """Distance between stored states and the same prompts encoded again alone (batch of one, no padding).
+    """Distance between stored states and the same ``sample`` prompts encoded again, in a batch of their own.
 
-    Both are the same mathematical function of the same input; the distance is rounding only (batched GEMMs
-    round differently from unbatched ones). Distances at or below this scale cannot be told from noise.
+    Both are the same mathematical function of the same input; the distance is rounding only (GEMMs round
+    differently with other batch shapes). Distances at or below this scale cannot be told from noise.
     """
     rows = np.sort(np.random.default_rng(seed).choice(len(ids), size=min(sample, len(ids)), replace=False))
-    again = {layer: np.empty((len(rows), store.d), dtype=np.float32) for layer in store.layers}
-    for n, row in enumerate(rows):
-        alone = last_token_states(model, [ids[row]], store.layers)
-        for layer in store.layers:
-            again[layer][n] = alone[layer][0]
+    again = last_token_states(model, [ids[row] for row in rows], store.layers)
     return _noise_summary({layer: store.layer(layer) for layer in store.layers}, again, rows)
 
 

@@ -259,8 +259,8 @@ def markdown(results: CollisionResults, figure: str | None = None) -> str:
         "",
         "NN = each prompt's nearest-neighbour distance (quantiles over prompts); 're-measured' counts the pairs the "
         "GEMM's rigorous error bound could not rule out, measured again in float64. 'Rounding noise' is the largest "
-        "distance between a stored state and the same prompt encoded again alone: the same function of the same "
-        "input, so distances at that scale cannot be told from rounding.",
+        "distance between a stored state and the same prompt encoded again in another batch: the same function of "
+        "the same input, so distances at that scale cannot be told from rounding.",
     ]
     if figure:
         lines += ["", f"![nearest-neighbour distances per layer]({figure})"]
