@@ -58,24 +58,30 @@ def read_prompts_file(path: str | Path) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise LminvertError(f"cannot read {path} as UTF-8 text ({type(exc).__name__})") from exc
-    prompts: list[str] = []
+    if suffix == ".txt":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = [text for _, text in _jsonl_texts(path.name, lines)]
+    if not prompts:
+        raise LminvertError(f"{path} holds no prompts (it is empty or blank)")
+    return prompts
+
+
+def _jsonl_texts(name: str, lines: list[str]) -> list[tuple[int, str]]:
+    """``(line number, text)`` of each record's non-blank ``"text"`` field; one-line errors for bad records."""
+    texts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
-            continue
-        if suffix == ".txt":
-            prompts.append(line)
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            raise LminvertError(f"{path.name} line {number} is not valid JSON") from None
+            raise LminvertError(f"{name} line {number} is not valid JSON") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise LminvertError(f'{path.name} line {number} has no string "text" field')
+            raise LminvertError(f'{name} line {number} has no string "text" field')
         if record["text"].strip():
-            prompts.append(record["text"])
-    if not prompts:
-        raise LminvertError(f"{path} holds no prompts (it is empty or blank)")
-    return prompts
+            texts.append((number, record["text"]))
+    return texts
 
 
 # ---------------------------------------------------------------------------------------------- documents
@@ -158,19 +164,10 @@ def _file_documents(path: Path) -> tuple[Document, ...]:
         if not text.strip():
             raise LminvertError(f"corpus file {path} is empty: give a file with some text in it")
         return (Document(path.name, len(text), lambda t=text: t, _unit(path)),)
-    docs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise LminvertError(f"{path.name} line {number} is not valid JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise LminvertError(f'{path.name} line {number} has no string "text" field')
-        body = record["text"]
-        if body.strip():
-            docs.append(Document(f"{path.name}:{number}", len(body), lambda t=body: t, "word"))
+    docs = [
+        Document(f"{path.name}:{number}", len(body), lambda t=body: t, "word")
+        for number, body in _jsonl_texts(path.name, text.splitlines())
+    ]
     if not docs:
         raise LminvertError(f"corpus file {path} holds no text (it is empty or blank)")
     return tuple(docs)

@@ -36,6 +36,12 @@ def _batches(ids: Sequence[Sequence[int]], order: list[int], batch_tokens: int) 
     return batches
 
 
+def _pending(store: StateStore, max_chunks: int | None) -> tuple[list[int], int]:
+    """The store's unfinished chunks (the first ``max_chunks`` of them) and how many rows they hold."""
+    pending = store.pending()[:max_chunks]
+    return pending, sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
+
+
 def last_token_states(
     model: LoadedModel, ids: Sequence[Sequence[int]], layers: Sequence[int], batch_tokens: int = 4096
 ) -> dict[int, np.ndarray]:
@@ -68,13 +74,10 @@ def encode_prompts(
     max_chunks: int | None = None,
 ) -> float:
     """Encode the store's pending chunks of ``ids``; returns seconds spent. ``max_chunks`` stops early."""
-    pending = store.pending()
-    if max_chunks is not None:
-        pending = pending[:max_chunks]
+    pending, todo = _pending(store, max_chunks)
     if not pending:
         return 0.0
     start = time.perf_counter()
-    todo = sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
     bar = tqdm(total=todo, desc="encoding", unit="prompt", disable=None if progress else True, leave=False)
     for chunk in pending:
         lo, hi = store.chunk_range(chunk)
@@ -95,15 +98,12 @@ def encode_continuations(
     desc: str = "continuations",
 ) -> float:
     """States of ``prefix + [v]`` for every vocabulary token ``v`` (store rows = token ids), one cache per prefix."""
-    pending = store.pending()
-    if max_chunks is not None:
-        pending = pending[:max_chunks]
+    pending, todo = _pending(store, max_chunks)
     if not pending:
         return 0.0
     probe = model.probe
     start = time.perf_counter()
     prefix = probe.prefix(list(prefix_ids), max(store.layers))
-    todo = sum(store.chunk_range(c)[1] - store.chunk_range(c)[0] for c in pending)
     bar = tqdm(total=todo, desc=desc, unit="token", unit_scale=True, disable=None if progress else True, leave=False)
     with torch.no_grad():
         for chunk in pending:

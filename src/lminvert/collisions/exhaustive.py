@@ -30,7 +30,7 @@ from .encoding import continuation_rounding_noise, encode_continuations
 from .results import LayerResult, layer_result, layer_table, overall_throughput
 from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS, exact_sq_distances
 from .store import StateStore, read_json, write_json
-from .tasks import LayerTask, run_layer_task
+from .tasks import layer_tasks, run_layer_task
 from .throughput import machine, peak_rss_mb, versions
 from .ties import representatives, tied_pairs, tied_token_groups
 
@@ -214,23 +214,8 @@ def exhaustive_test(
         encode_seconds += encode_continuations(
             loaded, prefix, store, progress=progress, desc=f"prefix {index + 1}/{len(ids)}"
         )
-        tasks = [
-            LayerTask(
-                states_path=str(store.path(layer)),
-                layer=layer,
-                out_json=str(base / "search" / f"layer_{layer:03d}.json"),
-                out_nn=str(base / "search" / f"nn_{layer:03d}.npy"),
-                k=k_search,
-                threshold=threshold,
-                tile_rows=tile_rows,
-                tile_cols=tile_cols,
-                seed=seed,
-                progress=progress,
-                desc=f"prefix {index + 1} layer {probe.layer_name(layer)}",
-            )
-            for layer in resolved
-        ]
-        (base / "search").mkdir(parents=True, exist_ok=True)
+        settings = dict(k=k_search, threshold=threshold, tile_rows=tile_rows, tile_cols=tile_cols, seed=seed)
+        tasks = layer_tasks(store, base, probe.layer_name, f"prefix {index + 1} ", progress=progress, **settings)
         summaries = runner.map(run_layer_task, tasks)
         noise = _noise(loaded, prefix, store, base, seed)
         full_ids = [(*prefix, t) for t in range(vocab)]

@@ -30,7 +30,7 @@ from .encoding import encode_prompts, prompt_rounding_noise
 from .results import CollisionConfig, CollisionResults, layer_result, markdown, overall_throughput
 from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 from .store import StateStore, read_json, write_json
-from .tasks import LayerTask, run_layer_task
+from .tasks import LayerTask, layer_tasks, run_layer_task
 from .throughput import machine, peak_rss_mb, versions
 from .ties import representatives, same_input, tied_token_groups
 
@@ -167,23 +167,8 @@ def find_collisions(
     ids = [p.ids for p in prompts]
     store = StateStore(out_dir / "states", len(ids), loaded.probe.hidden_size, resolved, chunk_size)
     encode_seconds = encode_prompts(loaded, ids, store, batch_tokens=batch_tokens, progress=progress)
-    tasks = [
-        LayerTask(
-            states_path=str(store.path(layer)),
-            layer=layer,
-            out_json=str(out_dir / "search" / f"layer_{layer:03d}.json"),
-            out_nn=str(out_dir / "search" / f"nn_{layer:03d}.npy"),
-            k=k,
-            threshold=threshold,
-            tile_rows=tile_rows,
-            tile_cols=tile_cols,
-            seed=seed,
-            progress=progress,
-            desc=f"layer {loaded.probe.layer_name(layer)}",
-        )
-        for layer in resolved
-    ]
-    (out_dir / "search").mkdir(exist_ok=True)
+    settings = dict(k=k, threshold=threshold, tile_rows=tile_rows, tile_cols=tile_cols, seed=seed, progress=progress)
+    tasks = layer_tasks(store, out_dir, loaded.probe.layer_name, **settings)
     if not store.complete:
         raise LminvertError(f"{out_dir}: encoding did not finish; rerun the same command to resume")
     summaries = runner.map(run_layer_task, tasks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .search import pairwise_min
-from .store import read_json, write_json
+from .store import StateStore, read_json, write_json
 from .summary import log_histogram, nn_spot_check, pair_sample, quantiles
 from .throughput import matmul_flops, median
 
@@ -41,6 +42,24 @@ class LayerTask:
     desc: str = "pairs"
     matmul_reps: int = 3
     pair_sample_size: int = 100_000
+
+
+def layer_tasks(
+    store: StateStore, base: Path, names: Callable[[int], str], label: str = "", **settings: Any
+) -> list[LayerTask]:
+    """One :class:`LayerTask` per layer of ``store``, writing to ``base/search/`` (created)."""
+    (base / "search").mkdir(parents=True, exist_ok=True)
+    return [
+        LayerTask(
+            states_path=str(store.path(layer)),
+            layer=layer,
+            out_json=str(base / "search" / f"layer_{layer:03d}.json"),
+            out_nn=str(base / "search" / f"nn_{layer:03d}.npy"),
+            desc=f"{label}layer {names(layer)}",
+            **settings,
+        )
+        for layer in store.layers
+    ]
 
 
 def run_layer_task(task: LayerTask) -> dict[str, Any]:
