@@ -126,6 +126,13 @@ def _rows64(x: ArrayLike, index: np.ndarray) -> np.ndarray:
     return np.asarray(x[np.asarray(index, dtype=np.int64)], dtype=np.float64)
 
 
+def tile_shape(n: int, tile_rows: int, tile_cols: int) -> tuple[int, int]:
+    """The tile the search uses for N vectors: rows capped near N/8 for small N, columns >= rows."""
+    # the diagonal tiles waste half their work: for small N, shorter row blocks keep that waste near 1/8
+    rows = max(1, min(int(tile_rows), max(256, -(-n // 8 // 64) * 64)))
+    return rows, max(rows, int(tile_cols))  # the diagonal square must fit in the first column chunk
+
+
 def _check_input(x: ArrayLike) -> tuple[int, int]:
     if x.ndim != 2:
         raise LminvertError(f"expected a [N, d] array of vectors, got shape {list(x.shape)}")
@@ -272,9 +279,7 @@ def pairwise_min(
         raise LminvertError("k must be at least 1")
     if not threshold >= 0:
         raise LminvertError("the collision threshold must be a non-negative number")
-    # the diagonal tiles waste half their work: for small N, shorter row blocks keep that waste near 1/8
-    rows = max(1, min(int(tile_rows), max(256, -(-n // 8 // 64) * 64)))
-    cols = max(rows, int(tile_cols))  # the diagonal square must fit in the first column chunk
+    rows, cols = tile_shape(n, tile_rows, tile_cols)
     n_pairs = n * (n - 1) // 2
     start = time.perf_counter()
     with ieee_float32_matmul(), torch.no_grad():

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .search import pairwise_min
+from .search import pairwise_min, tile_shape
 from .store import StateStore, read_json, write_json
 from .summary import log_histogram, nn_spot_check, pair_sample, quantiles
 from .throughput import matmul_flops, median
@@ -70,7 +70,8 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
         return read_json(out_json)
     x = np.load(task.states_path)
     n, d = x.shape
-    rows, cols = min(task.tile_rows, n), min(max(task.tile_cols, task.tile_rows), n)
+    rows, cols = tile_shape(n, task.tile_rows, task.tile_cols)
+    rows, cols = min(rows, n), min(cols, n)  # the shape of the search's full tiles
     before = matmul_flops(rows, cols, d, reps=task.matmul_reps)
     result = pairwise_min(
         x,
