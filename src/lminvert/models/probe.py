@@ -139,6 +139,8 @@ class LayerProbe:
                 raise LminvertError(
                     f"layer '{layer}' is not a number: use 0..{self.n_layers}, -1..-{self.n_layers} or 'final'"
                 ) from None
+        if layer == self.final:  # already resolved
+            return layer
         if not -self.n_layers <= layer <= self.n_layers:
             raise LminvertError(
                 f"layer {layer} is out of range for this model: use 0..{self.n_layers} "

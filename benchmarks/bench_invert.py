@@ -1,0 +1,186 @@
+"""Inversion benchmark: exactness, speed, explored vocabulary and the sequential baseline, side by side.
+
+    python benchmarks/bench_invert.py                       # SmolLM2, layers 1,15,30 (the issue's setting)
+    python benchmarks/bench_invert.py --layers 15 --per-kind 1 --baseline-seconds 120
+    python benchmarks/bench_invert.py --model gpt2-small-random --layers 1,6,12 --bruteforce 0 --baseline 0
+
+Prints one table per layer and writes everything to --out (JSON). Figures are measured here, not asserted.
+Timed sections hold /tmp/lminvert-bench.lock so that two benchmarks never share the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import lminvert
+from lminvert.encode import encode
+from lminvert.invert import invert
+from lminvert.invert.baseline import sequential_baseline
+from lminvert.invert.evalset import evaluation_prompts
+from lminvert.invert.tables import first_position_table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layers", default="1,15,30")
+    ap.add_argument("--per-kind", type=int, default=2, help="prompts per kind (prose, code, random) + 1 personal")
+    ap.add_argument("--length", type=int, default=20)
+    ap.add_argument("--policies", default="linear,gradient")
+    ap.add_argument("--bruteforce", type=int, default=1, help="prompts per layer checked by the brute-force oracle")
+    ap.add_argument("--bruteforce-positions", type=int, default=4, help="positions of those prompts (cost: |V| each)")
+    ap.add_argument("--baseline", type=int, default=1, help="prompts for the sequential baseline (at the middle layer)")
+    ap.add_argument("--baseline-seconds", type=float, default=300.0, help="time limit per baseline prompt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out/bench/invert.json")
+    args = ap.parse_args()
+
+    lock = open("/tmp/lminvert-bench.lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    model = lminvert.load_model(args.model)
+    prompts = evaluation_prompts(model, args.per_kind, args.length, args.seed)
+    layers = [model.probe.resolve_layer(x) for x in args.layers.split(",")]
+    report: dict = {
+        "model": model.describe(),
+        "machine": {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+        },
+        "prompts": [{"kind": p.kind, "ids": list(p.ids)} for p in prompts],
+        "layers": {},
+    }
+    print(
+        f"{args.model}: {len(prompts)} prompts of {args.length} tokens "
+        f"({', '.join(sorted({p.kind for p in prompts}))}), threads={torch.get_num_threads()}"
+    )
+    for layer in layers:
+        states = encode(model, [list(p.ids) for p in prompts], layer)
+        t0 = time.perf_counter()
+        first_position_table(model, layer, progress=False)
+        table_s = time.perf_counter() - t0
+        entry: dict = {"first_position_table_seconds": table_s, "policies": {}}
+        print(f"\nlayer {layer}  (first-position table: {table_s:.1f} s, once per model and layer, then cached)")
+        print(f"  {'method':<18} {'exact':>7} {'median s':>9} {'mean s':>8} {'cand/pos':>9} {'explored':>9}  by kind")
+        for policy in args.policies.split(","):
+            results = invert(model, states, method="sipit", policy=policy, seed=args.seed)
+            rows = _summarise(results, prompts)
+            entry["policies"][policy] = rows
+            _print_row(f"sipit/{policy}", rows)
+        if args.bruteforce:
+            n, k = args.bruteforce, args.bruteforce_positions
+            sub = states.with_meta(states=tuple(s[:k] for s in states.states[:n]))
+            results = invert(model, sub, method="bruteforce")
+            truth = [p.ids[:k] for p in prompts[:n]]
+            exact = sum(tuple(r.token_ids) == t for r, t in zip(results, truth, strict=True))
+            secs = [r.seconds / k for r in results]
+            entry["bruteforce"] = {
+                "prompts": n,
+                "positions": k,
+                "exact": exact,
+                "seconds_per_position": statistics.median(secs),
+            }
+            print(
+                f"  {'bruteforce':<18} {exact}/{n} prompts exact on their first {k} positions; "
+                f"{statistics.median(secs):.1f} s per position (|V| verified each)"
+            )
+        report["layers"][str(layer)] = entry
+    if args.baseline:
+        layer = layers[len(layers) // 2]
+        print(
+            f"\nsequential baseline at layer {layer} (one candidate per gradient step, full uncached forwards), "
+            f"time limit {args.baseline_seconds:.0f} s per prompt:"
+        )
+        base_rows = []
+        for p in prompts[: args.baseline]:
+            states = encode(model, [list(p.ids)], layer).states[0]
+            b = sequential_baseline(model, states, layer, time_limit=args.baseline_seconds)
+            ok = sum(int(a == t) for a, t in zip(b.token_ids, p.ids, strict=False))
+            per_tok = b.seconds / max(1, len(b.token_ids))
+            base_rows.append(
+                {
+                    "kind": p.kind,
+                    "tokens_recovered": len(b.token_ids),
+                    "correct": ok,
+                    "seconds": b.seconds,
+                    "seconds_per_token": per_tok,
+                    "candidates": b.candidates_checked,
+                    "complete": b.complete,
+                }
+            )
+            print(
+                f"  {p.kind:<9} {len(b.token_ids):>2}/{len(p.ids)} tokens ({ok} right) in {b.seconds:.0f} s: "
+                f"{per_tok:.1f} s/token, candidates {b.candidates_checked}"
+            )
+        ours = report["layers"][str(layer)]["policies"][args.policies.split(",")[0]]
+        ours_per_tok = ours["median_seconds"] / args.length
+        base_per_tok = statistics.median(r["seconds_per_token"] for r in base_rows)
+        ratio = base_per_tok / ours_per_tok
+        report["baseline"] = {
+            "layer": layer,
+            "rows": base_rows,
+            "seconds_per_token": base_per_tok,
+            "ours_seconds_per_token": ours_per_tok,
+            "speedup": ratio,
+        }
+        print(
+            f"  baseline {base_per_tok:.2f} s/token vs lminvert {ours_per_tok:.3f} s/token: {ratio:.0f}x faster "
+            "(a lower bound where the baseline hit its time limit on slow early positions)"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _summarise(results, prompts) -> dict:
+    exact = [tuple(r.token_ids) == p.ids for r, p in zip(results, prompts, strict=True)]
+    secs = [r.seconds for r in results]
+    cands = [c for r in results for c in r.candidates_checked]
+    by_kind: dict[str, list] = {}
+    for r, p, ok in zip(results, prompts, exact, strict=True):
+        by_kind.setdefault(p.kind, []).append((ok, r.seconds, sum(r.candidates_checked) / len(r.candidates_checked)))
+    vocab = results[0].vocab_size
+    return {
+        "exact_rate": sum(exact) / len(exact),
+        "median_seconds": statistics.median(secs),
+        "mean_seconds": statistics.mean(secs),
+        "mean_candidates_per_position": statistics.mean(cands),
+        "explored_fraction": statistics.mean(cands) / vocab,
+        "uncertain_positions": sum(len(r.uncertain_positions) for r in results),
+        "by_kind": {
+            k: {
+                "exact": sum(o for o, _, _ in v),
+                "n": len(v),
+                "median_seconds": statistics.median(s for _, s, _ in v),
+                "mean_candidates": statistics.mean(c for _, _, c in v),
+            }
+            for k, v in by_kind.items()
+        },
+        "seconds": secs,
+    }
+
+
+def _print_row(name: str, rows: dict) -> None:
+    kinds = "  ".join(
+        f"{k} {v['exact']}/{v['n']} {v['median_seconds']:.1f}s {v['mean_candidates']:.0f}c"
+        for k, v in rows["by_kind"].items()
+    )
+    print(
+        f"  {name:<18} {100 * rows['exact_rate']:>6.0f}% {rows['median_seconds']:>9.2f} {rows['mean_seconds']:>8.2f} "
+        f"{rows['mean_candidates_per_position']:>9.1f} {100 * rows['explored_fraction']:>8.3f}%  {kinds}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

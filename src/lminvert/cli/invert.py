@@ -1,0 +1,84 @@
+"""`lminvert invert`: recover the exact prompt(s) from a hidden-states file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import LminvertError
+from ..invert import METHODS, POLICIES, invert
+from ..models import load_model
+from ..states import HiddenStates
+from .common import Formatter, print_json
+
+EXAMPLES = """examples:
+  lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
+  lminvert invert leak.safetensors                       # model and layer from the file
+  lminvert invert leak.safetensors --json --out result.json
+  lminvert invert states.npy --model smollm2-135m --layer 15 --policy gradient
+  lminvert invert leak.safetensors --noise 1e-3          # robustness: add relative Gaussian noise first
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "invert",
+        help="hidden-states file -> exact prompt",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    parser.add_argument("states", help="states file (.safetensors from `lminvert encode`, or .npy/.pt array)")
+    parser.add_argument("--model", default=None, help="model (default: the one recorded in the file)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--layer", default=None, help="layer (default: the one recorded in the file)")
+    parser.add_argument(
+        "--method",
+        default="sipit",
+        choices=METHODS,
+        help="sipit: policy-guided; bruteforce: verify the whole vocabulary (slow oracle)",
+    )
+    parser.add_argument("--policy", default="linear", choices=list(POLICIES), help="candidate order for sipit")
+    parser.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
+    parser.add_argument("--max-candidates", type=int, default=None, help="budget per position (default |V|)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
+    parser.add_argument("--out", default=None, help="also write the JSON results to this file")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    states = HiddenStates.load(args.states)
+    name = args.model or states.model
+    if not name:
+        raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
+    if args.max_candidates is not None and args.max_candidates < 1:
+        raise LminvertError("--max-candidates must be at least 1")
+    model = load_model(name, dtype=args.dtype)
+    results = invert(
+        model,
+        states,
+        args.layer,
+        method=args.method,
+        policy=args.policy,
+        noise=args.noise,
+        seed=args.seed,
+        max_candidates=args.max_candidates,
+        progress=not args.json,
+    )
+    docs = [r.to_json() for r in results]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(docs, indent=2))
+    if args.json:
+        print_json(docs)
+        return 0
+    for i, r in enumerate(results):
+        flag = f"  uncertain positions: {r.uncertain_positions}" if r.uncertain_positions else ""
+        print(f"[{i}] {r.text!r}")
+        print(
+            f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
+            f"({100 * r.explored_fraction:.3f}% of the vocabulary per position){flag}"
+        )
+    return 0

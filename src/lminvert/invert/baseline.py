@@ -1,0 +1,92 @@
+"""A sequential baseline that works the way the paper's released SIPIT code does, for benchmarks.
+
+One candidate at a time: a gradient step on a continuous input vector at position t, then the nearest
+not-yet-tried vocabulary entry is checked by a full forward of prefix + candidate through the whole model
+(no KV cache, no early stop, all hidden states returned). Exact but slow; lminvert's engine must beat it.
+Acceptance uses the same L2 tolerance as the engine, so both solve the same problem.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models import LoadedModel
+from .tolerance import tolerance
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    token_ids: list[int]
+    seconds: float
+    candidates_checked: list[int]
+    complete: bool  # False when the time limit stopped it
+
+
+def _layer_state(model: LoadedModel, embeds: torch.Tensor, layer: int) -> torch.Tensor:
+    """State of the last position at ``layer`` from a full, uncached forward of the whole model (LM head
+    included, as the reference code does); the layer is read with a hook so its semantics match the probe."""
+    probe = model.probe
+    captured: list[torch.Tensor] = []
+    if layer == 0:
+        handle = probe.blocks[0].register_forward_pre_hook(
+            lambda m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True
+        )
+    else:
+        handle = probe.blocks[layer - 1].register_forward_hook(
+            lambda m, args, out: captured.append(out[0] if isinstance(out, tuple) else out)
+        )
+    try:
+        model.model(inputs_embeds=embeds[None], use_cache=False)
+    finally:
+        handle.remove()
+    return captured[0][0, -1]
+
+
+def sequential_baseline(
+    model: LoadedModel,
+    states: torch.Tensor,
+    layer: int,
+    lr: float = 0.1,
+    time_limit: float | None = None,
+) -> BaselineResult:
+    """Invert ``states`` [T, d] one candidate per gradient step, with full uncached forwards."""
+    probe = model.probe
+    vocab = probe.vocab_matrix().float()
+    embed = probe.embed
+    recovered: list[int] = []
+    checked: list[int] = []
+    start = time.perf_counter()
+    for t in range(states.shape[0]):
+        target = states[t].float()
+        tol = tolerance(target, probe.dtype)
+        prefix = embed(torch.tensor(recovered, dtype=torch.long)).detach() if recovered else None
+        x = vocab.mean(0).clone().requires_grad_(True)
+        opt = torch.optim.SGD([x], lr=lr)
+        tried = torch.zeros(len(vocab), dtype=torch.bool)
+        found = None
+        count = 0
+        while found is None and count < len(vocab):
+            if time_limit is not None and time.perf_counter() - start > time_limit:
+                return BaselineResult(recovered, time.perf_counter() - start, checked, False)
+            # gradient step: full forward + backward through the whole model
+            opt.zero_grad()
+            seq = x[None] if prefix is None else torch.cat([prefix, x[None]])
+            loss = (_layer_state(model, seq, layer) - target).square().sum() / target.square().sum()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                dist = (vocab - x.detach()).norm(dim=1)
+                dist[tried] = float("inf")
+                cand = int(dist.argmin())
+                tried[cand] = True
+                count += 1
+                seq = embed(torch.tensor([*recovered, cand]))
+                state = _layer_state(model, seq, layer)
+                if float((state - target).norm()) <= tol:
+                    found = cand
+        recovered.append(found if found is not None else cand)
+        checked.append(count)
+    return BaselineResult(recovered, time.perf_counter() - start, checked, True)

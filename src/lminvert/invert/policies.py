@@ -1,0 +1,247 @@
+"""Candidate policies: in which order to verify vocabulary entries at a position.
+
+A policy proposes batches of token ids; the engine verifies each batch with one cached forward and
+records the distances in the :class:`PositionContext`, which the policy may use for its next proposal.
+Every policy ends by proposing the whole remaining vocabulary, so Theorem 3.1's T*|V| bound holds.
+
+* ``RandomPolicy`` - random order (the paper's BruteForce baseline).
+* ``GradientPolicy`` - the paper's SIPIT policy: optimise a continuous input vector so its state matches the
+  target (Adam, relative loss, several restarts in one batch), verify the vocabulary entries nearest to it.
+* ``LinearPolicy`` - the default: a secant (least-squares) linear model of the position's map from input
+  embeddings to states, fitted from the candidates already verified (reused from the previous positions,
+  refined at this one), ranks the vocabulary by predicted distance to the target.
+* ``SweepPolicy`` - every id in order; with ``exhaustive=True`` in the engine this is the brute-force oracle.
+
+Position 0 has no prefix: policies that can use it rank it with the first-position table (exact).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .context import PositionContext
+
+log = logging.getLogger(__name__)
+
+
+class Policy:
+    """Base class: subclasses implement :meth:`propose`; :meth:`begin` / :meth:`end` are optional hooks."""
+
+    name = "base"
+    uses_first_table = False
+
+    def begin_prompt(self) -> None:
+        """Called before the first position of each prompt."""
+
+    def propose(self, ctx: PositionContext) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def end_position(self, ctx: PositionContext) -> None:
+        """Called when a position is decided (policies may keep what they learnt)."""
+
+
+def _remaining(ctx: PositionContext, generator: torch.Generator | None, batch: int) -> torch.Tensor:
+    """Next ``batch`` unseen ids in random (or index) order."""
+    unseen = (~ctx.seen).nonzero().squeeze(1)
+    if generator is not None:
+        unseen = unseen[torch.randperm(len(unseen), generator=generator)]
+    return unseen[:batch]
+
+
+class SweepPolicy(Policy):
+    """All ids in index order, in large batches."""
+
+    name = "sweep"
+
+    def __init__(self, batch: int = 1024) -> None:
+        self.batch = batch
+
+    def propose(self, ctx: PositionContext) -> torch.Tensor | None:
+        return _remaining(ctx, None, self.batch)
+
+
+class RandomPolicy(Policy):
+    """Random order (the paper's BruteForce); batches grow from ``first`` to ``batch``."""
+
+    name = "random"
+
+    def __init__(self, batch: int = 1024, first: int = 64) -> None:
+        self.batch, self.first = batch, first
+
+    def propose(self, ctx: PositionContext) -> torch.Tensor | None:
+        size = min(self.batch, self.first * 2 ** len(ctx.ids))
+        return _remaining(ctx, ctx.generator, size)
+
+
+class TablePolicy(Policy):
+    """Position 0 only: nearest neighbours of the target in the first-position table."""
+
+    name = "table"
+
+    def __init__(self, table: torch.Tensor, first: int = 8, batch: int = 1024) -> None:
+        self.table, self.first, self.batch = table, first, batch
+        self._order: torch.Tensor | None = None
+
+    def propose(self, ctx: PositionContext) -> torch.Tensor | None:
+        if not ctx.ids:
+            self._order = torch.cdist(ctx.target.float()[None], self.table)[0].argsort()
+        assert self._order is not None
+        size = min(self.batch, self.first * 4 ** len(ctx.ids))
+        return ctx.unseen(self._order, size)
+
+
+class GradientPolicy(Policy):
+    """The paper's policy: gradient descent on a continuous input vector, verify the nearest entries.
+
+    Between verification batches it takes ``steps`` Adam steps on ``restarts`` vectors at once (relative
+    L2 loss ``||f(x) - h||^2 / ||h||^2``), then proposes the unverified entries nearest to any of them.
+    """
+
+    name = "gradient"
+    uses_first_table = True
+
+    def __init__(
+        self,
+        steps: int = 10,
+        restarts: int = 4,
+        lr: float = 0.05,
+        per_round: int = 16,
+        max_rounds: int = 40,
+        batch: int = 1024,
+    ) -> None:
+        self.steps, self.restarts, self.lr = steps, restarts, lr
+        self.per_round, self.max_rounds, self.batch = per_round, max_rounds, batch
+        self._x: torch.Tensor | None = None
+        self._opt: torch.optim.Optimizer | None = None
+
+    def _start(self, ctx: PositionContext) -> None:
+        vocab = ctx.probe.vocab_matrix()
+        pick = torch.randint(0, len(vocab), (self.restarts - 1,), generator=ctx.generator)
+        init = torch.cat([vocab.mean(0, keepdim=True), vocab[pick]]).float()
+        self._x = init.clone().requires_grad_(True)
+        self._opt = torch.optim.Adam([self._x], lr=self.lr)
+
+    def propose(self, ctx: PositionContext) -> torch.Tensor | None:
+        rounds = len(ctx.ids)
+        if rounds >= self.max_rounds:
+            return _remaining(ctx, ctx.generator, self.batch)
+        if rounds == 0:
+            self._start(ctx)
+        assert self._x is not None and self._opt is not None
+        target = ctx.target.to(ctx.probe.dtype)
+        scale = target.float().square().sum()
+        for _ in range(self.steps):
+            self._opt.zero_grad()
+            out = ctx.probe.continuation(ctx.prefix, embeds=self._x)
+            loss = (out.float() - target.float()).square().sum(dim=-1).div(scale).sum()
+            loss.backward()
+            self._opt.step()
+        with torch.no_grad():
+            dist = torch.cdist(self._x.detach().float(), ctx.probe.vocab_matrix().float())  # [R, V]
+            dist[:, ctx.seen] = float("inf")
+            k = max(1, self.per_round // self.restarts)
+            picks = dist.topk(k, dim=1, largest=False).indices.reshape(-1).unique()
+        return picks
+
+
+class LinearPolicy(Policy):
+    """Rank by a secant linear model ``h(v) ~ a + J e_v`` of the current position.
+
+    ``J`` is fitted by ridge regression on centred (embedding, state) pairs of verified candidates: those of
+    this position plus those of the last ``memory`` positions, pulled towards the previous ``J``; the offset
+    ``a`` is re-estimated at each position. The first round samples a few random entries (for the offset and
+    the fit), later rounds verify the top of the ranking in growing batches, refitting as data arrives and
+    adding a few random samples to keep the fit unbiased. After the ranking the rest is swept in order.
+    """
+
+    name = "linear"
+    uses_first_table = True
+
+    def __init__(
+        self,
+        explore_first: int = 512,
+        explore: int = 16,
+        first: int = 16,
+        growth: int = 2,
+        batch: int = 512,
+        memory: int = 2,
+        ridge: float = 1e-3,
+        prior: float = 0.05,
+        outlier: float = 4.0,
+        fresh: int = 512,
+        explore_max: int = 4096,
+    ) -> None:
+        self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
+        self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
+        self.fresh, self.explore_max = fresh, explore_max
+        self._fitted_on = 0  # samples of the current position used by the last fit
+        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._J: torch.Tensor | None = None
+        self._P: torch.Tensor | None = None  # vocab @ J  [V, d]
+
+    def begin_prompt(self) -> None:
+        self._pool, self._J, self._P = [], None, None
+
+    def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Centred (embedding, state) pairs of this position, without outliers.
+
+        Some tokens turn a position into an attention sink (state norms ~100x the others, e.g. at position
+        1 of SmolLM2); they would dominate a least-squares fit, so states with norms beyond
+        ``outlier`` times the target's are left out.
+        """
+        x = ctx.probe.vocab_matrix()[ctx.all_ids()].double()
+        h = ctx.all_states().double()
+        keep = h.norm(dim=1) <= self.outlier * float(ctx.target.double().norm())
+        x, h = x[keep], h[keep]
+        if len(x) == 0:
+            return x, h
+        return x - x.mean(0), h - h.mean(0)
+
+    def _fit(self, ctx: PositionContext) -> None:
+        x, h = self._centred(ctx)
+        local = len(x) >= self.fresh  # enough data here: fit this position alone
+        if not local:
+            x = torch.cat([x, *(p[0] for p in self._pool)])
+            h = torch.cat([h, *(p[1] for p in self._pool)])
+        eye = torch.eye(x.shape[1], dtype=torch.float64)
+        energy = float(x.square().sum())
+        gram, rhs = x.T @ x + self.ridge * energy * eye, x.T @ h
+        if self._J is not None and not local:
+            gram, rhs = gram + self.prior * energy * eye, rhs + self.prior * energy * self._J
+        self._J = torch.linalg.solve(gram, rhs)
+        self._P = ctx.probe.vocab_matrix().float() @ self._J.float()
+        self._fitted_on = ctx.checked
+
+    def _ranking(self, ctx: PositionContext) -> torch.Tensor:
+        assert self._P is not None
+        ids, states = ctx.all_ids(), ctx.all_states().float()
+        keep = states.norm(dim=1) <= self.outlier * float(ctx.target.norm())
+        if keep.any():
+            ids, states = ids[keep], states[keep]
+        offset = (states - self._P[ids]).mean(0)
+        residual = ctx.target.float() - offset
+        score = self._P.square().sum(1) - 2.0 * (self._P @ residual)  # ||P_v - r||^2 - ||r||^2
+        return score.argsort()
+
+    def propose(self, ctx: PositionContext) -> torch.Tensor | None:
+        rounds = len(ctx.ids)
+        if rounds == 0:
+            self._fitted_on = 0
+            return _remaining(ctx, ctx.generator, self.explore if self._J is not None else self.explore_first)
+        if self._J is None or (rounds >= 2 and ctx.checked >= 2 * self._fitted_on):
+            self._fit(ctx)  # refit whenever this position's data has doubled
+        size = min(self.batch, self.first * self.growth ** (rounds - 1))
+        picks = ctx.unseen(self._ranking(ctx), size)
+        if rounds >= 2 and ctx.checked < self.explore_max:
+            # the ranking missed: add unbiased samples (as many as we have) so the next fit is local
+            extra = max(self.explore, min(ctx.checked, self.explore_max - ctx.checked))
+            picks = torch.cat([picks, _remaining(ctx, ctx.generator, extra)]).unique()
+        return picks
+
+    def end_position(self, ctx: PositionContext) -> None:
+        self._pool = [*self._pool, self._centred(ctx)][-self.memory :]
+
+
+POLICIES = {"linear": LinearPolicy, "gradient": GradientPolicy, "random": RandomPolicy}

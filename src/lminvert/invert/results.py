@@ -1,0 +1,92 @@
+"""Results of an inversion: per position and per prompt (frozen, JSON-ready)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class PositionResult:
+    """What happened at one position.
+
+    ``distance`` is the L2 distance between the accepted candidate's verified state and the observed state;
+    ``margin`` the distance of the best *rejected* candidate that was checked (inf if none was);
+    ``uncertain`` is set when no candidate passed the acceptance test within the budget, or when another
+    checked candidate was also inside the acceptance radius.
+    """
+
+    token_id: int
+    distance: float
+    margin: float
+    tolerance: float
+    candidates_checked: int
+    uncertain: bool
+    noise_norm: float | None = None
+    radius: float | None = None  # half the gap between the accepted state and the nearest other checked state
+    radius_exact: bool = False  # True when every vocabulary entry was checked, so ``radius`` is Delta/2 exactly
+
+
+@dataclass(frozen=True)
+class InversionResult:
+    """The recovered prompt and how it was found."""
+
+    token_ids: list[int]
+    text: str
+    seconds: float
+    positions: list[PositionResult]
+    layer: str
+    model: str
+    method: str
+    policy: str
+    vocab_size: int
+
+    @property
+    def candidates_checked(self) -> list[int]:
+        return [p.candidates_checked for p in self.positions]
+
+    @property
+    def distances(self) -> list[float]:
+        return [p.distance for p in self.positions]
+
+    @property
+    def margins(self) -> list[float]:
+        return [p.margin for p in self.positions]
+
+    @property
+    def uncertain_positions(self) -> list[int]:
+        return [i for i, p in enumerate(self.positions) if p.uncertain]
+
+    @property
+    def explored_fraction(self) -> float:
+        """Mean fraction of the vocabulary verified per position."""
+        return sum(self.candidates_checked) / (len(self.positions) * self.vocab_size)
+
+    def to_json(self) -> dict:
+        out = {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "seconds": round(self.seconds, 4),
+            "candidates_checked": self.candidates_checked,
+            "distances": self.distances,
+            "margins": [m if m != float("inf") else None for m in self.margins],
+            "uncertain_positions": self.uncertain_positions,
+            "explored_fraction": self.explored_fraction,
+            "layer": self.layer,
+            "model": self.model,
+            "method": self.method,
+            "policy": self.policy,
+        }
+        if any(p.noise_norm is not None for p in self.positions):
+            out["noise"] = [
+                {
+                    "noise_norm": p.noise_norm,
+                    "radius": p.radius,
+                    "radius_exact": p.radius_exact,
+                    "below_radius": None if p.radius is None or p.noise_norm is None else p.noise_norm < p.radius,
+                }
+                for p in self.positions
+            ]
+        return out
+
+    def as_dict(self) -> dict:
+        return asdict(self)

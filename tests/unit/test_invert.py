@@ -1,0 +1,170 @@
+"""Inversion on tiny random models of each architecture: exactness, agreement with brute force, noise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lminvert
+from lminvert.encode import encode
+from lminvert.errors import LminvertError
+from lminvert.invert import invert
+
+from ..conftest import TINY
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module", params=TINY)
+def tiny(request):
+    return lminvert.load_model(request.param)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), layer=st.sampled_from([1, 2, "final"]))
+def test_invert_encode_roundtrip(tiny, ids, layer):
+    states = encode(tiny, [ids], layer)
+    (result,) = invert(tiny, states)
+    assert result.token_ids == ids
+    assert result.uncertain_positions == []
+    assert all(d <= p.tolerance for d, p in zip(result.distances, result.positions, strict=True))
+
+
+@pytest.mark.parametrize("policy", ["gradient", "random"])
+def test_other_policies_exact(policy):
+    model = lminvert.load_model("tiny-qwen2")
+    ids = [17, 4021, 33000, 17, 5]
+    (result,) = invert(model, encode(model, [ids], 2), policy=policy)
+    assert result.token_ids == ids and not result.uncertain_positions
+
+
+def test_agrees_with_bruteforce():
+    model = lminvert.load_model("tiny-llama")
+    ids = [101, 2024, 48000, 7]
+    states = encode(model, [ids], 2)
+    (fast,) = invert(model, states)
+    (oracle,) = invert(model, states, method="bruteforce")
+    assert fast.token_ids == oracle.token_ids == ids
+    assert oracle.candidates_checked == [VOCAB] * len(ids)
+    assert sum(fast.candidates_checked) < sum(oracle.candidates_checked) / 10
+    # the oracle's margin is the true gap to the nearest other token's state
+    assert all(m > 0 for m in oracle.margins)
+
+
+def test_noise_below_half_gap_stays_exact():
+    model = lminvert.load_model("tiny-gpt2")
+    ids = [5, 900, 31000, 12, 12]
+    states = encode(model, [ids], 2)
+    (result,) = invert(model, states, method="bruteforce", noise=1e-4, seed=3)
+    below = [p for p in result.positions if p.radius_exact and p.noise_norm < p.radius]
+    assert len(below) == len(ids)  # sanity: this noise level is inside the certified radius everywhere
+    assert result.token_ids == ids
+    (fast,) = invert(model, states, noise=1e-4, seed=3)
+    assert fast.token_ids == ids
+
+
+def test_heavy_noise_is_flagged_not_silent():
+    model = lminvert.load_model("tiny-llama")
+    ids = [5, 900, 31000, 12, 77, 4]
+    states = encode(model, [ids], 2)
+    (result,) = invert(model, states, noise=1.0, seed=0, max_candidates=2048)
+    wrong = [i for i, (a, b) in enumerate(zip(result.token_ids, ids, strict=True)) if a != b]
+    assert wrong, "noise of the state's own size should not allow exact recovery"
+    assert set(wrong) <= set(result.uncertain_positions)
+    assert all(0 <= t < VOCAB for t in result.token_ids)
+
+
+def test_budget_exhausted_keeps_best_and_flags():
+    model = lminvert.load_model("tiny-llama")
+    states = encode(model, [[5, 6, 7]], 1).states[0] + 0.5  # not a state any token gives
+    (result,) = invert(model, states, layer=1, max_candidates=64)
+    assert len(result.uncertain_positions) == 3
+    assert all(c <= 64 for c in result.candidates_checked)
+    assert all(0 <= t < VOCAB for t in result.token_ids)
+
+
+def test_bad_arguments():
+    model = lminvert.load_model("tiny-llama")
+    states = encode(model, [[5, 6]], 1)
+    with pytest.raises(LminvertError, match="policy"):
+        invert(model, states, policy="magic")
+    with pytest.raises(LminvertError, match="method"):
+        invert(model, states, method="magic")
+    with pytest.raises(LminvertError, match="weights hash"):
+        invert(lminvert.load_model("tiny-qwen2"), states)
+    with pytest.raises(LminvertError, match="hidden size"):
+        invert(model, torch.zeros(3, 32), layer=1)
+
+
+def test_cli_json_schema(cli, tmp):
+    path = tmp / "s.safetensors"
+    enc = cli(
+        "encode",
+        "--model",
+        "tiny-gemma3",
+        "--layer",
+        "2",
+        "--text",
+        "Secret: 1234",
+        "--text",
+        "hi",
+        "--out",
+        str(path),
+        "--json",
+        check=True,
+    )
+    truth = [p["token_ids"] for p in json.loads(enc.stdout)["prompts"]]
+    proc = cli("invert", str(path), "--json", "--out", str(tmp / "r.json"), check=True)
+    docs = json.loads(proc.stdout)
+    assert docs == json.loads((tmp / "r.json").read_text())
+    assert [d["token_ids"] for d in docs] == truth
+    for d in docs:
+        for key in (
+            "token_ids",
+            "text",
+            "seconds",
+            "candidates_checked",
+            "distances",
+            "margins",
+            "uncertain_positions",
+        ):
+            assert key in d
+        n = len(d["token_ids"])
+        assert len(d["candidates_checked"]) == len(d["distances"]) == len(d["margins"]) == n
+    assert "Secret" in docs[0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("make", "extra", "needle"),
+    [
+        (lambda t: (t / "x.npy").write_bytes(b"garbage"), ["--model", "tiny-llama", "--layer", "1"], "cannot read"),
+        (lambda t: None, ["--model", "tiny-llama"], "not found"),
+    ],
+)
+def test_cli_errors(cli, tmp, make, extra, needle):
+    make(tmp)
+    proc = cli("invert", str(tmp / "x.npy"), *extra)
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_nan_and_mismatch(cli, tmp):
+    import numpy as np
+
+    arr = np.zeros((3, 64), np.float32)
+    arr[1, 1] = np.nan
+    np.save(tmp / "nan.npy", arr)
+    proc = cli("invert", str(tmp / "nan.npy"), "--model", "tiny-llama", "--layer", "1")
+    assert proc.returncode == 2 and "NaN" in proc.stderr
+    np.save(tmp / "wide.npy", np.ones((3, 96), np.float32))
+    proc = cli("invert", str(tmp / "wide.npy"), "--model", "tiny-llama", "--layer", "1")
+    assert proc.returncode == 2 and "hidden size" in proc.stderr
+    proc = cli("invert", str(tmp / "wide.npy"))
+    assert proc.returncode == 2 and "--model" in proc.stderr
+    path = tmp / "s.safetensors"
+    cli("encode", "--model", "tiny-llama", "--layer", "1", "--text", "abc", "--out", str(path), check=True)
+    proc = cli("invert", str(path), "--model", "tiny-qwen2")
+    assert proc.returncode == 2 and "weights hash" in proc.stderr
