@@ -11,7 +11,9 @@ the BLAS sums these ``d + 2`` terms in (blocked, FMA or not), the classical boun
     |r - (ñ_a + ñ_b - 2 a·b)| <= γ_{d+2} (2 Σ|a_k b_k| + ñ_a + ñ_b),     γ_m = m u / (1 - m u),  u = 2^-24,
 
 (scaling by -2 is exact; a separate final addition of the bias folds into γ_{d+2} too, since
-(1 + θ_{d+1})(1 + δ) = 1 + θ_{d+2}). With ``|ñ - n| <= u' n`` and ``Σ|a_k b_k| <= ‖a‖‖b‖`` this bounds the error
+(1 + θ_{d+1})(1 + δ) = 1 + θ_{d+2}). The operands are padded with zero columns to a multiple of 4 (MKL is faster);
+zero terms add no rounding, but the search counts them anyway (it calls these functions with ``d`` = the padded
+width - 1). With ``|ñ - n| <= u' n`` and ``Σ|a_k b_k| <= ‖a‖‖b‖`` this bounds the error
 of ``r`` against ``‖a - b‖²`` of the float32 vectors by :func:`sq_error_bound`.
 
 The float32 vectors are themselves roundings of the float64-centred states ``x - μ``: ``a = (x - μ)(1 + δ)``

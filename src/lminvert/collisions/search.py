@@ -154,11 +154,16 @@ def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
 
 @dataclass
 class _Operands:
-    P: torch.Tensor  # [N, d+1] float32: [a, fl32(|a|²)]
-    Q: torch.Tensor  # [N, d+1] float32: [-2a, 1]
+    P: torch.Tensor  # [N, w] float32: [a, fl32(|a|²), 0...] (w = padded_width(d))
+    Q: torch.Tensor  # [N, w] float32: [-2a, 1, 0...]
     bias: torch.Tensor  # [N] float32: fl32(|a|²)
     norm: torch.Tensor  # [N] float64: |a| (of the float32 vectors)
     offset_norm: float
+
+
+def padded_width(d: int) -> int:
+    """Columns of the GEMM operands: d, the norm column, zeros up to a multiple of 4 (MKL runs 577 ~7 % slower)."""
+    return -(-(d + 1) // 4) * 4
 
 
 def _as_tensor(x: ArrayLike) -> torch.Tensor:
@@ -173,8 +178,9 @@ def _prepare(x: ArrayLike, chunk: int = 8192) -> _Operands:
     xt = _as_tensor(x)
     n, d = xt.shape
     mean = xt.mean(dim=0)  # in the input dtype, so ``x - mean`` below rounds once
-    P = torch.empty(n, d + 1, dtype=torch.float32)
-    Q = torch.empty(n, d + 1, dtype=torch.float32)
+    width = padded_width(d)
+    P = torch.zeros(n, width, dtype=torch.float32)  # the padding columns stay 0: exact, they add no rounding
+    Q = torch.zeros(n, width, dtype=torch.float32)
     sq = np.empty(n, dtype=np.float64)
     P_np = P.numpy()
     for start, stop in _chunks(n, chunk):
@@ -287,6 +293,7 @@ def pairwise_min(
         prepared = time.perf_counter()
         best = _Best(k, threshold, max_keep=max(4 * k, 1024))
         norm = ops.norm.numpy()
+        terms = padded_width(d) - 1  # products per dot (zero padding included): the bound's d, conservatively
         nn_sq = np.full(n, np.inf, dtype=np.float32)
         tril = np.tri(min(rows, n), dtype=bool)  # lower triangle with the diagonal: pairs j <= i
         buffers: dict[tuple[int, int], torch.Tensor] = {}
@@ -316,15 +323,14 @@ def pairwise_min(
                     side = r1 - r0
                     np.putmask(values[:, :side], tril[:side, :side], np.inf)
                     masked = side * (side + 1) // 2
-                row_min = values.min(axis=1)
-                col_min = values.min(axis=0)
+                row_min, col_min = values.min(axis=1), values.min(axis=0)
                 np.minimum(nn_sq[r0:r1], row_min, out=nn_sq[r0:r1])
                 np.minimum(nn_sq[c0:c1], col_min, out=nn_sq[c0:c1])
                 t2 = time.perf_counter()
                 col_norm_max = float(norm[c0:c1].max())
-                max_bound = max(max_bound, float(bounds.sq_error_bound(float(row_norm.max()), col_norm_max, d)))
+                max_bound = max(max_bound, float(bounds.sq_error_bound(float(row_norm.max()), col_norm_max, terms)))
                 valid = shape[0] * shape[1] - masked
-                scanned = _exact_pass(x, values, valid, r0, c0, row_min, row_norm, col_norm_max, norm, best, d)
+                scanned = _exact_pass(x, values, valid, r0, c0, row_min, row_norm, col_norm_max, norm, best, terms)
                 t3 = time.perf_counter()
                 n_tiles += 1
                 n_scanned += int(scanned)
