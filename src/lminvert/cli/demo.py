@@ -1,4 +1,9 @@
-"""`lminvert demo`: the main job on the default model, end to end, offline."""
+"""`lminvert demo`: the main job on the default model, end to end, offline.
+
+1. a prompt with personal data is encoded at a middle layer into a states file (what leaks);
+2. the states file alone is inverted back to the exact token ids (SIPIT), with time and margins;
+3. a small collision search over a few hundred prompts writes its table and figure.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import argparse
 import time
 from pathlib import Path
 
+from ..collisions import demo_run
 from ..encode import encode
+from ..invert import invert
 from ..models import DEFAULT_MODEL, load_model
 from ..states import HiddenStates
 
@@ -17,10 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "demo",
         help="run the end-to-end demo on the default model",
-        description="Encode a sample prompt, show what a leaked states file holds.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="out/demo", help="directory for the demo's files")
-    parser.add_argument("--layer", default="15", help="layer to encode at")
+    parser.add_argument("--layer", default="15", help="layer to encode and invert at")
+    parser.add_argument("--text", default=SAMPLE, help="the prompt to leak and recover")
+    parser.add_argument("--n-prompts", type=int, default=300, help="prompts in the collision search")
     parser.set_defaults(func=run)
 
 
@@ -31,17 +41,46 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(DEFAULT_MODEL)
     info = model.describe()
     print(
-        f"model    {model.name}: {info['architecture']}, {info['n_layers']} layers, d={info['hidden_size']}, "
-        f"|V|={info['vocab_size']}, weights {info['weights_hash']} (loaded in {time.perf_counter() - start:.1f} s)"
+        f"model     {model.name}: {info['architecture']}, {info['n_layers']} layers, d={info['hidden_size']}, "
+        f"|V|={info['vocab_size']}, weights {info['weights_hash']} ({time.perf_counter() - start:.1f} s to load)"
     )
-    states = encode(model, [SAMPLE], args.layer)
-    path = states.save(out / "leak.safetensors")
-    loaded = HiddenStates.load(path)
-    print(f"prompt   {SAMPLE!r}")
+
+    print("\n1. leak: encode a prompt at a middle layer")
+    path = encode(model, [args.text], args.layer).save(out / "leak.safetensors")
+    leaked = HiddenStates.load(path)
+    print(f"   prompt  {args.text!r}")
     print(
-        f"encoded  layer {loaded.layer}: {loaded.lengths[0]} positions x {loaded.hidden_size} floats -> {path} "
-        f"({path.stat().st_size / 1024:.0f} KiB, no token ids stored)"
+        f"   wrote   {path}: layer {leaked.layer}, {leaked.lengths[0]} positions x {leaked.hidden_size} floats, "
+        "no text, no token ids"
     )
-    norms = [f"{float(x):.0f}" for x in loaded.states[0].norm(dim=-1)[:6]]
-    print(f"norms    first positions' state norms: {', '.join(norms)} ...")
-    return 0
+
+    print("\n2. invert: recover the exact prompt from the states file alone")
+    (result,) = invert(model, leaked, progress=True)
+    truth = model.tokenize(args.text)
+    exact = result.token_ids == truth
+    print(f"   recovered {result.text!r}")
+    right = sum(a == b for a, b in zip(result.token_ids, truth, strict=False))
+    print(
+        f"   {'EXACT' if exact else 'NOT exact'}: {right}/{len(truth)} "
+        f"tokens in {result.seconds:.1f} s; {sum(result.candidates_checked)} candidates verified "
+        f"({100 * result.explored_fraction:.2f}% of the vocabulary per position)"
+    )
+    ratios = [m / max(d, 1e-30) for m, d in zip(result.margins, result.distances, strict=True) if m != float("inf")]
+    print(
+        f"   accepted distances <= {max(result.distances):.2e}; "
+        f"nearest rejected candidate >= {min(result.margins):.2f} "
+        f"(margin/distance >= {min(ratios):.0e})"
+        + (f"; uncertain: {result.uncertain_positions}" if result.uncertain_positions else "")
+    )
+
+    print(f"\n3. collisions: minimum pairwise distance of {args.n_prompts} prompts' last-token states")
+    demo = demo_run(model, out / "collisions", n_prompts=args.n_prompts, progress=True)
+    res = demo.results
+    for name, layer in res.layers.items():
+        print(
+            f"   layer {name:>3}: min distance {layer.min_distance:.4f} over {res.n_pairs:,} pairs, "
+            f"{layer.n_below_threshold} below {res.config.threshold:g}"
+        )
+    print(f"   table   {demo.table}\n   figure  {demo.figure}")
+    print(f"\ndone in {time.perf_counter() - start:.0f} s")
+    return 0 if exact else 1

@@ -66,6 +66,8 @@ def invert_prompt(
     table = None
     if config.first_table and policy.uses_first_table and not exhaustive:
         table = first_position_table(model, layer, progress=config.progress)
+    if table is not None:
+        policy.prepare(model, layer)
     start = time.perf_counter()
     policy.begin_prompt()
     prefix = probe.prefix([], layer)

@@ -21,7 +21,9 @@ import logging
 
 import torch
 
+from ..models import LoadedModel
 from .context import PositionContext
+from .tables import second_position_map
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ class Policy:
 
     name = "base"
     uses_first_table = False
+
+    def prepare(self, model: LoadedModel, layer: int) -> None:
+        """Called once before inverting with ``model`` at ``layer`` (load cached priors here)."""
 
     def begin_prompt(self) -> None:
         """Called before the first position of each prompt."""
@@ -180,9 +185,23 @@ class LinearPolicy(Policy):
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._J: torch.Tensor | None = None
         self._P: torch.Tensor | None = None  # vocab @ J  [V, d]
+        self._P_sq: torch.Tensor | None = None  # its squared row norms
+        self._prior: torch.Tensor | None = None  # position-1 map, set by prepare()
+        self._prior_P: torch.Tensor | None = None
+        self._vocab: torch.Tensor | None = None
+
+    def prepare(self, model: LoadedModel, layer: int) -> None:
+        self._prior = second_position_map(model, layer)
+        self._vocab = model.probe.vocab_matrix()
+        self._prior_P = None
 
     def begin_prompt(self) -> None:
         self._pool, self._J, self._P = [], None, None
+        if self._prior is not None:  # position 0 is decided by the table; position 1 starts from the prior
+            self._J = self._prior
+            self._P = self._vocab.float() @ self._J.float() if self._prior_P is None else self._prior_P
+            self._P_sq = self._P.square().sum(1)
+            self._prior_P = self._P
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
@@ -212,6 +231,7 @@ class LinearPolicy(Policy):
             gram, rhs = gram + self.prior * energy * eye, rhs + self.prior * energy * self._J
         self._J = torch.linalg.solve(gram, rhs)
         self._P = ctx.probe.vocab_matrix().float() @ self._J.float()
+        self._P_sq = self._P.square().sum(1)
         self._fitted_on = ctx.checked
 
     def _ranking(self, ctx: PositionContext) -> torch.Tensor:
@@ -222,7 +242,7 @@ class LinearPolicy(Policy):
             ids, states = ids[keep], states[keep]
         offset = (states - self._P[ids]).mean(0)
         residual = ctx.target.float() - offset
-        score = self._P.square().sum(1) - 2.0 * (self._P @ residual)  # ||P_v - r||^2 - ||r||^2
+        score = self._P_sq - 2.0 * (self._P @ residual)  # ||P_v - r||^2 - ||r||^2
         return score.argsort()
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:

@@ -50,3 +50,43 @@ def first_position_table(model: LoadedModel, layer: int, batch: int = 1024, prog
         log.info("built first-position table for layer %s in %.1f s", layer, time.perf_counter() - start)
     _MEMORY[key] = table
     return table
+
+
+def second_position_map(
+    model: LoadedModel, layer: int, contexts: int = 12, samples: int = 256, seed: int = 0, outlier: float = 4.0
+) -> torch.Tensor:
+    """A secant linear map ``J`` [d, d] from input embeddings to position-1 states, for random first tokens.
+
+    Position 1 sees only the first token and itself; a ridge fit over ``contexts`` random first tokens x
+    ``samples`` random second tokens (centred per context, attention-sink outliers dropped) is a good prior
+    for :class:`~lminvert.invert.policies.LinearPolicy` there. Built once per model and layer, cached.
+    """
+    probe = model.probe
+    key = (model.weights_hash + ":J1", layer, model.dtype)
+    if key in _MEMORY:
+        return _MEMORY[key]
+    name = f"{model.weights_hash}-{model.dtype}-layer{probe.layer_name(layer)}-position1-map.safetensors"
+    path = cache_dir() / "tables" / name
+    if path.is_file():
+        jac = load_file(str(path))["J"]
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        vocab = probe.vocab_matrix().double()
+        xs, hs = [], []
+        with torch.no_grad():
+            for first in torch.randint(0, probe.vocab_size, (contexts,), generator=gen).tolist():
+                ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
+                states = probe.continuation(probe.prefix([first], layer), token_ids=ids).double()
+                keep = states.norm(dim=1) <= outlier * states.norm(dim=1).median()
+                x, h = vocab[ids][keep], states[keep]
+                xs.append(x - x.mean(0))
+                hs.append(h - h.mean(0))
+        x, h = torch.cat(xs), torch.cat(hs)
+        eye = torch.eye(x.shape[1], dtype=torch.float64)
+        jac = torch.linalg.solve(x.T @ x + 1e-3 * float(x.square().sum()) * eye, x.T @ h)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({"J": jac.contiguous()}, str(tmp))
+        tmp.rename(path)
+    _MEMORY[key] = jac
+    return jac
