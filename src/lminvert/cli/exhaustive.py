@@ -21,8 +21,8 @@ EXAMPLES = """examples:
   lminvert exhaustive --from-collisions runs/c2k --prefixes 3 --out runs/ex-closest
   lminvert exhaustive --model tiny-llama --prefix "hello" --prefix "def f(x):" --layers all --out runs/tiny
 
-A prefix run to the top layer takes |V| one-token forwards over its cache: about 5 minutes for SmolLM2 on 2
-CPU cores (measured while sharing them), plus about 22 s of search per layer.
+A prefix run to the top layer takes |V| one-token forwards over its cache: 72 s for SmolLM2 on 2 idle CPU cores
+(317 s while sharing them with another job), plus 10-22 s of search per layer.
 """
 
 
