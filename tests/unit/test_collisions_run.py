@@ -152,6 +152,8 @@ def test_demo_run_returns_table_and_figure(tmp_path):
     assert list(demo.results.layers) == ["1", "2"]  # layers beyond the model's 2 are dropped
     assert demo.table.read_text().startswith("# Collision search")
     assert demo.figure.suffix == ".png" and demo.figure.exists()
+    again = demo_run("tiny-gemma3", tmp_path, n_prompts=30)  # other settings: the demo's directory is replaced
+    assert again.results.n_prompts == 30
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -267,7 +268,8 @@ def demo_run(
 ) -> CollisionDemo:
     """A small collision search for ``lminvert demo`` (prints nothing; logs).
 
-    If the model lacks some of ``layers``, layers 1, L/2 and L are searched instead.
+    If the model lacks some of ``layers``, layers 1, L/2 and L are searched instead. A rerun with the same settings
+    reuses ``out_dir``; one with other settings replaces the demo run found there.
     """
     loaded = _model(model)
     top = loaded.probe.n_layers
@@ -275,14 +277,14 @@ def demo_run(
     if not layers or len(wanted) < len(layers):
         wanted = sorted({1, max(1, top // 2), top})
         log.info("%s has %d layers: the demo searches layers %s", loaded.name, top, wanted)
-    results = find_collisions(
-        loaded,
-        corpus=corpus,
-        n_prompts=n_prompts,
-        layers=wanted,
-        max_tokens=max_tokens,
-        out=out_dir,
-        seed=seed,
-        progress=progress,
-    )
+    settings = dict(corpus=corpus, n_prompts=n_prompts, layers=wanted, max_tokens=max_tokens, seed=seed)
+    try:
+        results = find_collisions(loaded, out=out_dir, progress=progress, **settings)
+    except LminvertError as exc:
+        if "different collision run" not in str(exc):
+            raise
+        # the demo's own directory, left by a demo with other settings: start it afresh
+        log.info("%s held a demo run with other settings; replacing it", out_dir)
+        shutil.rmtree(out_dir)
+        results = find_collisions(loaded, out=out_dir, progress=progress, **settings)
     return CollisionDemo(results, Path(results.paths["markdown"]), Path(results.paths["figure"]))
