@@ -202,3 +202,15 @@ def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, 
     np.testing.assert_allclose(states[42], full, rtol=1e-4, atol=1e-5)
     assert results.layers["3"]["n_below_threshold"] == 2  # summed over the two prefixes
     assert (tmp_path / "results.md").exists() and (tmp_path / "nn_distances.png").exists()
+
+
+def test_exhaustive_resumes_and_refuses_other_runs(small_vocab, tmp_path, monkeypatch):
+    first = exhaustive_test(small_vocab, [[4, 4]], layers=[1, 3], out=tmp_path, batch_size=100, figure=False)
+    calls = []
+    original = StateStore.write_chunk
+    monkeypatch.setattr(StateStore, "write_chunk", lambda self, c, rows: calls.append(c) or original(self, c, rows))
+    again = exhaustive_test(small_vocab, [[4, 4]], layers=[1, 3], out=tmp_path, batch_size=100, figure=False)
+    assert calls == [] and again.extra["timings"]["encoding_seconds"] == 0.0  # nothing encoded twice
+    assert again.to_dict()["layers"] == first.to_dict()["layers"]
+    with pytest.raises(LminvertError, match="different exhaustive run"):
+        exhaustive_test(small_vocab, [[4, 5]], layers=[1, 3], out=tmp_path, batch_size=100, figure=False)
