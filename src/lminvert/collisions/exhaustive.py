@@ -328,7 +328,17 @@ def _write(results: ExhaustiveResults, out_dir: Path, nn_paths: list[list[str]],
             f"({len(results.prefixes)} prefix(es))"
         )
         paths["figure"] = str(
-            plot_nn_distances(names, pooled, minima, out_dir / "nn_distances.png", results.config.threshold, title)
+            plot_nn_distances(
+                names,
+                pooled,
+                minima,
+                out_dir / "nn_distances.png",
+                results.config.threshold,
+                title,
+                unit="continuations",
+                second_minima=[results.layers[n]["min_distance_inputs_differ"] for n in names],
+                second_label="minimum over pairs whose inputs differ (tied tokens aside)",
+            )
         )
     done = ExhaustiveResults(**{**results.__dict__, "paths": paths})
     write_json(Path(paths["json"]), done.to_dict())

@@ -16,12 +16,14 @@ def plot_nn_distances(
     path: str | Path,
     threshold: float | None = None,
     title: str = "",
-    xlabel: str = "layer (boxes: 25-75% of prompts, whiskers: 1-99%)",
+    unit: str = "prompts",
+    second_minima: Sequence[float | None] | None = None,
+    second_label: str = "",
 ) -> Path:
     """Box plot per layer (whiskers 1%-99%, box 25%-75%, median) on a log axis; exact minima as red marks.
 
     Zero distances (collisions) cannot sit on a log axis: they are drawn at the bottom edge and counted in the
-    legend.
+    legend. ``second_minima`` (e.g. the minimum over pairs whose inputs differ) are drawn as hollow marks.
     """
     import matplotlib
 
@@ -36,7 +38,7 @@ def plot_nn_distances(
         floor_candidates.append(threshold)
     floor = (min(floor_candidates) if floor_candidates else 1e-6) / 3
     n_zero = sum(int(np.count_nonzero(np.asarray(x) == 0)) for x in nn)
-    width = max(6.0, min(16.0, 0.45 * len(layers) + 3))
+    width = max(7.0, min(16.0, 0.45 * len(layers) + 3))
     fig, ax = plt.subplots(figsize=(width, 4.6))
     xs = np.arange(len(layers))
     data = [v if len(v) else np.array([floor]) for v in positive]
@@ -56,6 +58,10 @@ def plot_nn_distances(
     ax.plot(xs, shown_min, "v", color="#de2d26", markersize=7, label="minimum over all pairs (exact)", zorder=3)
     if len(xs) > 1:
         ax.plot(xs, shown_min, "-", color="#de2d26", linewidth=0.8, alpha=0.6)
+    if second_minima is not None:
+        shown = [(x, m) for x, m in zip(xs, second_minima, strict=True) if m is not None and m > 0]
+        if shown:
+            ax.plot(*zip(*shown, strict=True), "o", mfc="none", color="#de2d26", markersize=7, label=second_label)
     if threshold:
         ax.axhline(threshold, color="#636363", linestyle="--", linewidth=1, label=f"collision threshold {threshold:g}")
     if n_zero:
@@ -64,12 +70,12 @@ def plot_nn_distances(
     ax.set_ylim(bottom=floor / 1.5)
     ax.set_xticks(xs)
     ax.set_xticklabels(list(layers), rotation=0 if len(layers) <= 16 else 90)
-    ax.set_xlabel(xlabel)
+    ax.set_xlabel(f"layer (boxes: 25-75% of {unit}, whiskers: 1-99%)")
     ax.set_ylabel("nearest-neighbour L2 distance")
     ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     ax.grid(axis="y", which="major", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
     return path
