@@ -51,15 +51,20 @@ def sequential_baseline(
     layer: int,
     lr: float = 0.1,
     time_limit: float | None = None,
+    known: list[int] | None = None,
 ) -> BaselineResult:
-    """Invert ``states`` [T, d] one candidate per gradient step, with full uncached forwards."""
+    """Invert ``states`` [T, d] one candidate per gradient step, with full uncached forwards.
+
+    ``known`` gives the first tokens (their states are skipped), e.g. to time ordinary positions without the
+    first position's attention sink.
+    """
     probe = model.probe
     vocab = probe.vocab_matrix().float()
     embed = probe.embed
-    recovered: list[int] = []
+    recovered: list[int] = list(known or [])
     checked: list[int] = []
     start = time.perf_counter()
-    for t in range(states.shape[0]):
+    for t in range(len(recovered), states.shape[0]):
         target = states[t].float()
         tol = tolerance(target, probe.dtype)
         prefix = embed(torch.tensor(recovered, dtype=torch.long)).detach() if recovered else None
@@ -70,7 +75,7 @@ def sequential_baseline(
         count = 0
         while found is None and count < len(vocab):
             if time_limit is not None and time.perf_counter() - start > time_limit:
-                return BaselineResult(recovered, time.perf_counter() - start, checked, False)
+                return BaselineResult(recovered[len(known or []) :], time.perf_counter() - start, checked, False)
             # gradient step: full forward + backward through the whole model
             opt.zero_grad()
             seq = x[None] if prefix is None else torch.cat([prefix, x[None]])
@@ -89,4 +94,4 @@ def sequential_baseline(
                     found = cand
         recovered.append(found if found is not None else cand)
         checked.append(count)
-    return BaselineResult(recovered, time.perf_counter() - start, checked, True)
+    return BaselineResult(recovered[len(known or []) :], time.perf_counter() - start, checked, True)

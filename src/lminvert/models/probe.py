@@ -139,14 +139,16 @@ class LayerProbe:
                 raise LminvertError(
                     f"layer '{layer}' is not a number: use 0..{self.n_layers}, -1..-{self.n_layers} or 'final'"
                 ) from None
-        if layer == self.final:  # already resolved
-            return layer
         if not -self.n_layers <= layer <= self.n_layers:
             raise LminvertError(
                 f"layer {layer} is out of range for this model: use 0..{self.n_layers} "
                 f"(or -1..-{self.n_layers} from the top, or 'final')"
             )
         return layer % (self.n_layers + 1) if layer < 0 else layer
+
+    def _index(self, layer: Layer) -> int:
+        """Like :meth:`resolve_layer`, but also takes an already-resolved ``final`` index (L+1)."""
+        return layer if layer == self.final else self.resolve_layer(layer)
 
     def layer_name(self, layer: int) -> str:
         return "final" if layer == self.final else str(layer)
@@ -220,7 +222,7 @@ class LayerProbe:
         """States ``[B, T, d]`` of full sequences at one or several layers (keys: resolved layer indices)."""
         if isinstance(layers, int | str):
             layers = [layers]
-        resolved = [self.resolve_layer(layer) for layer in layers]
+        resolved = [self._index(layer) for layer in layers]
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         self.check_ids(input_ids)
@@ -232,7 +234,7 @@ class LayerProbe:
 
     def prefix(self, token_ids: Sequence[int], layer: Layer) -> Prefix:
         """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""
-        resolved = self.resolve_layer(layer)
+        resolved = self._index(layer)
         ids = list(int(t) for t in token_ids)
         if not ids:
             return Prefix([], resolved, None)
@@ -283,7 +285,7 @@ class LayerProbe:
         if prefix.cache is not None:
             view = Cache(layers=[_FrozenPrefixLayer(layer, batch) for layer in prefix.cache.layers])
             kwargs["past_key_values"] = view
-        wanted = [prefix.layer] if layers is None else [self.resolve_layer(x) for x in layers]
+        wanted = [prefix.layer] if layers is None else [self._index(x) for x in layers]
         if max(wanted) > prefix.layer and prefix.cache is not None:
             raise ValueError("continuation layers must not exceed the prefix's layer")
         with torch.set_grad_enabled(embeds.requires_grad):
