@@ -168,3 +168,19 @@ def test_cli_nan_and_mismatch(cli, tmp):
     cli("encode", "--model", "tiny-llama", "--layer", "1", "--text", "abc", "--out", str(path), check=True)
     proc = cli("invert", str(path), "--model", "tiny-qwen2")
     assert proc.returncode == 2 and "weights hash" in proc.stderr
+
+
+def test_tied_tokens_are_flagged():
+    """Two tokens with identical embedding rows give identical states: the position must be marked uncertain."""
+    model = lminvert.load_model("tiny-llama", seed=7)
+    emb = model.model.get_input_embeddings().weight
+    with torch.no_grad():
+        emb[4242] = emb[1717]
+    states = encode(model, [[5, 1717, 9]], 2)
+    (result,) = invert(model, states, first_table=False)  # modified weights: keep them out of the on-disk tables
+    assert result.token_ids[0] == 5 and result.token_ids[2] == 9
+    assert result.token_ids[1] in (1717, 4242)
+    assert 1 in result.uncertain_positions
+    other = ({1717, 4242} - {result.token_ids[1]}).pop()
+    assert result.positions[1].tied_with == (other,)
+    assert result.to_json()["tied_alternatives"] == {1: [other]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..collisions.ties import tied_token_groups
 from ..encode import check_compatible
 from ..errors import LminvertError
 from ..models import LoadedModel, load_model
@@ -55,6 +56,7 @@ def invert(
         progress=progress,
     )
     generator = torch.Generator().manual_seed(seed + 1)
+    ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
     results = []
     for i, clean in enumerate(states.states):
         observed = add_noise(clean, noise, generator) if noise > 0 else clean
@@ -62,7 +64,13 @@ def invert(
         try:
             results.append(
                 invert_prompt(
-                    model, observed, resolved, config, clean_states=clean if noise > 0 else None, on_position=callback
+                    model,
+                    observed,
+                    resolved,
+                    config,
+                    clean_states=clean if noise > 0 else None,
+                    on_position=callback,
+                    ties=ties,
                 )
             )
         finally:

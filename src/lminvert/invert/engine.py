@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -55,6 +55,7 @@ def invert_prompt(
     policy: Policy | None = None,
     clean_states: torch.Tensor | None = None,
     on_position: Callable[[int, PositionResult], None] | None = None,
+    ties: dict[int, tuple[int, ...]] | None = None,
 ) -> InversionResult:
     """Recover the token ids whose layer-``layer`` states are ``states`` ``[T, d]``."""
     probe = model.probe
@@ -93,7 +94,10 @@ def invert_prompt(
                 break
         if active is policy:
             policy.end_position(ctx)
-        results.append(_decide(ctx, budget, vocab, clean_states[t] if clean_states is not None else None))
+        decided = _decide(ctx, budget, vocab, clean_states[t] if clean_states is not None else None)
+        if ties and decided.token_id in ties:  # no state can tell these tokens apart: say so
+            decided = replace(decided, uncertain=True, tied_with=ties[decided.token_id])
+        results.append(decided)
         if on_position is not None:
             on_position(t, results[-1])
         prefix = probe.extend(prefix, ctx.best_id)

@@ -24,6 +24,7 @@ class PositionResult:
     noise_norm: float | None = None
     radius: float | None = None  # half the gap between the accepted state and the nearest other checked state
     radius_exact: bool = False  # True when every vocabulary entry was checked, so ``radius`` is Delta/2 exactly
+    tied_with: tuple[int, ...] = ()  # other tokens with a bit-identical input vector: indistinguishable by any state
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class InversionResult:
             "method": self.method,
             "policy": self.policy,
         }
+        ties = {i: list(p.tied_with) for i, p in enumerate(self.positions) if p.tied_with}
+        if ties:
+            out["tied_alternatives"] = ties
         if any(p.noise_norm is not None for p in self.positions):
             out["noise"] = [
                 {
