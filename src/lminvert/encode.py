@@ -34,6 +34,17 @@ def token_ids_of(model: LoadedModel, prompts: Sequence[Prompt], max_tokens: int 
     return out
 
 
+def padded_batch(ids: Sequence[Sequence[int]], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-padded ``[len(rows), width]`` ids of ``ids[rows]`` and their attention mask (None if no padding)."""
+    width = max(len(ids[i]) for i in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for row, i in enumerate(rows):
+        batch[row, : len(ids[i])] = torch.tensor(ids[i])
+        mask[row, : len(ids[i])] = 1
+    return batch, (mask if bool((mask == 0).any()) else None)
+
+
 def batched_states(
     model: LoadedModel,
     ids: Sequence[Sequence[int]],
@@ -55,14 +66,8 @@ def batched_states(
             stop += 1
         stop = max(stop, start + 1)
         chunk = order[start:stop]
-        width = max(len(ids[i]) for i in chunk)
-        batch = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, i in enumerate(chunk):
-            batch[row, : len(ids[i])] = torch.tensor(ids[i])
-            mask[row, : len(ids[i])] = 1
-        padded = bool((mask == 0).any())
-        out = probe.states(batch, layers, attention_mask=mask if padded else None)
+        batch, mask = padded_batch(ids, chunk)
+        out = probe.states(batch, layers, attention_mask=mask)
         for row, i in enumerate(chunk):
             results[i] = {layer: state[row, : len(ids[i])].float().cpu() for layer, state in out.items()}
         bar.update(len(chunk))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..encode import padded_batch
 from ..models import LoadedModel
 from .store import StateStore
 
@@ -50,14 +51,8 @@ def last_token_states(
     out = {layer: np.empty((len(ids), probe.hidden_size), dtype=np.float32) for layer in layers}
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
     for batch in _batches(ids, order, batch_tokens):
-        width = max(len(ids[i]) for i in batch)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, i in enumerate(batch):
-            tokens[row, : len(ids[i])] = torch.tensor(ids[i])
-            mask[row, : len(ids[i])] = 1
-        padded = bool((mask == 0).any())
-        states = probe.states(tokens, list(layers), attention_mask=mask if padded else None)
+        tokens, mask = padded_batch(ids, batch)
+        states = probe.states(tokens, list(layers), attention_mask=mask)
         last = torch.tensor([len(ids[i]) - 1 for i in batch])
         rows = torch.arange(len(batch))
         for layer in layers:

@@ -67,9 +67,9 @@ def invert_prompt(
     table = None
     if config.first_table and policy.uses_first_table and not exhaustive:
         table = first_position_table(model, layer, progress=config.progress)
+    start = time.perf_counter()  # the policy's per-prompt set-up counts; cached tables are built above
     if table is not None:
         policy.prepare(model, layer)
-    start = time.perf_counter()
     policy.begin_prompt()
     prefix = probe.prefix([], layer)
     results: list[PositionResult] = []

@@ -186,22 +186,17 @@ class LinearPolicy(Policy):
         self._J: torch.Tensor | None = None
         self._P: torch.Tensor | None = None  # vocab @ J  [V, d]
         self._P_sq: torch.Tensor | None = None  # its squared row norms
-        self._prior: torch.Tensor | None = None  # position-1 map, set by prepare()
-        self._prior_P: torch.Tensor | None = None
-        self._vocab: torch.Tensor | None = None
+        self._prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (J, P, P_sq), set by prepare()
 
     def prepare(self, model: LoadedModel, layer: int) -> None:
-        self._prior = second_position_map(model, layer)
-        self._vocab = model.probe.vocab_matrix()
-        self._prior_P = None
+        jac = second_position_map(model, layer)
+        proj = model.probe.vocab_matrix().float() @ jac.float()
+        self._prior = (jac, proj, proj.square().sum(1))
 
     def begin_prompt(self) -> None:
         self._pool, self._J, self._P = [], None, None
         if self._prior is not None:  # position 0 is decided by the table; position 1 starts from the prior
-            self._J = self._prior
-            self._P = self._vocab.float() @ self._J.float() if self._prior_P is None else self._prior_P
-            self._P_sq = self._P.square().sum(1)
-            self._prior_P = self._P
+            self._J, self._P, self._P_sq = self._prior
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
