@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from lminvert.forward import encode
+from evalset import evaluation_prompts
 
 import lminvert
-from lminvert.encode import encode
 from lminvert.invert import invert
 from lminvert.invert.baseline import sequential_baseline
-from lminvert.invert.evalset import evaluation_prompts
 from lminvert.invert.tables import first_position_table, second_position_map
 
 
@@ -53,7 +53,7 @@ def main() -> int:
     fcntl.flock(lock, fcntl.LOCK_EX)
     model = lminvert.load_model(args.model)
     prompts = evaluation_prompts(model, args.per_kind, args.length, args.seed)
-    layers = [model.probe.resolve_layer(x) for x in args.layers.split(",")]
+    layers = model.probe.layers(args.layers)
     report: dict = {
         "model": model.describe(),
         "machine": {

@@ -5,12 +5,13 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .collisions import exhaustive_test, find_collisions, pairwise_min
-from .encode import encode
 from .errors import LminvertError
+from .forward import encode
 from .invert import InversionResult, invert
-from .models import DEFAULT_MODEL, LayerProbe, LoadedModel, load_model
+from .models import DEFAULT_MODEL, Layer, LayerProbe, LoadedModel, load_model
+from .report import render
 from .states import HiddenStates
 
-__all__ = ["DEFAULT_MODEL", "LayerProbe", "LminvertError", "LoadedModel", "__version__", "load_model"]
-__all__ += ["exhaustive_test", "find_collisions", "pairwise_min"]
+__all__ = ["DEFAULT_MODEL", "Layer", "LayerProbe", "LminvertError", "LoadedModel", "__version__", "load_model"]
+__all__ += ["exhaustive_test", "find_collisions", "pairwise_min", "render"]
 __all__ += ["HiddenStates", "InversionResult", "encode", "invert"]

@@ -1,9 +1,22 @@
-"""Where lminvert keeps converted models and other cached artefacts."""
+"""Where lminvert keeps cached artefacts, how it writes files safely, and output checks made before any work.
+
+Every cache entry and result file is written under a unique temporary name in its final directory and then
+renamed into place, so two processes preparing the same model or table at once never see (or leave) a half
+written file: the rename is atomic, and the loser of a race for a directory discards its own copy.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from .errors import LminvertError
 
 
 def cache_dir() -> Path:
@@ -11,4 +24,92 @@ def cache_dir() -> Path:
     root = os.environ.get("LMINVERT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lminvert")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a unique temporary path beside ``path``; on success it replaces ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
+    """Yield a unique temporary directory beside ``path``; on success it becomes ``path``.
+
+    If another process created ``path`` in the meantime, its copy is kept and ours is discarded (both were
+    built from the same inputs); ``replace=True`` removes an existing ``path`` first (a forced rebuild).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if replace:
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not path.is_dir():
+                raise
+            # a concurrent writer finished first, or a stale directory is in the way: keep the finished one
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write JSON atomically (unique temporary file, then rename)."""
+    path = Path(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LminvertError(f"cannot read {path} ({type(exc).__name__}); delete it to recompute") from exc
+
+
+def _probe_directory(directory: Path, what: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=".lminvert-write-check.", dir=directory)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise LminvertError(f"cannot write {what} ({reason}): choose another --out") from None
+
+
+def check_output_file(path: str | Path, suffix: str | None = None) -> Path:
+    """Fail now, before any work, if ``path`` cannot be written (or has the wrong suffix)."""
+    path = Path(path)
+    if suffix is not None and path.suffix != suffix:
+        raise LminvertError(f"--out must end in {suffix}, got '{path.name}'")
+    if path.is_dir():
+        raise LminvertError(f"--out {path} is a directory: give a file path")
+    _probe_directory(path.parent, f"{path}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise LminvertError(f"cannot write {path} (permission denied): choose another --out")
+    return path
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """Fail now, before any work, if directory ``path`` cannot be created and written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise LminvertError(f"--out {path} is a file: give a directory")
+    _probe_directory(path, f"into {path}")
     return path

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from .errors import LminvertError
+from .paths import atomic_file
 
 FORMAT = "lminvert.states/1"
 
@@ -88,7 +89,8 @@ class HiddenStates:
             "n_prompts": str(len(self)),
             "lminvert_version": self.lminvert_version or "",
         }
-        save_file(tensors, str(path), metadata=meta)
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
         return path
 
     @classmethod

@@ -37,7 +37,7 @@ def test_collisions_json(cli, tmp_path):
     assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "nn_distances.png", "prompts.jsonl"}
     table = cli("collisions", "--model", "tiny-gpt2", "--corpus", "prose", "--n-prompts", "40", "--layers", "1,-1",
                 "--max-tokens", "6", "--k", "3", "--out", str(out), check=True)  # fmt: skip
-    assert "| layer | min distance" in table.stdout and "collision(s) under 1e-06" in table.stdout  # resumed
+    assert "layer     2: min distance" in table.stdout and "pair(s) under 1e-06" in table.stdout  # resumed
 
 
 @pytest.mark.parametrize(
@@ -96,13 +96,17 @@ def test_exhaustive_from_collisions_on_a_local_model(cli, tmp_path):
     assert doc["vocab_size"] == 200 and doc["n_pairs"] == 200 * 199 // 2
     assert [p["ids"] for p in doc["prefixes"]] == [[3, 4], [5]]
     assert set(doc["layers"]) == {"1", "2"} and doc["layers"]["2"]["min_distance"] > 0
+    # default layers (first, middle, last block) fit a model of any depth: here 2 blocks
+    proc = cli("exhaustive", "--model", str(tmp_path / "model"), "--prefix", "x", "--out", str(tmp_path / "d"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["config"]["layers"] == ["1", "2"]
 
 
 @pytest.mark.parametrize(
     "extra,message",
     [
         (["--from-collisions", "/no/such/run"], "no results.json in /no/such/run"),
-        (["--prefix", "hi", "--layers", "0,x"], "layer 'x' is not a number"),
+        (["--prefix", "hi", "--layers", "0,x"], "layer 'x' is not a layer"),
         (["--prefix", "hi", "--prefixes", "0"], "--prefixes must be at least 1"),
     ],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lminvert
-from lminvert.collisions import demo_run, exhaustive_test, find_collisions
-from lminvert.collisions import run as run_module
+from lminvert.cli.demo import demo_collisions
+from lminvert.collisions import exhaustive_test, find_collisions
+from lminvert.collisions import runner as run_module
 from lminvert.collisions.store import StateStore
 from lminvert.errors import LminvertError
 from lminvert.models import LoadedModel
@@ -22,11 +24,13 @@ WORDS = [" cat", " dog", " cow", " pig", " hen", " fox", " owl", " bee"]
 @pytest.fixture(scope="module")
 def planted():
     """tiny-llama (its own seed) where the tokens ' cat' and ' dog' share one embedding row."""
-    model = lminvert.load_model("tiny-llama", seed=7)
-    tok = model.tokenizer
+    base = lminvert.load_model("tiny-llama", seed=7)
+    tok = base.tokenizer
     cat, dog = (tok(w, add_special_tokens=False)["input_ids"][0] for w in (" cat", " dog"))
     with torch.no_grad():
-        model.probe.embedding.weight[dog] = model.probe.embedding.weight[cat]
+        base.probe.embedding.weight[dog] = base.probe.embedding.weight[cat]
+    model = LoadedModel.wrap("tiny-llama-planted", base.model, tok)  # edited weights: a new identity
+    assert model.weights_hash != base.weights_hash
     return model
 
 
@@ -56,6 +60,9 @@ def test_planted_collision_is_found_at_distance_zero(planted, tmp_path):
 def test_results_files_and_schema(tmp_path):
     model = lminvert.load_model("tiny-gpt2")
     results = find_collisions(model, corpus="prose", n_prompts=80, layers=[1, 2], max_tokens=8, out=tmp_path, k=5)
+    assert not (tmp_path / "results.md").exists()  # computing draws nothing; the report stage does
+    paths = lminvert.render(results)
+    assert paths["markdown"] == str(tmp_path / "results.md") and paths["figure"] == str(tmp_path / "nn_distances.png")
     doc = json.loads((tmp_path / "results.json").read_text())
     for key in ("model", "n_prompts", "n_pairs", "layers", "pairs_per_second", "matmul_fraction", "config", "versions"):
         assert key in doc
@@ -86,7 +93,7 @@ def _summary(doc: dict) -> dict:
 
 def test_resume_after_interruptions_gives_the_same_results(tmp_path, monkeypatch):
     model = lminvert.load_model("tiny-qwen2")
-    kwargs = dict(corpus="mixed", n_prompts=120, layers="all", max_tokens=10, chunk_size=32, figure=False)
+    kwargs = dict(corpus="mixed", n_prompts=120, layers="all", max_tokens=10, chunk_size=32)
     reference = find_collisions(model, out=tmp_path / "straight", **kwargs)
 
     original_write = StateStore.write_chunk
@@ -128,7 +135,8 @@ def test_resume_after_interruptions_gives_the_same_results(tmp_path, monkeypatch
     resumed = find_collisions(model, out=tmp_path / "resumed", **kwargs)
     assert written == [2, 3] and resumed.to_dict()["timings"]["encoding_seconds"] == 0.0
     again = json.loads((tmp_path / "resumed" / "results.json").read_text())
-    assert again["layers"]["1"]["search"] == saved["search"]  # layer 1 was loaded, not searched again
+    search = {k: v for k, v in again["layers"]["1"]["search"].items() if k != "matmul_fraction"}  # run-level
+    assert search == saved["search"]  # layer 1 was loaded, not searched again
     straight = json.loads((tmp_path / "straight" / "results.json").read_text())
     assert _summary(again) == _summary(straight)
     assert resumed.min_distances == reference.min_distances
@@ -142,18 +150,26 @@ def test_resume_after_interruptions_gives_the_same_results(tmp_path, monkeypatch
 
 def test_a_different_run_in_the_same_directory_is_refused(tmp_path):
     model = lminvert.load_model("tiny-llama")
-    find_collisions(model, corpus="prose", n_prompts=20, layers=[1], max_tokens=6, out=tmp_path, figure=False)
-    with pytest.raises(LminvertError, match="different collision run"):
+    find_collisions(model, corpus="prose", n_prompts=20, layers=[1], max_tokens=6, out=tmp_path)
+    with pytest.raises(LminvertError, match="different collisions run"):
         find_collisions(model, corpus="prose", n_prompts=20, layers=[1], max_tokens=6, out=tmp_path, seed=1)
 
 
-def test_demo_run_returns_table_and_figure(tmp_path):
-    demo = demo_run("tiny-gemma3", tmp_path, n_prompts=40, layers=(1, 15, 30))
-    assert list(demo.results.layers) == ["1", "2"]  # layers beyond the model's 2 are dropped
-    assert demo.table.read_text().startswith("# Collision search")
-    assert demo.figure.suffix == ".png" and demo.figure.exists()
-    again = demo_run("tiny-gemma3", tmp_path, n_prompts=30)  # other settings: the demo's directory is replaced
-    assert again.results.n_prompts == 30
+def test_demo_collisions_returns_table_and_figure(tmp_path):
+    model = lminvert.load_model("tiny-gemma3")
+    results, paths = demo_collisions(model, tmp_path, n_prompts=40)
+    assert list(results.layers) == ["1", "2"]  # first, middle and last block of a 2-block model
+    assert Path(paths["markdown"]).read_text().startswith("# Collision search")
+    assert paths["figure"].endswith(".png") and Path(paths["figure"]).exists()
+    again, _ = demo_collisions(model, tmp_path, n_prompts=30)  # other settings: the demo's directory is replaced
+    assert again.n_prompts == 30
+
+
+def test_a_run_of_another_kind_is_refused(tmp_path):
+    model = lminvert.load_model("tiny-llama")
+    find_collisions(model, corpus="prose", n_prompts=20, layers=[1], max_tokens=6, out=tmp_path)
+    with pytest.raises(LminvertError, match="holds a run of kind 'collisions', not 'exhaustive'"):
+        exhaustive_test(model, [[1]], layers=[1], out=tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +188,7 @@ def small_vocab() -> LoadedModel:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         model.get_input_embeddings().weight[9] = model.get_input_embeddings().weight[5]
-    return LoadedModel(name="small-vocab", model=model, tokenizer=None, weights_hash="test")
+    return LoadedModel.wrap("small-vocab", model)
 
 
 def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, tmp_path):
@@ -201,16 +217,22 @@ def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, 
     full = small_vocab.probe.states(torch.tensor([[1, 2, 3, 42]]), 2)[2][0, -1].numpy()
     np.testing.assert_allclose(states[42], full, rtol=1e-4, atol=1e-5)
     assert results.layers["3"]["n_below_threshold"] == 2  # summed over the two prefixes
+    lminvert.render(results)
     assert (tmp_path / "results.md").exists() and (tmp_path / "nn_distances.png").exists()
 
 
+def test_exhaustive_default_layers_fit_any_depth(small_vocab, tmp_path):
+    results = exhaustive_test(small_vocab, [[1]], out=tmp_path, batch_size=100)
+    assert results.config.layers == ("1", "3")  # first, middle (3 // 2 = 1) and last block of a 3-block model
+
+
 def test_exhaustive_resumes_and_refuses_other_runs(small_vocab, tmp_path, monkeypatch):
-    first = exhaustive_test(small_vocab, [[4, 4]], layers=[1, 3], out=tmp_path, batch_size=100, figure=False)
+    first = exhaustive_test(small_vocab, [[4, 4]], layers=[1, 3], out=tmp_path, batch_size=100)
     calls = []
     original = StateStore.write_chunk
     monkeypatch.setattr(StateStore, "write_chunk", lambda self, c, rows: calls.append(c) or original(self, c, rows))
-    again = exhaustive_test(small_vocab, [[4, 4]], layers=[1, 3], out=tmp_path, batch_size=100, figure=False)
+    again = exhaustive_test(small_vocab, [[4, 4]], layers=[1, 3], out=tmp_path, batch_size=100)
     assert calls == [] and again.extra["timings"]["encoding_seconds"] == 0.0  # nothing encoded twice
     assert again.to_dict()["layers"] == first.to_dict()["layers"]
     with pytest.raises(LminvertError, match="different exhaustive run"):
-        exhaustive_test(small_vocab, [[4, 5]], layers=[1, 3], out=tmp_path, batch_size=100, figure=False)
+        exhaustive_test(small_vocab, [[4, 5]], layers=[1, 3], out=tmp_path, batch_size=100)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lminvert.forward import encode
 
 import lminvert
-from lminvert.encode import encode
 from lminvert.errors import LminvertError
 from lminvert.invert import invert
 
@@ -60,7 +60,7 @@ def test_noise_below_half_gap_stays_exact():
     ids = [5, 900, 31000, 12, 12]
     states = encode(model, [ids], 2)
     (result,) = invert(model, states, method="bruteforce", noise=1e-4, seed=3)
-    below = [p for p in result.positions if p.radius_exact and p.noise_norm < p.radius]
+    below = [p for p in result.positions if p.certified_exact and p.noise_norm < p.certified_radius]
     assert len(below) == len(ids)  # sanity: this noise level is inside the certified radius everywhere
     assert result.token_ids == ids
     (fast,) = invert(model, states, noise=1e-4, seed=3)

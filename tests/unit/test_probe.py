@@ -70,7 +70,7 @@ def test_truncated_forward_runs_nothing_above(tiny):
 def test_cached_continuation_equals_full_forward(tiny, layer):
     probe = tiny.probe
     ids = _ids(tiny, 8)[0]
-    full = probe.states(ids, layer)[probe.resolve_layer(layer)][0]
+    full = probe.states(ids, layer)[probe.layer(layer)][0]
     prefix = probe.prefix(ids[:5].tolist(), layer)
     cands = torch.tensor([int(ids[5]), 3, int(ids[5]), 7])
     got = probe.continuation(prefix, token_ids=cands)
@@ -99,15 +99,15 @@ def test_continuation_with_vectors_has_gradient(tiny):
     assert vec.grad is not None and vec.grad.norm() > 0
 
 
-def test_resolve_layer(tiny):
+def test_layer_resolution(tiny):
     probe = tiny.probe
     n = probe.n_layers
-    assert probe.resolve_layer(-1) == n
-    assert probe.resolve_layer(f"-{n}") == 1
-    assert probe.resolve_layer("final") == n + 1
+    assert probe.layer(-1) == n
+    assert probe.layer(f"-{n}") == 1
+    assert probe.layer("final") == n + 1
     for bad in [n + 1, -n - 1, "x"]:
         with pytest.raises(LminvertError, match="layer"):
-            probe.resolve_layer(bad)
+            probe.layer(bad)
 
 
 def test_vocab_matrix_uses_embedding_module(tiny):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from lminvert.forward import encode
+from lminvert.models.compat import check_compatible
 
 import lminvert
-from lminvert.encode import check_compatible, encode
 from lminvert.errors import LminvertError
 from lminvert.states import HiddenStates
 

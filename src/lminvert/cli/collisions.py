@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 
 from ..collisions import find_collisions
-from ..collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 from ..errors import LminvertError
-from ..models import load_model
-from .common import Formatter, add_model_args, print_json
+from ..paths import check_output_dir
+from .common import Formatter, add_model_args, add_search_args, model_from_args, search_settings
+from .runs import report_run
 
 EXAMPLES = """corpora (--corpus):
   code       the Python standard library's own sources (offline, every Python has them)
@@ -26,7 +26,7 @@ EXAMPLES = """corpora (--corpus):
              hf:wikimedia/wikipedia:20231101.en
 
 examples:
-  lminvert collisions --corpus mixed --n-prompts 2000 --layers 1,15,30 --out runs/c2k
+  lminvert collisions --corpus mixed --n-prompts 2000 --layers 1,middle,-1 --out runs/c2k
   lminvert collisions --model gpt2-small-random --corpus code --n-prompts 20000 --layers all --max-tokens 16 \\
       --threshold 1e-6 --k 10 --seed 1 --out runs/gpt2
   lminvert collisions --corpus notes.jsonl --n-prompts 500 --out runs/mine --json
@@ -44,19 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     parser.add_argument("--corpus", default="mixed", help="code, prose, mixed, a file or directory, or hf:NAME")
     parser.add_argument("--n-prompts", type=int, default=1000, help="number of distinct prompts N")
-    parser.add_argument("--layers", default="all", help="'all' (1..L) or a comma-separated list, e.g. 1,15,30")
+    parser.add_argument("--layers", default="all", help="'all' (1..L) or a comma-separated list, e.g. 1,middle,-1")
     parser.add_argument("--max-tokens", type=int, default=32, help="prompt length K: windows of K tokens")
     parser.add_argument("--min-tokens", type=int, default=None, help="drop windows shorter than this")
-    parser.add_argument("--threshold", type=float, default=1e-6, help="a pair closer than this is a collision")
-    parser.add_argument("--k", type=int, default=10, help="closest pairs to report per layer")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt sampling")
-    parser.add_argument("--tile-rows", type=int, default=DEFAULT_TILE_ROWS, help="rows per GEMM tile")
-    parser.add_argument("--tile-cols", type=int, default=DEFAULT_TILE_COLS, help="columns per GEMM tile")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per encoding forward")
-    parser.add_argument("--executor", default="inprocess", help="inprocess, ray or ray://host:port (layer searches)")
-    parser.add_argument("--no-figure", action="store_true", help="skip the matplotlib figure")
-    parser.add_argument("--out", required=True, help="output directory (reused to resume)")
-    parser.add_argument("--json", action="store_true", help="print results.json instead of the table")
+    add_search_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -67,17 +60,15 @@ def _check(args: argparse.Namespace) -> None:
         raise LminvertError("--max-tokens must be at least 1")
     if args.min_tokens is not None and not 1 <= args.min_tokens <= args.max_tokens:
         raise LminvertError("--min-tokens must lie between 1 and --max-tokens")
-    if args.k < 1:
-        raise LminvertError("--k must be at least 1")
-    if not args.threshold >= 0:
-        raise LminvertError("--threshold must be a non-negative number")
-    if args.tile_rows < 1 or args.tile_cols < 1 or args.batch_tokens < 1:
-        raise LminvertError("--tile-rows, --tile-cols and --batch-tokens must be positive")
+    if args.batch_tokens < 1:
+        raise LminvertError("--batch-tokens must be positive")
 
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    model = load_model(args.model, dtype=args.dtype)
+    settings = search_settings(args)
+    check_output_dir(args.out)
+    model = model_from_args(args)
     results = find_collisions(
         model,
         corpus=args.corpus,
@@ -86,29 +77,12 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         min_tokens=args.min_tokens,
         out=args.out,
-        threshold=args.threshold,
-        k=args.k,
-        seed=args.seed,
-        tile_rows=args.tile_rows,
-        tile_cols=args.tile_cols,
+        threshold=settings.threshold,
+        k=settings.k,
+        seed=settings.seed,
+        tile_rows=settings.tile_rows,
+        tile_cols=settings.tile_cols,
         batch_tokens=args.batch_tokens,
         executor=args.executor,
-        figure=not args.no_figure,
     )
-    if args.json:
-        print_json(results.to_dict())
-        return 0
-    from ..collisions.results import layer_table
-
-    print(
-        f"{results.model}: {results.n_prompts} prompts, {results.n_pairs:,} pairs per layer, "
-        f"corpus {results.config.corpus}"
-    )
-    print("\n".join(layer_table(results.layers, results.config.threshold, results.config.k)))
-    collisions = sum(r.n_below_threshold for r in results.layers.values())
-    print(
-        f"{collisions} collision(s) under {results.config.threshold:g}; {results.pairs_per_second:.3g} pairs/s, "
-        f"{results.matmul_fraction:.0%} of this machine's float32 matmul"
-    )
-    print(f"wrote {', '.join(results.paths.values())}")
-    return 0
+    return report_run(results, args)

@@ -1,4 +1,4 @@
-"""Argument helpers shared by the subcommands."""
+"""Argument helpers shared by the subcommands: model, search settings, output checks, printing."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import json
 import sys
 from typing import Any
 
+from ..collisions.runner import SearchSettings
+from ..collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
+from ..models import load_model
+from ..models.loading import DTYPES, LoadedModel
 from ..models.registry import DEFAULT_MODEL
 
 
@@ -16,19 +20,34 @@ def add_model_args(parser: argparse.ArgumentParser, default: str | None = DEFAUL
         default=default,
         help=f"alias (see `lminvert models`), hub id, directory or .gguf (default: {default})",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+
+
+def model_from_args(args: argparse.Namespace, name: str | None = None) -> LoadedModel:
+    """The CLI is the one place that turns a model name into a loaded model."""
+    return load_model(name or args.model, dtype=args.dtype)
+
+
+def add_search_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the exact pairwise search, shared by `collisions` and `exhaustive`."""
+    parser.add_argument("--threshold", type=float, default=1e-6, help="a pair closer than this is a collision")
+    parser.add_argument("--k", type=int, default=10, help="closest pairs to report per layer")
+    parser.add_argument("--tile-rows", type=int, default=DEFAULT_TILE_ROWS, help="rows per GEMM tile")
+    parser.add_argument("--tile-cols", type=int, default=DEFAULT_TILE_COLS, help="columns per GEMM tile")
+    parser.add_argument("--executor", default="inprocess", help="inprocess, ray or ray://host:port (layer searches)")
+    parser.add_argument("--no-figure", action="store_true", help="skip the matplotlib figure")
+    parser.add_argument("--out", required=True, help="output directory (reused to resume)")
+    parser.add_argument("--json", action="store_true", help="print results.json instead of the table")
+
+
+def search_settings(args: argparse.Namespace) -> SearchSettings:
+    """Validated search settings (a one-line error before any work if one is out of range)."""
+    return SearchSettings(args.threshold, args.k, getattr(args, "seed", 0), args.tile_rows, args.tile_cols)
 
 
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
-
-
-def parse_layers(text: str, n_layers: int) -> list[str]:
-    """'all' -> every layer 1..L; else a comma-separated list (validated later by the probe)."""
-    if text.strip().lower() == "all":
-        return [str(i) for i in range(1, n_layers + 1)]
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -8,14 +8,21 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import shutil
 import time
 from pathlib import Path
 
-from ..collisions import demo_run
-from ..encode import encode
+from ..collisions import CollisionResults, find_collisions
+from ..errors import LminvertError
+from ..forward import encode
 from ..invert import invert
-from ..models import DEFAULT_MODEL, load_model
+from ..models import DEFAULT_LAYERS, DEFAULT_MODEL, LoadedModel, load_model
+from ..paths import check_output_dir
+from ..report import render
 from ..states import HiddenStates
+
+log = logging.getLogger(__name__)
 
 SAMPLE = "Hi, I'm Alice Smith and my card number is 4111 1111 1111 1111."
 
@@ -34,9 +41,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def demo_collisions(
+    model: LoadedModel, out_dir: str | Path, n_prompts: int = 300, progress: bool = False
+) -> tuple[CollisionResults, dict[str, str]]:
+    """A small collision search (first, middle and last block; 16-token windows of the mixed corpus), rendered.
+
+    A rerun with the same settings reuses ``out_dir``; one with other settings replaces the demo run found there.
+    """
+    settings = dict(corpus="mixed", n_prompts=n_prompts, layers=DEFAULT_LAYERS, max_tokens=16, seed=0)
+    try:
+        results = find_collisions(model, out=out_dir, progress=progress, **settings)
+    except LminvertError as exc:
+        if "different collisions run" not in str(exc):
+            raise
+        log.info("%s held a demo run with other settings; replacing it", out_dir)  # the demo's own directory
+        shutil.rmtree(out_dir)
+        results = find_collisions(model, out=out_dir, progress=progress, **settings)
+    return results, render(results)
+
+
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.n_prompts < 2:
+        raise LminvertError("--n-prompts must be at least 2")
+    out = check_output_dir(args.out)
     start = time.perf_counter()
     model = load_model(DEFAULT_MODEL)
     info = model.describe()
@@ -74,13 +101,12 @@ def run(args: argparse.Namespace) -> int:
     )
 
     print(f"\n3. collisions: minimum pairwise distance of {args.n_prompts} prompts' last-token states")
-    demo = demo_run(model, out / "collisions", n_prompts=args.n_prompts, progress=True)
-    res = demo.results
+    res, paths = demo_collisions(model, out / "collisions", n_prompts=args.n_prompts, progress=True)
     for name, layer in res.layers.items():
         print(
             f"   layer {name:>3}: min distance {layer.min_distance:.4f} over {res.n_pairs:,} pairs, "
             f"{layer.n_below_threshold} below {res.config.threshold:g}"
         )
-    print(f"   table   {demo.table}\n   figure  {demo.figure}")
+    print(f"   table   {paths['markdown']}\n   figure  {paths['figure']}")
     print(f"\ndone in {time.perf_counter() - start:.0f} s")
     return 0 if exact else 1

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from ..corpora import read_prompts_file
-from ..encode import encode
 from ..errors import LminvertError
-from ..models import load_model
-from .common import Formatter, add_model_args, print_json
+from ..forward import encode
+from ..paths import check_output_file
+from .common import Formatter, add_model_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "My card number is 4111 1111 1111 1111" --out leak.safetensors
@@ -35,11 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise LminvertError("--max-tokens must be at least 1")
-    if not str(args.out).endswith(".safetensors"):
-        raise LminvertError(f"--out must end in .safetensors, got '{args.out}'")
+    check_output_file(args.out, ".safetensors")
     prompts = args.text if args.text else read_prompts_file(args.file)
-    model = load_model(args.model, dtype=args.dtype)
-    model.probe.resolve_layer(args.layer)  # fail fast on a bad layer
+    model = model_from_args(args)
+    model.probe.layer(args.layer)  # fail fast on a bad layer
     states = encode(model, prompts, args.layer, max_tokens=args.max_tokens, keep_ids=True, progress=True)
     ids = states.token_ids or ()
     if not args.keep_ids:

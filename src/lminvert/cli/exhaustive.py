@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..collisions import exhaustive_test
-from ..collisions.exhaustive import prefixes_from_collisions
+from ..collisions import exhaustive_test, prefixes_from_collisions
 from ..errors import LminvertError
-from ..models import load_model
-from .common import Formatter, add_model_args, print_json
+from ..models import DEFAULT_LAYERS
+from ..paths import check_output_dir
+from .common import Formatter, add_model_args, add_search_args, model_from_args, search_settings
+from .runs import report_run
 
 EXAMPLES = """examples:
   lminvert exhaustive --prefix "The capital of France is" --layers 1,15,30 --out runs/ex1
@@ -39,47 +40,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--prefix", action="append", help="a prefix text (repeat for several)")
     source.add_argument("--from-collisions", metavar="DIR", help="take prefixes from a collisions run's closest pairs")
     parser.add_argument("--prefixes", type=int, default=1, help="with --from-collisions: how many prefixes")
-    parser.add_argument("--layers", default="1,15,30", help="'all' or a comma-separated list")
-    parser.add_argument("--threshold", type=float, default=1e-6, help="a pair closer than this is a collision")
-    parser.add_argument("--k", type=int, default=10, help="closest pairs to report per layer")
+    parser.add_argument(
+        "--layers", default=DEFAULT_LAYERS, help="'all' or a comma-separated list (default: first, middle, last block)"
+    )
     parser.add_argument("--batch-size", type=int, default=1024, help="continuations per forward")
-    parser.add_argument("--executor", default="inprocess", help="inprocess, ray or ray://host:port")
-    parser.add_argument("--no-figure", action="store_true", help="skip the matplotlib figure")
-    parser.add_argument("--out", required=True, help="output directory (reused to resume)")
-    parser.add_argument("--json", action="store_true", help="print results.json")
+    add_search_args(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.prefixes < 1:
         raise LminvertError("--prefixes must be at least 1")
-    if args.batch_size < 1 or args.k < 1 or not args.threshold >= 0:
-        raise LminvertError("--batch-size and --k must be positive and --threshold non-negative")
+    if args.batch_size < 1:
+        raise LminvertError("--batch-size must be positive")
+    settings = search_settings(args)
     prefixes = args.prefix if args.prefix else prefixes_from_collisions(args.from_collisions, args.prefixes)
-    model = load_model(args.model, dtype=args.dtype)
+    check_output_dir(args.out)
+    model = model_from_args(args)
     results = exhaustive_test(
         model,
         prefixes,
         layers=args.layers,
         out=args.out,
-        threshold=args.threshold,
-        k=args.k,
+        threshold=settings.threshold,
+        k=settings.k,
+        tile_rows=settings.tile_rows,
+        tile_cols=settings.tile_cols,
         batch_size=args.batch_size,
         executor=args.executor,
-        figure=not args.no_figure,
     )
-    if args.json:
-        print_json(results.to_dict())
-        return 0
-    print(
-        f"{results.model}: {len(results.prefixes)} prefix(es) x {results.vocab_size} continuations, "
-        f"{results.n_pairs:,} pairs per prefix and layer"
-    )
-    for name, row in results.layers.items():
-        print(
-            f"  layer {name:>5}: min distance {row['min_distance']:.6g}, "
-            f"{row['n_below_threshold']} pair(s) under {results.config.threshold:g}"
-        )
-    print(f"{results.pairs_per_second:.3g} pairs/s, {results.matmul_fraction:.0%} of this machine's float32 matmul")
-    print(f"wrote {', '.join(results.paths.values())}")
-    return 0
+    return report_run(results, args)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, invert
-from ..models import load_model
+from ..models.loading import DTYPES
+from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
-from .common import Formatter, print_json
+from .common import Formatter, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("states", help="states file (.safetensors from `lminvert encode`, or .npy/.pt array)")
     parser.add_argument("--model", default=None, help="model (default: the one recorded in the file)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--layer", default=None, help="layer (default: the one recorded in the file)")
     parser.add_argument(
         "--method",
@@ -55,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
     if args.max_candidates is not None and args.max_candidates < 1:
         raise LminvertError("--max-candidates must be at least 1")
-    model = load_model(name, dtype=args.dtype)
+    if args.noise < 0 or args.noise != args.noise:
+        raise LminvertError("--noise must be a non-negative number (a relative level, e.g. 0.001)")
+    if args.out:
+        check_output_file(args.out)
+    model = model_from_args(args, name)
     results = invert(
         model,
         states,
@@ -69,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     )
     docs = [r.to_json() for r in results]
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(docs, indent=2))
+        with atomic_file(args.out) as tmp:
+            tmp.write_text(json.dumps(docs, indent=2))
     if args.json:
         print_json(docs)
         return 0

@@ -1,21 +1,17 @@
-"""Configs and results of the collision search, and their files: results.json and results.md.
+"""Configs and results of the collision search (frozen, JSON-ready); ``CollisionResults.to_dict`` is results.json.
 
-``results.json`` follows the schema of the issue (``model``, ``n_prompts``, ``n_pairs``, ``layers`` ->
-``min_distance`` / ``closest_pairs`` / ``n_below_threshold`` / ``nn_quantiles``, ``pairs_per_second``,
-``matmul_fraction``, ``config``, ``versions``) and adds what a reader needs to reproduce and judge the numbers
-(per-layer histograms, the search's own timings and error bounds, machine, seed, memory peak).
+``results.json`` holds ``model``, ``n_prompts``, ``n_pairs``, ``layers`` -> ``min_distance`` / ``closest_pairs`` /
+``n_below_threshold`` / ``nn_quantiles``, ``pairs_per_second``, ``matmul_fraction``, ``config``, ``versions``,
+and what a reader needs to reproduce and judge the numbers (per-layer histograms, the search's own timings and
+error bounds, machine, seed, memory peak). Rendering it (results.md, figures) is :mod:`lminvert.report`'s job.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .store import write_json
-from .ties import same_input
+from ..models.ties import same_input
 
 
 @dataclass(frozen=True)
@@ -102,6 +98,7 @@ class LayerResult:
 
 def layer_result(
     summary: dict[str, Any],
+    name: str,
     ids: list[tuple[int, ...]],
     texts: list[str],
     tied: dict[int, int] | None = None,
@@ -137,7 +134,7 @@ def layer_result(
         "search",
     )
     return LayerResult(
-        layer=str(summary["layer"]),
+        layer=name,
         min_distance=float(summary["min_distance"]),
         closest_pairs=pairs,
         n_below_threshold=int(summary["n_below_threshold"]),
@@ -146,17 +143,20 @@ def layer_result(
     )
 
 
-def overall_throughput(layers: list[LayerResult]) -> dict[str, float]:
-    """Pairs/s and matmul fraction over all layers: total useful flops / total search time / median matmul rate."""
+def overall_throughput(layers: list[LayerResult], matmul: dict[str, Any]) -> dict[str, Any]:
+    """Pairs/s and matmul fraction over all layers: total useful flops / total search time / the run's matmul
+    reference (:func:`.throughput.matmul_reference`)."""
     seconds = sum(r.search["seconds"] for r in layers)
     pairs = sum(r.details["n_pairs"] for r in layers)
     flops = sum(r.search["pair_flops"] for r in layers)
-    reference = statistics.median(s for r in layers for s in r.search["matmul_samples"])
+    reference = matmul["flops_per_second"]
     return {
         "search_seconds": seconds,
         "pairs_per_second": pairs / seconds,
         "achieved_flops_per_second": flops / seconds,
         "matmul_flops_per_second": reference,
+        "matmul_samples": matmul["samples"],
+        "matmul_shape": matmul["shape"],
         "matmul_fraction": flops / seconds / reference,
     }
 
@@ -174,7 +174,8 @@ class CollisionResults:
     config: CollisionConfig
     versions: dict[str, str]
     extra: dict[str, Any] = field(default_factory=dict)  # machine, timings, memory, corpus, throughput
-    paths: dict[str, str] = field(default_factory=dict)  # results.json, results.md, figure
+    directory: str = ""  # the run directory (results.json is there; lminvert.report renders the rest)
+    files: dict[str, Any] = field(default_factory=dict)  # data files in it, e.g. {"nn": {layer: [paths]}}
 
     @property
     def min_distances(self) -> dict[str, float]:
@@ -191,78 +192,9 @@ class CollisionResults:
             "config": self.config.to_dict(),
             "versions": self.versions,
             **self.extra,
+            "files": self.files,
         }
 
-    def write_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        write_json(path, self.to_dict())
-        return path
-
-
-def _snippet(text: str, width: int = 60) -> str:
-    quoted = json.dumps(text, ensure_ascii=False)[1:-1].replace("|", "\\|")
-    return quoted if len(quoted) <= width else "…" + quoted[-(width - 1) :]
-
-
-def _g(value: float) -> str:
-    return f"{value:.4g}"
-
-
-def layer_table(layers: dict[str, LayerResult], threshold: float, k: int) -> list[str]:
-    lines = [
-        f"| layer | min distance | {k}th closest | pairs < {threshold:g} | rounding noise | NN 1% | NN median "
-        "| NN 99% | re-measured (float64) | search s | pairs/s | matmul fraction |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in layers.items():
-        q, s = r.nn_quantiles, r.search
-        kth = r.closest_pairs[-1].distance if r.closest_pairs else float("nan")
-        noise = r.details.get("rounding_noise", {}).get("max", float("nan"))
-        lines.append(
-            f"| {name} | {_g(r.min_distance)} | {_g(kth)} | {r.n_below_threshold} | {_g(noise)} | {_g(q['0.01'])} "
-            f"| {_g(q['0.5'])} "
-            f"| {_g(q['0.99'])} | {s.get('n_exact', 0)} | {s.get('seconds', 0):.2f} "
-            f"| {s.get('pairs_per_second', 0):.3g} | {s.get('matmul_fraction', float('nan')):.2f} |"
-        )
-    return lines
-
-
-def closest_lines(layers: dict[str, LayerResult], shown: int = 3) -> list[str]:
-    lines = []
-    for name, r in layers.items():
-        lines.append(f"\n**layer {name}**\n")
-        for p in r.closest_pairs[:shown]:
-            tied = " (identical inputs: the ids differ only in tokens with identical embedding rows)" * p.same_input
-            lines.append(f"- {p.distance:.6g}: `{_snippet(p.a_text)}` vs `{_snippet(p.b_text)}`{tied}")
-    return lines
-
-
-def markdown(results: CollisionResults, figure: str | None = None) -> str:
-    c = results.config
-    extra = results.extra
-    tp = extra.get("throughput", {})
-    lines = [
-        f"# Collision search: {results.model}",
-        "",
-        f"{results.n_prompts} distinct prompts from corpus `{c.corpus}` (windows of up to {c.max_tokens} tokens, "
-        f"seed {c.seed}), {results.n_pairs:,} pairs per layer. Distances are L2 between last-token states "
-        "(layer l = residual stream after block l, no final norm), exact in float64; a collision is a pair "
-        f"closer than {c.threshold:g}.",
-        "",
-        *layer_table(results.layers, c.threshold, c.k),
-        "",
-        f"Throughput: {results.pairs_per_second:.3g} pairs/s over all layers = "
-        f"{tp.get('achieved_flops_per_second', 0) / 1e9:.1f} GFLOP/s of pair distances (2·d flops per pair), "
-        f"{results.matmul_fraction:.0%} of this machine's float32 matmul "
-        f"({tp.get('matmul_flops_per_second', 0) / 1e9:.1f} GFLOP/s, torch.mm of the tile shape, same run). "
-        f"Peak memory {extra.get('memory_peak_mb', 0):.0f} MiB.",
-        "",
-        "NN = each prompt's nearest-neighbour distance (quantiles over prompts); 're-measured' counts the pairs the "
-        "GEMM's rigorous error bound could not rule out, measured again in float64. 'Rounding noise' is the largest "
-        "distance between a stored state and the same prompt encoded again in another batch: the same function of "
-        "the same input, so distances at that scale cannot be told from rounding.",
-    ]
-    if figure:
-        lines += ["", f"![nearest-neighbour distances per layer]({figure})"]
-    lines += ["", "## Closest pairs", *closest_lines(results.layers)]
-    return "\n".join(lines) + "\n"
+    def layer_minima(self) -> dict[str, tuple[float, int]]:
+        """Per layer: the minimum distance and the number of pairs under the threshold."""
+        return {name: (r.min_distance, r.n_below_threshold) for name, r in self.layers.items()}

@@ -7,32 +7,15 @@ and never trusts a chunk whose rows might be half written.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import LminvertError
+from ..paths import read_json, write_json
 
 PROGRESS = "progress.json"
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (a temporary file, then ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LminvertError(f"cannot read {path} ({type(exc).__name__}); delete it to recompute") from exc
 
 
 class StateStore:

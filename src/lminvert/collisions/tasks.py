@@ -7,18 +7,18 @@ Ray worker that sees the same filesystem. A task whose outputs exist is not run 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .search import pairwise_min, tile_shape
-from .store import StateStore, read_json, write_json
+from ..models import Layer
+from ..paths import atomic_file, read_json, write_json
+from .search import pairwise_min
+from .store import StateStore
 from .summary import log_histogram, nn_spot_check, pair_sample, quantiles
-from .throughput import matmul_flops, median
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +40,24 @@ class LayerTask:
     seed: int = 0
     progress: bool = True
     desc: str = "pairs"
-    matmul_reps: int = 3
     pair_sample_size: int = 100_000
 
 
 def layer_tasks(
-    store: StateStore, base: Path, names: Callable[[int], str], label: str = "", **settings: Any
+    store: StateStore, base: Path, layers: Sequence[Layer], label: str = "", **settings: Any
 ) -> list[LayerTask]:
-    """One :class:`LayerTask` per layer of ``store``, writing to ``base/search/`` (created)."""
+    """One :class:`LayerTask` per layer (those of ``store``), writing to ``base/search/`` (created)."""
     (base / "search").mkdir(parents=True, exist_ok=True)
     return [
         LayerTask(
             states_path=str(store.path(layer)),
-            layer=layer,
+            layer=int(layer),
             out_json=str(base / "search" / f"layer_{layer:03d}.json"),
             out_nn=str(base / "search" / f"nn_{layer:03d}.npy"),
-            desc=f"{label}layer {names(layer)}",
+            desc=f"{label}layer {layer.name}",
             **settings,
         )
-        for layer in store.layers
+        for layer in layers
     ]
 
 
@@ -70,9 +69,6 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
         return read_json(out_json)
     x = np.load(task.states_path)
     n, d = x.shape
-    rows, cols = tile_shape(n, task.tile_rows, task.tile_cols)
-    rows, cols = min(rows, n), min(cols, n)  # the shape of the search's full tiles
-    before = matmul_flops(rows, cols, d, reps=task.matmul_reps)
     result = pairwise_min(
         x,
         k=task.k,
@@ -82,10 +78,7 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
         progress=task.progress,
         desc=task.desc,
     )
-    after = matmul_flops(rows, cols, d, reps=task.matmul_reps)
     stats = result.stats
-    reference = median(before + after)
-    achieved = stats.pair_flops / stats.seconds
     summary = {
         "layer": task.layer,
         "n": n,
@@ -110,11 +103,7 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
             "exact_seconds": stats.exact_seconds,
             "pairs_per_second": stats.pairs_per_second,
             "pair_flops": stats.pair_flops,
-            "achieved_flops_per_second": achieved,
-            "matmul_flops_per_second": reference,
-            "matmul_samples": before + after,
-            "matmul_shape": [rows, d, cols],
-            "matmul_fraction": achieved / reference,
+            "achieved_flops_per_second": stats.pair_flops / stats.seconds,
             "n_exact": stats.n_exact,
             "n_tiles": stats.n_tiles,
             "n_tiles_scanned": stats.n_tiles_scanned,
@@ -126,8 +115,7 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
             "offset_norm": stats.offset_norm,
         },
     }
-    tmp = out_nn.with_name(out_nn.name + ".tmp.npy")
-    np.save(tmp, result.nn_distance)
-    os.replace(tmp, out_nn)
+    with atomic_file(out_nn) as tmp, tmp.open("wb") as handle:
+        np.save(handle, result.nn_distance)
     write_json(out_json, summary)
     return summary

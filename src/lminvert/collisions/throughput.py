@@ -1,4 +1,4 @@
-"""What a run needs to be reproducible and judged: this machine's matmul FLOP/s, peak memory, versions.
+"""The reference that ``matmul_fraction`` is measured against: this machine's float32 matmul FLOP/s.
 
 ``matmul_fraction`` compares the search's *useful* arithmetic rate, 2·d flops per pair (the dot product that
 any GEMM-based method must do for it; the squared norms, the augmented column, the diagonal tiles' wasted
@@ -8,17 +8,13 @@ search uses (``[R, d] @ [d, C]``, contiguous), measured in the same process.
 
 from __future__ import annotations
 
-import os
-import platform
-import resource
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-from .search import ieee_float32_matmul
+from .search import ieee_float32_matmul, tile_shape
 
 
 def matmul_flops(rows: int, cols: int, d: int, reps: int = 5) -> list[float]:
@@ -41,44 +37,9 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (MiB)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 1024.0 if sys.platform != "darwin" else peak / 2**20
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "blas": "mkl" if torch.backends.mkl.is_available() else "other",
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-    }
-
-
-def versions() -> dict[str, str]:
-    import numpy
-    import transformers
-
-    from .. import __version__
-
-    return {
-        "lminvert": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "numpy": numpy.__version__,
-    }
+def matmul_reference(n: int, d: int, tile_rows: int, tile_cols: int, reps: int = 5) -> dict[str, Any]:
+    """Measure ``torch.mm`` at the search's full-tile shape for ``n`` vectors of dimension ``d`` (once per run)."""
+    rows, cols = tile_shape(n, tile_rows, tile_cols)
+    rows, cols = min(rows, n), min(cols, n)
+    samples = matmul_flops(rows, cols, d, reps=reps)
+    return {"flops_per_second": median(samples), "samples": samples, "shape": [rows, d, cols]}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..collisions.ties import tied_token_groups
-from ..encode import check_compatible
 from ..errors import LminvertError
-from ..models import LoadedModel, load_model
+from ..models import LayerSpec, LoadedModel
+from ..models.compat import check_compatible
+from ..models.ties import tied_token_groups
 from ..states import HiddenStates
 from .engine import InvertConfig, invert_prompt, progress_callback
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
@@ -18,9 +18,9 @@ METHODS = ("sipit", "bruteforce")
 
 
 def invert(
-    model: LoadedModel | str,
+    model: LoadedModel,
     states: HiddenStates | torch.Tensor,
-    layer: int | str | None = None,
+    layer: LayerSpec | None = None,
     *,
     method: str = "sipit",
     policy: str = "linear",
@@ -32,8 +32,9 @@ def invert(
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt).
 
-    ``model`` and ``layer`` default to what the states file says. ``noise`` adds relative Gaussian noise of
-    that level to the states first (for robustness studies) and widens the acceptance radius to match.
+    ``model`` comes from :func:`lminvert.load_model`; ``layer`` defaults to what the states file says (and must
+    agree with it). ``noise`` adds relative Gaussian noise of
+    that level to the states first (for robustness studies) and widens the acceptance tolerance to match.
     """
     if method not in METHODS:
         raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -43,8 +44,8 @@ def invert(
         raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
-    if isinstance(model, str):
-        model = load_model(model)
+    if not isinstance(model, LoadedModel):
+        raise LminvertError("invert needs a loaded model: model = lminvert.load_model(name); invert(model, states)")
     resolved = check_compatible(states, model, layer)
     config = InvertConfig(
         method=method,

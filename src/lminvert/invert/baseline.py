@@ -1,4 +1,7 @@
-"""A sequential baseline that works the way the paper's released SIPIT code does, for benchmarks.
+"""The sequential baseline: SIPIT the way the paper's released code runs it, to compare lminvert against.
+
+Public (``lminvert.invert.baseline.sequential_baseline``) so that any speed-up lminvert reports can be
+measured again against it, on the same machine, in the same process (``benchmarks/bench_invert.py`` does).
 
 One candidate at a time: a gradient step on a continuous input vector at position t, then the nearest
 not-yet-tried vocabulary entry is checked by a full forward of prefix + candidate through the whole model
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import LoadedModel
+from ..models import Layer, LayerSpec, LoadedModel
 from .tolerance import tolerance
 
 
@@ -25,12 +28,14 @@ class BaselineResult:
     complete: bool  # False when the time limit stopped it
 
 
-def _layer_state(model: LoadedModel, embeds: torch.Tensor, layer: int) -> torch.Tensor:
+def _layer_state(model: LoadedModel, embeds: torch.Tensor, layer: Layer) -> torch.Tensor:
     """State of the last position at ``layer`` from a full, uncached forward of the whole model (LM head
     included, as the reference code does); the layer is read with a hook so its semantics match the probe."""
     probe = model.probe
     captured: list[torch.Tensor] = []
-    if layer == 0:
+    if layer.is_final:
+        handle = probe.final_norm.register_forward_hook(lambda m, args, out: captured.append(out))
+    elif layer == 0:
         handle = probe.blocks[0].register_forward_pre_hook(
             lambda m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True
         )
@@ -48,7 +53,7 @@ def _layer_state(model: LoadedModel, embeds: torch.Tensor, layer: int) -> torch.
 def sequential_baseline(
     model: LoadedModel,
     states: torch.Tensor,
-    layer: int,
+    layer: LayerSpec,
     lr: float = 0.1,
     time_limit: float | None = None,
     known: list[int] | None = None,
@@ -59,6 +64,7 @@ def sequential_baseline(
     first position's attention sink.
     """
     probe = model.probe
+    layer = probe.layer(layer)
     vocab = probe.vocab_matrix().float()
     embed = probe.embed
     recovered: list[int] = list(known or [])

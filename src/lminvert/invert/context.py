@@ -16,7 +16,7 @@ class PositionContext:
     probe: LayerProbe
     prefix: Prefix
     target: torch.Tensor  # observed state [d] (float32)
-    radius: float  # acceptance radius
+    tolerance: float  # acceptance: a candidate whose state lies within this L2 distance of the target
     position: int
     generator: torch.Generator
     seen: torch.Tensor = field(init=False)  # [V] bool: already verified
@@ -36,7 +36,7 @@ class PositionContext:
 
     @property
     def accepted(self) -> bool:
-        return self.best_dist <= self.radius
+        return self.best_dist <= self.tolerance
 
     def record(self, ids: torch.Tensor, states: torch.Tensor, dists: torch.Tensor) -> None:
         self.seen[ids] = True

@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..models import LoadedModel
+from ..models import LayerSpec, LoadedModel
 from .context import PositionContext
 from .policies import POLICIES, Policy, SweepPolicy, TablePolicy
 from .results import InversionResult, PositionResult
 from .tables import first_position_table
-from .tolerance import noise_radius, tolerance
+from .tolerance import noise_tolerance, tolerance
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class InvertConfig:
     first_table: bool = True  # rank position 0 with the first-position table (policies that support it)
     max_candidates: int | None = None  # per position; default: the whole vocabulary
     tolerance_scale: float = 1.0
-    noise: float = 0.0  # relative Gaussian noise level the states carry (sets the acceptance radius)
+    noise: float = 0.0  # relative Gaussian noise level the states carry (widens the acceptance tolerance)
     seed: int = 0
     progress: bool = False
 
@@ -50,7 +50,7 @@ def _make_policy(config: InvertConfig) -> Policy:
 def invert_prompt(
     model: LoadedModel,
     states: torch.Tensor,
-    layer: int,
+    layer: LayerSpec,
     config: InvertConfig = InvertConfig(),
     policy: Policy | None = None,
     clean_states: torch.Tensor | None = None,
@@ -59,6 +59,7 @@ def invert_prompt(
 ) -> InversionResult:
     """Recover the token ids whose layer-``layer`` states are ``states`` ``[T, d]``."""
     probe = model.probe
+    layer = probe.layer(layer)
     policy = policy or _make_policy(config)
     exhaustive = config.method == "bruteforce"
     vocab = probe.vocab_size
@@ -76,8 +77,8 @@ def invert_prompt(
     targets = states.to(torch.float32)
     for t in range(targets.shape[0]):
         target = targets[t]
-        radius = tolerance(target, probe.dtype, config.tolerance_scale) + noise_radius(target, config.noise)
-        ctx = PositionContext(probe, prefix, target, radius, t, generator)
+        accept = tolerance(target, probe.dtype, config.tolerance_scale) + noise_tolerance(target, config.noise)
+        ctx = PositionContext(probe, prefix, target, accept, t, generator)
         active = TablePolicy(table) if (t == 0 and table is not None) else policy
         while ctx.checked < budget:
             ids = active.propose(ctx)
@@ -108,7 +109,7 @@ def invert_prompt(
         text=model.decode(ids),
         seconds=seconds,
         positions=results,
-        layer=probe.layer_name(layer),
+        layer=layer.name,
         model=model.name,
         method=config.method,
         policy="sweep" if exhaustive else policy.name,
@@ -121,24 +122,24 @@ def _decide(ctx: PositionContext, budget: int, vocab: int, clean: torch.Tensor |
     ids, dists = ctx.all_ids(), ctx.all_dists()
     others = dists[ids != ctx.best_id]
     margin = float(others.min()) if others.numel() else float("inf")
-    inside = int((dists <= ctx.radius).sum())
+    inside = int((dists <= ctx.tolerance).sum())
     uncertain = not ctx.accepted or inside > 1
-    noise_norm = radius = None
+    noise_norm = certified = None
     if clean is not None and ctx.best_state is not None:
         noise_norm = float((ctx.target.double() - clean.double()).norm())
         states = ctx.all_states()
         gaps = (states[ids != ctx.best_id].double() - ctx.best_state.double()).norm(dim=1)
-        radius = float(gaps.min()) / 2 if gaps.numel() else float("inf")
+        certified = float(gaps.min()) / 2 if gaps.numel() else float("inf")
     return PositionResult(
         token_id=ctx.best_id,
         distance=ctx.best_dist,
         margin=margin,
-        tolerance=ctx.radius,
+        tolerance=ctx.tolerance,
         candidates_checked=ctx.checked,
         uncertain=uncertain,
         noise_norm=noise_norm,
-        radius=radius,
-        radius_exact=ctx.checked >= vocab,
+        certified_radius=certified,
+        certified_exact=ctx.checked >= vocab,
     )
 
 

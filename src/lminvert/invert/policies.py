@@ -21,8 +21,9 @@ import logging
 
 import torch
 
-from ..models import LoadedModel
+from ..models import Layer, LoadedModel
 from .context import PositionContext
+from .secant import centre, fit_secant_map
 from .tables import second_position_map
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Policy:
     name = "base"
     uses_first_table = False
 
-    def prepare(self, model: LoadedModel, layer: int) -> None:
+    def prepare(self, model: LoadedModel, layer: Layer) -> None:
         """Called once before inverting with ``model`` at ``layer`` (load cached priors here)."""
 
     def begin_prompt(self) -> None:
@@ -154,11 +155,25 @@ class GradientPolicy(Policy):
 class LinearPolicy(Policy):
     """Rank by a secant linear model ``h(v) ~ a + J e_v`` of the current position.
 
-    ``J`` is fitted by ridge regression on centred (embedding, state) pairs of verified candidates: those of
-    this position plus those of the last ``memory`` positions, pulled towards the previous ``J``; the offset
-    ``a`` is re-estimated at each position. The first round samples a few random entries (for the offset and
-    the fit), later rounds verify the top of the ranking in growing batches, refitting as data arrives and
-    adding a few random samples to keep the fit unbiased. After the ranking the rest is swept in order.
+    ``J`` is fitted by ridge regression (:mod:`.secant`) on centred (embedding, state) pairs of verified
+    candidates: those of this position plus those of the last ``memory`` positions, pulled towards the previous
+    ``J``; the offset ``a`` is re-estimated at each position. The first round samples a few random entries (for
+    the offset and the fit), later rounds verify the top of the ranking in growing batches, refitting as data
+    arrives and adding random samples to keep the fit unbiased. After the ranking the rest is swept in order.
+
+    Settings (the defaults were tuned on SmolLM2 and the tiny test models; every one only changes speed,
+    never the answer, because every candidate is verified):
+
+    * ``explore_first`` - random entries verified first at a position when no ``J`` exists yet;
+    * ``explore`` - random entries verified first when a ``J`` exists, and the least added after a miss;
+    * ``first``, ``growth``, ``batch`` - ranked candidates per round: ``first * growth**(round-1)``, at most
+      ``batch``;
+    * ``memory`` - how many previous positions' pairs join this position's fit;
+    * ``ridge`` - ridge penalty relative to the data's energy;
+    * ``prior`` - pull towards the previous ``J`` (relative to the data's energy);
+    * ``outlier`` - states with a norm above ``outlier`` times the target's (attention sinks) are left out;
+    * ``fresh`` - with this many pairs at the current position, fit on them alone (no memory, no prior);
+    * ``explore_max`` - random samples stop being added once this many candidates were verified.
     """
 
     name = "linear"
@@ -188,7 +203,7 @@ class LinearPolicy(Policy):
         self._P_sq: torch.Tensor | None = None  # its squared row norms
         self._prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (J, P, P_sq), set by prepare()
 
-    def prepare(self, model: LoadedModel, layer: int) -> None:
+    def prepare(self, model: LoadedModel, layer: Layer) -> None:
         jac = second_position_map(model, layer)
         proj = model.probe.vocab_matrix().float() @ jac.float()
         self._prior = (jac, proj, proj.square().sum(1))
@@ -208,10 +223,7 @@ class LinearPolicy(Policy):
         x = ctx.probe.vocab_matrix()[ctx.all_ids()].double()
         h = ctx.all_states().double()
         keep = h.norm(dim=1) <= self.outlier * float(ctx.target.double().norm())
-        x, h = x[keep], h[keep]
-        if len(x) == 0:
-            return x, h
-        return x - x.mean(0), h - h.mean(0)
+        return centre(x[keep], h[keep])
 
     def _fit(self, ctx: PositionContext) -> None:
         x, h = self._centred(ctx)
@@ -219,12 +231,8 @@ class LinearPolicy(Policy):
         if not local:
             x = torch.cat([x, *(p[0] for p in self._pool)])
             h = torch.cat([h, *(p[1] for p in self._pool)])
-        eye = torch.eye(x.shape[1], dtype=torch.float64)
-        energy = float(x.square().sum())
-        gram, rhs = x.T @ x + self.ridge * energy * eye, x.T @ h
-        if self._J is not None and not local:
-            gram, rhs = gram + self.prior * energy * eye, rhs + self.prior * energy * self._J
-        self._J = torch.linalg.solve(gram, rhs)
+        prior = None if local else self._J
+        self._J = fit_secant_map(x, h, ridge=self.ridge, prior=prior, prior_weight=self.prior)
         self._P = ctx.probe.vocab_matrix().float() @ self._J.float()
         self._P_sq = self._P.square().sum(1)
         self._fitted_on = ctx.checked

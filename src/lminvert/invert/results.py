@@ -22,8 +22,10 @@ class PositionResult:
     candidates_checked: int
     uncertain: bool
     noise_norm: float | None = None
-    radius: float | None = None  # half the gap between the accepted state and the nearest other checked state
-    radius_exact: bool = False  # True when every vocabulary entry was checked, so ``radius`` is Delta/2 exactly
+    # half the gap between the accepted state and the nearest other checked state (Theorem 3.2's Delta/2 when
+    # certified_exact: every vocabulary entry was checked); noise below it cannot change the answer
+    certified_radius: float | None = None
+    certified_exact: bool = False
     tied_with: tuple[int, ...] = ()  # other tokens with a bit-identical input vector: indistinguishable by any state
 
 
@@ -84,9 +86,11 @@ class InversionResult:
             out["noise"] = [
                 {
                     "noise_norm": p.noise_norm,
-                    "radius": p.radius,
-                    "radius_exact": p.radius_exact,
-                    "below_radius": None if p.radius is None or p.noise_norm is None else p.noise_norm < p.radius,
+                    "certified_radius": p.certified_radius,
+                    "certified_exact": p.certified_exact,
+                    "below_certified_radius": None
+                    if p.certified_radius is None or p.noise_norm is None
+                    else p.noise_norm < p.certified_radius,
                 }
                 for p in self.positions
             ]

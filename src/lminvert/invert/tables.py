@@ -1,92 +1,84 @@
-"""First-position tables: the layer-l state of every vocabulary token at position 0, cached on disk.
+"""Per model and layer, computed once and cached: the first-position table and the position-1 prior map.
 
 Position 0 has no prefix, so its state depends on the token alone: recovering it is a nearest-neighbour
-look-up in this table. (At middle layers the first position is an attention sink with a norm ~100x the
-others, which makes gradient signals there useless.) Built once per model, layer and dtype with batched
-one-position forwards, then read from ``<cache>/tables/``.
+look-up in the table of all |V| first-position states. (At middle layers the first position is an attention
+sink with a norm ~100x the others, which makes gradient signals there useless.) Position 1 sees only the
+first token and itself; a secant map fitted over random first tokens is a good prior for the linear policy.
+
+Both are built with the batched forwards of :mod:`lminvert.forward` and written atomically to
+``<cache>/tables/<weights hash>-<dtype>-layer<L>...safetensors``; a loaded model keeps them in memory
+(on its own :attr:`~lminvert.models.LoadedModel.memo`, so edited weights never see stale tables).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
-from ..models import LoadedModel
-from ..paths import cache_dir
+from ..forward import vocabulary_states
+from ..models import Layer, LoadedModel
+from ..paths import atomic_file, cache_dir
+from .secant import centre, fit_secant_map
 
 log = logging.getLogger(__name__)
 
-_MEMORY: dict[tuple[str, int, str], torch.Tensor] = {}
 
-
-def first_position_table(model: LoadedModel, layer: int, batch: int = 1024, progress: bool = True) -> torch.Tensor:
-    """``[V, d]`` float32 states of each token alone at ``layer`` (built and cached on first use)."""
-    probe = model.probe
-    key = (model.weights_hash, layer, model.dtype)
-    if key in _MEMORY:
-        return _MEMORY[key]
-    path = cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{probe.layer_name(layer)}.safetensors"
+def _cached(model: LoadedModel, layer: Layer, kind: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    key = (kind, int(layer), model.dtype)
+    if key in model.memo:
+        return model.memo[key]
+    suffix = "" if kind == "table" else f"-{kind}"
+    path: Path = cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
     if path.is_file():
-        table = load_file(str(path))["states"]
+        (value,) = load_file(str(path)).values()
     else:
         start = time.perf_counter()
-        empty = probe.prefix([], layer)
-        ids = torch.arange(probe.vocab_size)
-        parts = []
-        with torch.no_grad():
-            for chunk in tqdm(
-                ids.split(batch), desc=f"first-position table (layer {layer})", disable=not progress, leave=False
-            ):
-                parts.append(probe.continuation(empty, token_ids=chunk).float())
-        table = torch.cat(parts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({"states": table.contiguous()}, str(tmp))
-        tmp.rename(path)
-        log.info("built first-position table for layer %s in %.1f s", layer, time.perf_counter() - start)
-    _MEMORY[key] = table
-    return table
+        value = build().contiguous()
+        with atomic_file(path) as tmp:  # unique name: two processes building the same table cannot collide
+            save_file({"value": value}, str(tmp))
+        log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
+    model.memo[key] = value
+    return value
+
+
+def first_position_table(model: LoadedModel, layer: Layer, batch: int = 1024, progress: bool = True) -> torch.Tensor:
+    """``[V, d]`` float32 states of each token alone at ``layer`` (built and cached on first use)."""
+
+    def build() -> torch.Tensor:
+        desc = f"first-position table (layer {layer.name})"
+        parts = vocabulary_states(model, [], [layer], batch=batch, progress=progress, desc=desc)
+        return torch.cat([states[layer] for _, states in parts])
+
+    return _cached(model, layer, "table", build)
 
 
 def second_position_map(
-    model: LoadedModel, layer: int, contexts: int = 12, samples: int = 256, seed: int = 0, outlier: float = 4.0
+    model: LoadedModel, layer: Layer, contexts: int = 12, samples: int = 256, seed: int = 0, outlier: float = 4.0
 ) -> torch.Tensor:
-    """A secant linear map ``J`` [d, d] from input embeddings to position-1 states, for random first tokens.
+    """A secant linear map ``J`` [d, d] from input vectors to position-1 states, for random first tokens.
 
-    Position 1 sees only the first token and itself; a ridge fit over ``contexts`` random first tokens x
-    ``samples`` random second tokens (centred per context, attention-sink outliers dropped) is a good prior
-    for :class:`~lminvert.invert.policies.LinearPolicy` there. Built once per model and layer, cached.
+    A ridge fit over ``contexts`` random first tokens x ``samples`` random second tokens (centred per context,
+    attention-sink outliers dropped). Built once per model and layer, cached.
     """
-    probe = model.probe
-    key = (model.weights_hash + ":J1", layer, model.dtype)
-    if key in _MEMORY:
-        return _MEMORY[key]
-    name = f"{model.weights_hash}-{model.dtype}-layer{probe.layer_name(layer)}-position1-map.safetensors"
-    path = cache_dir() / "tables" / name
-    if path.is_file():
-        jac = load_file(str(path))["J"]
-    else:
+
+    def build() -> torch.Tensor:
+        probe = model.probe
         gen = torch.Generator().manual_seed(seed)
-        vocab = probe.vocab_matrix().double()
+        vocab = probe.vocab_matrix().double().cpu()
         xs, hs = [], []
-        with torch.no_grad():
-            for first in torch.randint(0, probe.vocab_size, (contexts,), generator=gen).tolist():
-                ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
-                states = probe.continuation(probe.prefix([first], layer), token_ids=ids).double()
-                keep = states.norm(dim=1) <= outlier * states.norm(dim=1).median()
-                x, h = vocab[ids][keep], states[keep]
-                xs.append(x - x.mean(0))
-                hs.append(h - h.mean(0))
-        x, h = torch.cat(xs), torch.cat(hs)
-        eye = torch.eye(x.shape[1], dtype=torch.float64)
-        jac = torch.linalg.solve(x.T @ x + 1e-3 * float(x.square().sum()) * eye, x.T @ h)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({"J": jac.contiguous()}, str(tmp))
-        tmp.rename(path)
-    _MEMORY[key] = jac
-    return jac
+        for first in torch.randint(0, probe.vocab_size, (contexts,), generator=gen).tolist():
+            ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
+            ((_, states),) = vocabulary_states(model, [first], [layer], tokens=ids, batch=samples)
+            h = states[layer].double()
+            keep = h.norm(dim=1) <= outlier * h.norm(dim=1).median()
+            x, h = centre(vocab[ids][keep], h[keep])
+            xs.append(x)
+            hs.append(h)
+        return fit_secant_map(torch.cat(xs), torch.cat(hs), ridge=1e-3)
+
+    return _cached(model, layer, "position1-map", build)

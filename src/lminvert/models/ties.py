@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models import LoadedModel
+from .loading import LoadedModel
 
 
 def tied_token_groups(model: LoadedModel) -> list[list[int]]:

@@ -1,0 +1,146 @@
+"""The one runner behind the collision search and the exhaustive test: states -> per-layer exact searches.
+
+Both commands do the same thing to a set of N vectors per layer: fill a resumable :class:`~.store.StateStore`,
+search each layer exactly (one :class:`~.tasks.LayerTask` per layer, mapped by an executor), estimate the
+rounding noise of the stored states (a resumable step), and turn the task summaries into
+:class:`~.results.LayerResult` values. They differ only in how the store is filled and what extra each layer
+reports (tied tokens for the exhaustive test), which the caller passes in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import LminvertError
+from ..executors import Executor
+from ..models import Layer, LoadedModel
+from ..runs import RunDirectory, run_metadata
+from .results import LayerResult, layer_result, overall_throughput
+from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
+from .store import StateStore
+from .tasks import layer_tasks, run_layer_task
+from .throughput import matmul_reference
+
+ROUNDING_NOISE = "rounding_noise.json"
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How each layer is searched: what counts as a collision, how many closest pairs to keep, tile shape."""
+
+    threshold: float = 1e-6
+    k: int = 10
+    seed: int = 0
+    tile_rows: int = DEFAULT_TILE_ROWS
+    tile_cols: int = DEFAULT_TILE_COLS
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise LminvertError("--threshold must be a non-negative number")
+        if self.k < 1:
+            raise LminvertError("--k must be at least 1")
+        if self.tile_rows < 1 or self.tile_cols < 1:
+            raise LminvertError("--tile-rows and --tile-cols must be positive")
+
+
+@dataclass(frozen=True)
+class SearchedStates:
+    """One store, searched: per-layer task summaries, rounding noise, where the NN distances are."""
+
+    store: StateStore
+    summaries: dict[Layer, dict[str, Any]]
+    rounding_noise: dict[str, dict]  # keys: layer index as text
+    nn_files: dict[str, str]  # layer name -> .npy path, relative to the run directory
+    encode_seconds: float
+
+    def states(self, layer: Layer) -> np.ndarray:
+        """The stored ``[n, d]`` float32 states of ``layer`` (read-only memmap)."""
+        return self.store.layer(int(layer))
+
+
+def search_states(
+    run: RunDirectory,
+    subdir: str,
+    model: LoadedModel,
+    layers: Sequence[Layer],
+    n: int,
+    chunk_size: int,
+    fill: Callable[[StateStore], float],
+    rounding_noise: Callable[[StateStore], dict[str, dict]],
+    settings: SearchSettings,
+    executor: Executor,
+    k: int | None = None,
+    label: str = "",
+    progress: bool = True,
+) -> SearchedStates:
+    """Fill (or resume) the store in ``run/subdir``, search every layer, estimate the rounding noise.
+
+    ``k`` overrides ``settings.k`` for the search itself (the exhaustive test searches past its tied pairs).
+    """
+    directory = run.path / subdir if subdir else run.path
+    store = StateStore(directory / "states", n, model.probe.hidden_size, [int(x) for x in layers], chunk_size)
+    encode_seconds = fill(store)
+    if not store.complete:
+        raise LminvertError(f"{directory}: encoding did not finish; rerun the same command to resume")
+    tasks = layer_tasks(
+        store,
+        directory,
+        layers,
+        label,
+        k=settings.k if k is None else k,
+        threshold=settings.threshold,
+        tile_rows=settings.tile_rows,
+        tile_cols=settings.tile_cols,
+        seed=settings.seed,
+        progress=progress,
+    )
+    summaries = executor.map(run_layer_task, tasks)
+    noise_file = f"{subdir}/{ROUNDING_NOISE}" if subdir else ROUNDING_NOISE
+    noise = run.step(noise_file, lambda: rounding_noise(store))
+    by_layer = dict(zip(layers, summaries, strict=True))
+    nn_files = {layer.name: str(Path(t.out_nn).relative_to(run.path)) for layer, t in zip(layers, tasks, strict=True)}
+    return SearchedStates(store, by_layer, noise, nn_files, encode_seconds)
+
+
+def layer_results(
+    searched: SearchedStates,
+    ids: Sequence[tuple[int, ...]],
+    texts: Sequence[str],
+    tied: dict[int, int],
+    matmul: dict[str, Any],
+    extra: Callable[[Layer, dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, LayerResult]:
+    """Layer name -> :class:`LayerResult`, each with its rounding noise and its matmul fraction against the
+    run's reference; ``extra(layer, summary)`` adds caller-specific details."""
+    out = {}
+    for layer, summary in searched.summaries.items():
+        search = dict(summary["search"])
+        search["matmul_fraction"] = search["achieved_flops_per_second"] / matmul["flops_per_second"]
+        details = {"rounding_noise": searched.rounding_noise[str(int(layer))]}
+        details.update(extra(layer, summary) if extra else {})
+        out[layer.name] = layer_result({**summary, "search": search}, layer.name, list(ids), list(texts), tied, details)
+    return out
+
+
+def measure_matmul(n: int, d: int, settings: SearchSettings) -> dict[str, Any]:
+    """The run's matmul reference at its tile shape (measured once per run, after the searches)."""
+    return matmul_reference(n, d, settings.tile_rows, settings.tile_cols)
+
+
+def run_summary(
+    model: LoadedModel, layers: Sequence[LayerResult], matmul: dict[str, Any], timings: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """Throughput, timings and run metadata: the part of results.json every search run shares."""
+    throughput = overall_throughput(list(layers), matmul)
+    timings = {**timings, "search_seconds": throughput["search_seconds"]}
+    return {"throughput": throughput, "timings": timings, **run_metadata(model.describe(), seed)}
+
+
+def elapsed(start: float) -> float:
+    return time.perf_counter() - start

@@ -1,0 +1,31 @@
+"""Whether a states file can have come from a model: weights, hidden size and layer must agree."""
+
+from __future__ import annotations
+
+from ..errors import LminvertError
+from ..states import HiddenStates
+from .loading import LoadedModel
+from .probe import Layer, LayerSpec
+
+
+def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec | None) -> Layer:
+    """Check that ``states`` can come from ``model``; return the resolved layer (from the file if not given)."""
+    probe = model.probe
+    if states.weights_hash and states.weights_hash != model.weights_hash:
+        raise LminvertError(
+            f"these states were made by a model with weights hash {states.weights_hash} ('{states.model}'), "
+            f"not by '{model.name}' ({model.weights_hash}); pass the model that produced them with --model"
+        )
+    if states.hidden_size != probe.hidden_size:
+        raise LminvertError(
+            f"states have hidden size {states.hidden_size} but '{model.name}' has {probe.hidden_size}; "
+            "pass the model that produced them with --model"
+        )
+    if layer is None:
+        layer = states.layer
+    if layer is None:
+        raise LminvertError("the states file does not say which layer it holds: pass --layer")
+    resolved = probe.layer(layer)
+    if states.layer is not None and probe.layer(states.layer) != resolved:
+        raise LminvertError(f"the states file holds layer {states.layer}, not {layer}; drop --layer or fix it")
+    return resolved
