@@ -36,7 +36,8 @@ import lminvert
 from lminvert.collisions import exhaustive_test, find_collisions, pairwise_min
 from lminvert.collisions.exhaustive import prefixes_from_collisions
 from lminvert.collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
-from lminvert.collisions.throughput import matmul_flops, peak_rss_mb
+from lminvert.collisions.throughput import matmul_flops
+from lminvert.runs import peak_rss_mb
 
 LOCK = "/tmp/lminvert-bench.lock"
 
@@ -116,7 +117,7 @@ def collisions(model, args: argparse.Namespace, out: Path) -> dict:
         model,
         corpus=args.corpus,
         n_prompts=args.n_prompts,
-        layers=[1, 15, 30],
+        layers="1,middle,-1",
         max_tokens=args.max_tokens,
         out=out,
         seed=args.seed,
@@ -153,7 +154,7 @@ def _fmt(value: float | None) -> str:
 
 def exhaustive(model, source: Path, count: int, out: Path) -> dict:
     prefixes = prefixes_from_collisions(source, count)
-    results = exhaustive_test(model, prefixes, layers=[1, 15, 30], out=out, progress=False)
+    results = exhaustive_test(model, prefixes, layers="1,middle,-1", out=out, progress=False)
     doc = results.to_dict()
     print(
         f"\n## Exhaustive: {len(prefixes)} prefix(es) x {results.vocab_size:,} continuations, "

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-from lminvert.forward import encode
-from evalset import evaluation_prompts
 
 import lminvert
+from evalset import evaluation_prompts
+from lminvert.forward import encode
 from lminvert.invert import invert
 from lminvert.invert.baseline import sequential_baseline
 from lminvert.invert.tables import first_position_table, second_position_map

@@ -1,4 +1,4 @@
-"""The built-in evaluation set for inversion: English prose, code and uniformly random token ids."""
+"""The benchmarks' evaluation set for inversion: English prose, code, uniformly random token ids, personal data."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..corpora import sample_prompts
-from ..models import LoadedModel
+from lminvert.corpora import sample_prompts
+from lminvert.models import LoadedModel
 
 # Text with personal data, the case a leak matters for (invented; any resemblance is coincidental).
 PERSONAL = "Patient: Maria Gonzalez, DOB 1984-03-12, SSN 078-05-1120, diagnosed with type 2 diabetes; call 555-0143."

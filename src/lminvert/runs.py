@@ -116,7 +116,9 @@ class RunDirectory:
         old = read_json(manifest)
         old_kind = old.get("kind", kind)
         if old_kind != kind:
-            raise LminvertError(f"{self.path} holds a run of kind '{old_kind}', not '{kind}'; use a new --out directory")
+            raise LminvertError(
+                f"{self.path} holds a run of kind '{old_kind}', not '{kind}'; use a new --out directory"
+            )
         before = old.get("config", {})
         for key in identity:
             if before.get(key) != self.config.get(key):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from lminvert.forward import encode
 
+from lminvert.forward import encode
 from lminvert.invert import invert
 
 LAYER = 6  # a middle-depth layer whose first-position table builds in seconds on a CPU

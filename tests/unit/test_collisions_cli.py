@@ -97,7 +97,8 @@ def test_exhaustive_from_collisions_on_a_local_model(cli, tmp_path):
     assert [p["ids"] for p in doc["prefixes"]] == [[3, 4], [5]]
     assert set(doc["layers"]) == {"1", "2"} and doc["layers"]["2"]["min_distance"] > 0
     # default layers (first, middle, last block) fit a model of any depth: here 2 blocks
-    proc = cli("exhaustive", "--model", str(tmp_path / "model"), "--prefix", "x", "--out", str(tmp_path / "d"), "--json")
+    args = ["--model", str(tmp_path / "model"), "--from-collisions", str(run), "--out", str(tmp_path / "d")]
+    proc = cli("exhaustive", *args, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["config"]["layers"] == ["1", "2"]
 

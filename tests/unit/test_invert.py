@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lminvert.forward import encode
 
 import lminvert
 from lminvert.errors import LminvertError
+from lminvert.forward import encode
 from lminvert.invert import invert
 
 from ..conftest import TINY

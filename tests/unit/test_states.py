@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lminvert.forward import encode
-from lminvert.models.compat import check_compatible
 
 import lminvert
 from lminvert.errors import LminvertError
+from lminvert.forward import encode
+from lminvert.models.compat import check_compatible
 from lminvert.states import HiddenStates
 
 

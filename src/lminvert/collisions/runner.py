@@ -102,10 +102,10 @@ def search_states(
     )
     summaries = executor.map(run_layer_task, tasks)
     noise_file = f"{subdir}/{ROUNDING_NOISE}" if subdir else ROUNDING_NOISE
-    noise = run.step(noise_file, lambda: rounding_noise(store))
+    rounding = run.step(noise_file, lambda: rounding_noise(store))
     by_layer = dict(zip(layers, summaries, strict=True))
     nn_files = {layer.name: str(Path(t.out_nn).relative_to(run.path)) for layer, t in zip(layers, tasks, strict=True)}
-    return SearchedStates(store, by_layer, noise, nn_files, encode_seconds)
+    return SearchedStates(store, by_layer, rounding, nn_files, encode_seconds)
 
 
 def layer_results(

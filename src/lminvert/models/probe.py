@@ -67,6 +67,9 @@ class Layer(int):
     def __repr__(self) -> str:
         return f"Layer({self.name})"
 
+    def __str__(self) -> str:  # f"{layer}" shows the name ("final" for L + 1); f"{layer:03d}" the index
+        return self.name
+
 
 def _parse_one(spec: LayerSpec, n_layers: int) -> Layer:
     if isinstance(spec, Layer):
@@ -108,10 +111,10 @@ def parse_layers(spec: LayerSpec | str | Sequence[LayerSpec], n_layers: int) -> 
         if text == "all":
             return [Layer(i, n_layers) for i in range(1, n_layers + 1)]
         items: list[LayerSpec] = [part for part in text.split(",") if part.strip()]
-    elif isinstance(spec, int):
-        items = [spec]
-    else:
+    elif isinstance(spec, Sequence):
         items = list(spec)
+    else:
+        items = [spec]  # one int-like layer (or something that is not a layer: _parse_one says so)
     if not items:
         raise LminvertError(f"no layers given: use 'all', one layer, or a list such as {DEFAULT_LAYERS}")
     return sorted({_parse_one(item, n_layers) for item in items})
