@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from . import __version__
 from .errors import LminvertError
 from .models import LoadedModel
+from .models.loading import require_loaded
 from .models.probe import Layer, LayerSpec
 from .states import HiddenStates
 
@@ -160,6 +161,7 @@ def encode(
     progress: bool = False,
 ) -> HiddenStates:
     """Layer-``layer`` states of every position of each prompt (text or token ids)."""
+    model = require_loaded(model, "encode")
     resolved = model.probe.layer(layer)
     ids = token_ids_of(model, prompts, max_tokens)
     per_prompt = prompt_states(model, ids, [resolved], progress=progress)

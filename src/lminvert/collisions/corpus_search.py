@@ -21,6 +21,7 @@ from ..corpora import Prompt, sample_prompts
 from ..errors import LminvertError
 from ..executors import Executor, get_executor
 from ..models import LayerSpec, LoadedModel
+from ..models.loading import require_loaded
 from ..models.ties import representatives, same_input, tied_token_groups
 from ..paths import atomic_file
 from ..runs import RunDirectory, versions
@@ -82,8 +83,7 @@ def find_collisions(
     """
     wall = time.perf_counter()
     settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols)
-    if not isinstance(model, LoadedModel):
-        raise LminvertError("find_collisions needs a loaded model: lminvert.load_model(name)")
+    model = require_loaded(model, "find_collisions")
     if n_prompts < 2:
         raise LminvertError("--n-prompts must be at least 2 (pairs of prompts are compared)")
     if max_tokens < 1 or (min_tokens is not None and not 1 <= min_tokens <= max_tokens):

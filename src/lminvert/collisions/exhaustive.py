@@ -22,6 +22,7 @@ import torch
 from ..errors import LminvertError
 from ..executors import Executor, get_executor
 from ..models import DEFAULT_LAYERS, LayerSpec, LoadedModel
+from ..models.loading import require_loaded
 from ..models.ties import representatives, tied_pairs, tied_token_groups
 from ..paths import read_json
 from ..runs import RunDirectory, versions
@@ -175,8 +176,7 @@ def exhaustive_test(
     """
     wall = time.perf_counter()
     settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols)
-    if not isinstance(model, LoadedModel):
-        raise LminvertError("exhaustive_test needs a loaded model: lminvert.load_model(name)")
+    model = require_loaded(model, "exhaustive_test")
     if batch_size < 1:
         raise LminvertError("--batch-size must be positive")
     probe = model.probe

@@ -7,6 +7,7 @@ import torch
 from ..errors import LminvertError
 from ..models import LayerSpec, LoadedModel
 from ..models.compat import check_compatible
+from ..models.loading import require_loaded
 from ..models.ties import tied_token_groups
 from ..states import HiddenStates
 from .engine import InvertConfig, invert_prompt, progress_callback
@@ -44,8 +45,7 @@ def invert(
         raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
-    if not isinstance(model, LoadedModel):
-        raise LminvertError("invert needs a loaded model: model = lminvert.load_model(name); invert(model, states)")
+    model = require_loaded(model, "invert")
     resolved = check_compatible(states, model, layer)
     config = InvertConfig(
         method=method,

@@ -82,6 +82,13 @@ class LoadedModel:
         }
 
 
+def require_loaded(model: object, caller: str) -> LoadedModel:
+    """``model`` if it is a :class:`LoadedModel`; else a one-line error (compute never resolves names)."""
+    if not isinstance(model, LoadedModel):
+        raise LminvertError(f"{caller} needs a loaded model: model = lminvert.load_model(name), then pass model")
+    return model
+
+
 def _random_model(spec: ModelSpec, seed: int) -> tuple[PreTrainedModel, object]:
     assert spec.model_type is not None
     config = AutoConfig.for_model(spec.model_type, **spec.config)

@@ -134,49 +134,43 @@ def _nn_arrays(results: CollisionResults | ExhaustiveResults) -> tuple[list[str]
     return names, [np.concatenate([np.load(root / path) for path in nn[name]]) for name in names]
 
 
-def render_collisions(results: CollisionResults, figure: bool = True) -> dict[str, str]:
-    """Write results.md (and the figure) into the run's directory; returns the paths written."""
+def _render(results: CollisionResults | ExhaustiveResults, figure: bool, markdown: str, **plot) -> dict[str, str]:
     root = Path(results.directory)
     paths = {}
     if figure:
         names, nn = _nn_arrays(results)
-        title = (
-            f"{results.model}: nearest-neighbour distance of {results.n_prompts} prompts' last-token states "
-            f"({results.config.corpus})"
-        )
-        minima = [results.layers[n].min_distance for n in names]
-        paths["figure"] = str(plot_nn_distances(names, nn, minima, root / FIGURE, results.config.threshold, title))
-    markdown = root / MARKDOWN
-    markdown.write_text(collisions_markdown(results, FIGURE if figure else None), encoding="utf-8")
-    return {"markdown": str(markdown), **paths}
+        minima = [results.layer_minima()[name][0] for name in names]
+        figure_path = plot_nn_distances(names, nn, minima, root / FIGURE, results.config.threshold, **plot)
+        paths["figure"] = str(figure_path)
+    target = root / MARKDOWN
+    target.write_text(markdown, encoding="utf-8")
+    return {"markdown": str(target), **paths}
+
+
+def render_collisions(results: CollisionResults, figure: bool = True) -> dict[str, str]:
+    """Write results.md (and the figure) into the run's directory; returns the paths written."""
+    title = (
+        f"{results.model}: nearest-neighbour distance of {results.n_prompts} prompts' last-token states "
+        f"({results.config.corpus})"
+    )
+    return _render(results, figure, collisions_markdown(results, FIGURE if figure else None), title=title)
 
 
 def render_exhaustive(results: ExhaustiveResults, figure: bool = True) -> dict[str, str]:
     """Write results.md (and the figure) into the run's directory; returns the paths written."""
-    root = Path(results.directory)
-    paths = {}
-    if figure:
-        names, nn = _nn_arrays(results)
-        title = (
-            f"{results.model}: nearest-neighbour distance among all {results.vocab_size} one-token continuations "
-            f"({len(results.prefixes)} prefix(es))"
-        )
-        paths["figure"] = str(
-            plot_nn_distances(
-                names,
-                nn,
-                [results.layers[n]["min_distance"] for n in names],
-                root / FIGURE,
-                results.config.threshold,
-                title,
-                unit="continuations",
-                second_minima=[results.layers[n]["min_distance_inputs_differ"] for n in names],
-                second_label="minimum over pairs whose inputs differ (tied tokens aside)",
-            )
-        )
-    markdown = root / MARKDOWN
-    markdown.write_text(exhaustive_markdown(results, FIGURE if figure else None), encoding="utf-8")
-    return {"markdown": str(markdown), **paths}
+    title = (
+        f"{results.model}: nearest-neighbour distance among all {results.vocab_size} one-token continuations "
+        f"({len(results.prefixes)} prefix(es))"
+    )
+    return _render(
+        results,
+        figure,
+        exhaustive_markdown(results, FIGURE if figure else None),
+        title=title,
+        unit="continuations",
+        second_minima=[results.layers[n]["min_distance_inputs_differ"] for n in results.config.layers],
+        second_label="minimum over pairs whose inputs differ (tied tokens aside)",
+    )
 
 
 def summary_lines(results: CollisionResults | ExhaustiveResults) -> list[str]:
