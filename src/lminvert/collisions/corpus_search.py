@@ -113,6 +113,7 @@ def find_collisions(
     run = RunDirectory(out, KIND, config.to_dict(), CollisionConfig.IDENTITY)
     prompts, corpus_summary, sample_seconds = _prompts(model, config, run)
     ids = [p.ids for p in prompts]
+    before = measure_matmul(len(ids), model.probe.hidden_size, settings)
     searched = search_states(
         run,
         "",
@@ -126,7 +127,7 @@ def find_collisions(
         executor=runner,
         progress=progress,
     )
-    matmul = measure_matmul(len(ids), model.probe.hidden_size, settings)
+    matmul = measure_matmul(len(ids), model.probe.hidden_size, settings, earlier=before)
     rep = representatives(tied_token_groups(model))
 
     def same_inputs(layer, summary) -> dict:

@@ -207,6 +207,7 @@ def exhaustive_test(
     tied = tied_pairs(groups)
     rep = representatives(groups)
     token_texts = [model.decode([t]) for t in range(vocab)]
+    before = measure_matmul(vocab, probe.hidden_size, settings)
     searched_all = []
     for index, prefix in enumerate(ids):
         searched_all.append(
@@ -230,7 +231,7 @@ def exhaustive_test(
                 progress=progress,
             )
         )
-    matmul = measure_matmul(vocab, probe.hidden_size, settings)
+    matmul = measure_matmul(vocab, probe.hidden_size, settings, earlier=before)
     results = []
     for index, (prefix, searched) in enumerate(zip(ids, searched_all, strict=True)):
         shown = model.decode(list(prefix)) if prefix else ""

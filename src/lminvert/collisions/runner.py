@@ -128,9 +128,10 @@ def layer_results(
     return out
 
 
-def measure_matmul(n: int, d: int, settings: SearchSettings) -> dict[str, Any]:
-    """The run's matmul reference at its tile shape (measured once per run, after the searches)."""
-    return matmul_reference(n, d, settings.tile_rows, settings.tile_cols)
+def measure_matmul(n: int, d: int, settings: SearchSettings, earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's matmul reference at its tile shape: measured before the searches, then again after them
+    (``earlier``: the first measurement), the median of both sets."""
+    return matmul_reference(n, d, settings.tile_rows, settings.tile_cols, earlier=earlier)
 
 
 def run_summary(

@@ -37,9 +37,15 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def matmul_reference(n: int, d: int, tile_rows: int, tile_cols: int, reps: int = 5) -> dict[str, Any]:
-    """Measure ``torch.mm`` at the search's full-tile shape for ``n`` vectors of dimension ``d`` (once per run)."""
+def matmul_reference(
+    n: int, d: int, tile_rows: int, tile_cols: int, reps: int = 5, earlier: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Measure ``torch.mm`` at the search's full-tile shape for ``n`` vectors of dimension ``d``.
+
+    A run measures it before and after its searches (``earlier``: the first measurement); the reference is the
+    median of all samples, so one slow moment of the machine does not skew the fraction.
+    """
     rows, cols = tile_shape(n, tile_rows, tile_cols)
     rows, cols = min(rows, n), min(cols, n)
-    samples = matmul_flops(rows, cols, d, reps=reps)
+    samples = [*(earlier or {}).get("samples", []), *matmul_flops(rows, cols, d, reps=reps)]
     return {"flops_per_second": median(samples), "samples": samples, "shape": [rows, d, cols]}
