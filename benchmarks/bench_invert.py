@@ -5,6 +5,12 @@
     python benchmarks/bench_invert.py --model gpt2-small-random --layers 1,6,12 --bruteforce 0 --baseline 0
 
 Prints one table per layer and writes everything to --out (JSON). Figures are measured here, not asserted.
+Columns: exact prompts; median and mean seconds per prompt; max/med: the slowest prompt over the median; med c/p and
+mean c/p: candidates verified per position; explored: mean share of the vocabulary; wrong: positions recovered
+wrong without an uncertain flag (must be 0); % r/v/e/o: time in ranking / verification / prefix extension / other.
+
+    python benchmarks/bench_invert.py --layers 0,3,6,9,12,15,18,21,24,27,30 --bruteforce 0 --baseline 0   # depth
+    python benchmarks/bench_invert.py --layers 15 --long 500 --bruteforce 0 --baseline 0   # cost against length
 Timed sections hold /tmp/lminvert-bench.lock so that two benchmarks never share the cores.
 """
 
@@ -45,6 +51,7 @@ def main() -> int:
         action="store_true",
         help="give the baseline the true first token: time ordinary positions, not the attention sink",
     )
+    ap.add_argument("--long", type=int, default=0, help="also time one prose prompt of this many tokens (e.g. 500)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench/invert.json")
     args = ap.parse_args()
@@ -80,7 +87,10 @@ def main() -> int:
             f"\nlayer {layer}  (first-position table + position-1 map: {table_s:.1f} s, once per model and layer, "
             "then cached; not in the times below)"
         )
-        print(f"  {'method':<18} {'exact':>7} {'median s':>9} {'mean s':>8} {'cand/pos':>9} {'explored':>9}  by kind")
+        print(
+            f"  {'method':<18} {'exact':>7} {'median s':>9} {'mean s':>8} {'max/med':>7} {'med c/p':>8} "
+            f"{'mean c/p':>9} {'explored':>9} {'wrong':>5} {'% r/v/e/o':>12}  by kind"
+        )
         for policy in args.policies.split(","):
             results = invert(model, states, method="sipit", policy=policy, seed=args.seed)
             rows = _summarise(results, prompts)
@@ -148,16 +158,45 @@ def main() -> int:
             f"  baseline {base_per_tok:.2f} s/token vs lminvert {ours_per_tok:.3f} s/token: {ratio:.0f}x faster "
             "(a lower bound where the baseline hit its time limit on slow early positions)"
         )
+    if args.long:
+        report["long"] = _long_prompt(model, layers[len(layers) // 2], args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")
     return 0
 
 
+def _long_prompt(model, layer, args) -> dict:
+    """Cost against length: one prose prompt of ``args.long`` tokens and its first ``args.length`` tokens."""
+    (long,) = [p for p in evaluation_prompts(model, 1, args.long, args.seed + 1) if p.kind == "prose"]
+    rows = {}
+    for n in (args.length, args.long):
+        ids = list(long.ids[:n])
+        (r,) = invert(model, encode(model, [ids], layer), policy=args.policies.split(",")[0], seed=args.seed)
+        rows[n] = {"exact": r.token_ids == ids, "seconds": r.seconds, "time_split": r.time_split,
+                   "mean_candidates": sum(r.candidates_checked) / n}  # fmt: skip
+    ratio = rows[args.long]["seconds"] / rows[args.length]["seconds"]
+    print(
+        f"\nlength at layer {layer}: {args.length} tokens {rows[args.length]['seconds']:.2f} s, {args.long} tokens "
+        f"{rows[args.long]['seconds']:.2f} s ({ratio:.1f}x for {args.long / args.length:.0f}x the tokens; exact: "
+        f"{rows[args.length]['exact']}, {rows[args.long]['exact']}; "
+        f"{rows[args.long]['mean_candidates']:.1f} candidates per position)"
+    )
+    return {"layer": int(layer), "rows": rows, "ratio": ratio}
+
+
 def _summarise(results, prompts) -> dict:
     exact = [tuple(r.token_ids) == p.ids for r, p in zip(results, prompts, strict=True)]
     secs = [r.seconds for r in results]
     cands = [c for r in results for c in r.candidates_checked]
+    wrong_confident = sum(
+        1
+        for r, p in zip(results, prompts, strict=True)
+        for t, (got, pos) in enumerate(zip(r.token_ids, r.positions, strict=True))
+        if got != p.ids[t] and not pos.uncertain
+    )
+    split = {k: sum(r.time_split[k] for r in results) for k in ("ranking", "verification", "extension")}
+    total = sum(secs)
     by_kind: dict[str, list] = {}
     for r, p, ok in zip(results, prompts, exact, strict=True):
         by_kind.setdefault(p.kind, []).append((ok, r.seconds, sum(r.candidates_checked) / len(r.candidates_checked)))
@@ -167,6 +206,10 @@ def _summarise(results, prompts) -> dict:
         "median_seconds": statistics.median(secs),
         "mean_seconds": statistics.mean(secs),
         "mean_candidates_per_position": statistics.mean(cands),
+        "median_candidates_per_position": statistics.median(cands),
+        "max_over_median_seconds": max(secs) / statistics.median(secs),
+        "wrong_but_confident_positions": wrong_confident,
+        "time_split": {k: v / total for k, v in split.items()} | {"other": 1 - sum(split.values()) / total},
         "explored_fraction": statistics.mean(cands) / vocab,
         "uncertain_positions": sum(len(r.uncertain_positions) for r in results),
         "by_kind": {
@@ -187,9 +230,12 @@ def _print_row(name: str, rows: dict) -> None:
         f"{k} {v['exact']}/{v['n']} {v['median_seconds']:.1f}s {v['mean_candidates']:.0f}c"
         for k, v in rows["by_kind"].items()
     )
+    split = "/".join(f"{100 * rows['time_split'][k]:.0f}" for k in ("ranking", "verification", "extension", "other"))
     print(
         f"  {name:<18} {100 * rows['exact_rate']:>6.0f}% {rows['median_seconds']:>9.2f} {rows['mean_seconds']:>8.2f} "
-        f"{rows['mean_candidates_per_position']:>9.1f} {100 * rows['explored_fraction']:>8.3f}%  {kinds}"
+        f"{rows['max_over_median_seconds']:>6.1f}x {rows['median_candidates_per_position']:>8.0f} "
+        f"{rows['mean_candidates_per_position']:>9.1f} {100 * rows['explored_fraction']:>8.3f}% "
+        f"{rows['wrong_but_confident_positions']:>5} {split:>12}  {kinds}"
     )
 
 

@@ -8,9 +8,10 @@ budget, the closest verified candidate is kept and the position is marked uncert
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,39 +70,44 @@ def invert_prompt(
     if config.first_table and policy.uses_first_table and not exhaustive:
         table = first_position_table(model, layer, progress=config.progress)
     start = time.perf_counter()  # the policy's per-prompt set-up counts; cached tables are built above
-    if table is not None:
-        policy.prepare(model, layer)
-    policy.begin_prompt()
+    targets = states.to(torch.float32)
+    policy.prepare(model, layer, first_table=table is not None)
+    policy.begin_prompt(targets)
     prefix = probe.prefix([], layer)
     results: list[PositionResult] = []
-    targets = states.to(torch.float32)
     for t in range(targets.shape[0]):
         target = targets[t]
         accept = tolerance(target, probe.dtype, config.tolerance_scale) + noise_tolerance(target, config.noise)
         ctx = PositionContext(probe, prefix, target, accept, t, generator)
         active = TablePolicy(table) if (t == 0 and table is not None) else policy
+        clock = _Clock()
         while ctx.checked < budget:
-            ids = active.propose(ctx)
+            with clock("ranking"):
+                ids = active.propose(ctx)
             if ids is None or ids.numel() == 0:
                 break
             ids = ids[~ctx.seen[ids]][: budget - ctx.checked]
             if ids.numel() == 0:
                 break
-            with torch.no_grad():
+            with clock("verification"), torch.no_grad():
                 cand = probe.continuation(prefix, token_ids=ids).float()
-            dists = (cand.double() - target.double()).norm(dim=1)
-            ctx.record(ids, cand, dists)
+                dists = (cand.double() - target.double()).norm(dim=1)
+                ctx.record(ids, cand, dists)
             if ctx.accepted and not exhaustive:
                 break
-        if active is policy:
-            policy.end_position(ctx)
+        with clock("ranking"):
+            if active is policy:
+                policy.end_position(ctx)
+            policy.accepted(t, ctx.best_id)
         decided = _decide(ctx, budget, vocab, clean_states[t] if clean_states is not None else None)
         if ties and decided.token_id in ties:  # no state can tell these tokens apart: say so
             decided = replace(decided, uncertain=True, tied_with=ties[decided.token_id])
+        with clock("extension"):
+            prefix = probe.extend(prefix, ctx.best_id)
+        decided = replace(decided, **clock.seconds)
         results.append(decided)
         if on_position is not None:
             on_position(t, results[-1])
-        prefix = probe.extend(prefix, ctx.best_id)
     seconds = time.perf_counter() - start
     ids = [r.token_id for r in results]
     return InversionResult(
@@ -115,6 +121,21 @@ def invert_prompt(
         policy="sweep" if exhaustive else policy.name,
         vocab_size=vocab,
     )
+
+
+class _Clock:
+    """Seconds spent per kind of work at one position (ranking, verification, prefix extension)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"ranking_seconds": 0.0, "verification_seconds": 0.0, "extension_seconds": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"{kind}_seconds"] += time.perf_counter() - start
 
 
 def _decide(ctx: PositionContext, budget: int, vocab: int, clean: torch.Tensor | None) -> PositionResult:

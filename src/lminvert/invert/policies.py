@@ -23,6 +23,7 @@ import torch
 
 from ..models import Layer, LoadedModel
 from .context import PositionContext
+from .proposal import NextTokenPrior
 from .secant import centre, fit_secant_map
 from .tables import second_position_map
 
@@ -35,17 +36,21 @@ class Policy:
     name = "base"
     uses_first_table = False
 
-    def prepare(self, model: LoadedModel, layer: Layer) -> None:
-        """Called once before inverting with ``model`` at ``layer`` (load cached priors here)."""
+    def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
+        """Called once before inverting with ``model`` at ``layer`` (load cached priors here); ``first_table``:
+        position 0 is decided by the first-position table."""
 
-    def begin_prompt(self) -> None:
-        """Called before the first position of each prompt."""
+    def begin_prompt(self, states: torch.Tensor) -> None:
+        """Called before the first position of each prompt, with its observed states ``[T, d]``."""
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         raise NotImplementedError
 
     def end_position(self, ctx: PositionContext) -> None:
-        """Called when a position is decided (policies may keep what they learnt)."""
+        """Called when a position this policy searched is decided (policies may keep what they learnt)."""
+
+    def accepted(self, position: int, token_id: int) -> None:
+        """Called after every position (the table's too): the recovered prefix grew by ``token_id``."""
 
 
 def _remaining(ctx: PositionContext, generator: torch.Generator | None, batch: int) -> torch.Tensor:
@@ -173,7 +178,11 @@ class LinearPolicy(Policy):
     * ``prior`` - pull towards the previous ``J`` (relative to the data's energy);
     * ``outlier`` - states with a norm above ``outlier`` times the target's (attention sinks) are left out;
     * ``fresh`` - with this many pairs at the current position, fit on them alone (no memory, no prior);
-    * ``explore_max`` - random samples stop being added once this many candidates were verified.
+    * ``explore_max`` - random samples stop being added once this many candidates were verified;
+    * ``lm_prior`` - also rank by the model's own next-token distribution after the recovered prefix
+      (:mod:`.proposal`): the first batch of a position is its most likely tokens, and every later batch
+      adds as many from that order as from the linear ranking, scaled by how often the prior ranked the
+      recovered token in its top ``4 * first`` at the previous positions (random token ids: soon none).
     """
 
     name = "linear"
@@ -192,10 +201,16 @@ class LinearPolicy(Policy):
         outlier: float = 4.0,
         fresh: int = 512,
         explore_max: int = 4096,
+        lm_prior: bool = True,
     ) -> None:
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
-        self.fresh, self.explore_max = fresh, explore_max
+        self.fresh, self.explore_max, self.lm_prior = fresh, explore_max, lm_prior
+        self._model: LoadedModel | None = None
+        self._layer: Layer | None = None
+        self._next: NextTokenPrior | None = None
+        self._lm_order: torch.Tensor | None = None
+        self._lm_share = 1.0  # recent success of the next-token prior in this prompt (1: always right)
         self._fitted_on = 0  # samples of the current position used by the last fit
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._J: torch.Tensor | None = None
@@ -203,15 +218,20 @@ class LinearPolicy(Policy):
         self._P_sq: torch.Tensor | None = None  # its squared row norms
         self._prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (J, P, P_sq), set by prepare()
 
-    def prepare(self, model: LoadedModel, layer: Layer) -> None:
-        jac = second_position_map(model, layer)
-        proj = model.probe.vocab_matrix().float() @ jac.float()
-        self._prior = (jac, proj, proj.square().sum(1))
+    def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
+        self._model, self._layer, self._prior = model, layer, None
+        if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
+            jac = second_position_map(model, layer)
+            proj = model.probe.vocab_matrix().float() @ jac.float()
+            self._prior = (jac, proj, proj.square().sum(1))
 
-    def begin_prompt(self) -> None:
+    def begin_prompt(self, states: torch.Tensor) -> None:
         self._pool, self._J, self._P = [], None, None
-        if self._prior is not None:  # position 0 is decided by the table; position 1 starts from the prior
+        if self._prior is not None:
             self._J, self._P, self._P_sq = self._prior
+        self._next, self._lm_share = None, 1.0
+        if self.lm_prior and self._model is not None and self._layer is not None:
+            self._next = NextTokenPrior(self._model, self._layer, states)
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
@@ -252,11 +272,17 @@ class LinearPolicy(Policy):
         rounds = len(ctx.ids)
         if rounds == 0:
             self._fitted_on = 0
+            self._lm_order = self._next.order(ctx.position) if self._next is not None else None
+            if self._lm_order is not None and self._J is not None:
+                return ctx.unseen(self._lm_order, self.first)  # likely tokens first; they also anchor the offset
             return _remaining(ctx, ctx.generator, self.explore if self._J is not None else self.explore_first)
         if self._J is None or (rounds >= 2 and ctx.checked >= 2 * self._fitted_on):
             self._fit(ctx)  # refit whenever this position's data has doubled
         size = min(self.batch, self.first * self.growth ** (rounds - 1))
         picks = ctx.unseen(self._ranking(ctx), size)
+        lm_size = round(size * self._lm_share)
+        if self._lm_order is not None and lm_size > 0:
+            picks = torch.cat([picks, ctx.unseen(self._lm_order, lm_size)]).unique()
         if rounds >= 2 and ctx.checked < self.explore_max:
             # the ranking missed: add unbiased samples (as many as we have) so the next fit is local
             extra = max(self.explore, min(ctx.checked, self.explore_max - ctx.checked))
@@ -266,5 +292,22 @@ class LinearPolicy(Policy):
     def end_position(self, ctx: PositionContext) -> None:
         self._pool = [*self._pool, self._centred(ctx)][-self.memory :]
 
+    def accepted(self, position: int, token_id: int) -> None:
+        if self._lm_order is not None:  # how well did the prior rank this token? (random ids: badly)
+            hit = bool((self._lm_order[: 4 * self.first] == token_id).any())
+            self._lm_share = 0.5 * self._lm_share + 0.5 * hit
+            self._lm_order = None
+        if self._next is not None:
+            self._next.advance(token_id)
 
-POLICIES = {"linear": LinearPolicy, "gradient": GradientPolicy, "random": RandomPolicy}
+
+class SecantPolicy(LinearPolicy):
+    """The linear policy without the next-token prior: the secant ranking alone (for comparison)."""
+
+    name = "secant"
+
+    def __init__(self, **settings) -> None:
+        super().__init__(**{"lm_prior": False, **settings})
+
+
+POLICIES = {"linear": LinearPolicy, "secant": SecantPolicy, "gradient": GradientPolicy, "random": RandomPolicy}

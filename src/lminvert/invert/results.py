@@ -27,6 +27,9 @@ class PositionResult:
     certified_radius: float | None = None
     certified_exact: bool = False
     tied_with: tuple[int, ...] = ()  # other tokens with a bit-identical input vector: indistinguishable by any state
+    ranking_seconds: float = 0.0  # proposing candidates (fits, ranking, the next-token prior)
+    verification_seconds: float = 0.0  # batched forwards of the candidates and their distances
+    extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,15 @@ class InversionResult:
         return [p.margin for p in self.positions]
 
     @property
+    def time_split(self) -> dict[str, float]:
+        """Seconds over all positions: ranking, verification, prefix extension (the rest is set-up)."""
+        return {
+            "ranking": sum(p.ranking_seconds for p in self.positions),
+            "verification": sum(p.verification_seconds for p in self.positions),
+            "extension": sum(p.extension_seconds for p in self.positions),
+        }
+
+    @property
     def uncertain_positions(self) -> list[int]:
         return [i for i, p in enumerate(self.positions) if p.uncertain]
 
@@ -74,6 +86,7 @@ class InversionResult:
             "margins": [m if m != float("inf") else None for m in self.margins],
             "uncertain_positions": self.uncertain_positions,
             "explored_fraction": self.explored_fraction,
+            "time_split": {k: round(v, 4) for k, v in self.time_split.items()},
             "layer": self.layer,
             "model": self.model,
             "method": self.method,

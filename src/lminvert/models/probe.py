@@ -322,17 +322,29 @@ class LayerProbe:
 
     def extend(self, prefix: Prefix, token_id: int) -> Prefix:
         """The prefix with one more token, reusing (and taking over) its cache."""
-        if prefix.cache is None:
-            return self.prefix([token_id], prefix.layer)
+        return self.advance(prefix, token_id)[0]
+
+    def advance(self, prefix: Prefix, token_id: int) -> tuple[Prefix, torch.Tensor]:
+        """Like :meth:`extend`, also returning the new token's state ``[d]`` after block ``top_block``."""
+        top = Layer(prefix.layer.top_block, self.n_layers)
+        cache = prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
         tensor = torch.tensor([[int(token_id)]], device=self.device)
+        self.check_ids(tensor)
         with torch.no_grad():
-            self._forward(
-                [Layer(prefix.layer.top_block, self.n_layers)],
-                input_ids=tensor,
-                past_key_values=prefix.cache,
-                use_cache=True,
-            )
-        return Prefix([*prefix.token_ids, int(token_id)], prefix.layer, prefix.cache)
+            out = self._forward([top], input_ids=tensor, past_key_values=cache, use_cache=True)
+        return Prefix([*prefix.token_ids, int(token_id)], prefix.layer, cache), out[top][0, -1]
+
+    def next_token_logits(self, state: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """The model's next-token logits from states ``[..., d]`` after the last block (``normed``: after the
+        final norm already). Output soft-capping, where a model has it, is left out: it does not change the order."""
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise LminvertError(f"{type(self.model).__name__} has no LM head: it cannot rank next tokens")
+        with torch.no_grad():
+            state = state.to(device=self.device, dtype=self.dtype)
+            if not normed and self.final_norm is not None:
+                state = self.final_norm(state)
+            return head(state)
 
     def continuation(
         self,
