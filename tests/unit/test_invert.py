@@ -34,7 +34,7 @@ def test_invert_encode_roundtrip(tiny, ids, layer):
     assert all(d <= p.tolerance for d, p in zip(result.distances, result.positions, strict=True))
 
 
-@pytest.mark.parametrize("policy", ["gradient", "random"])
+@pytest.mark.parametrize("policy", ["gradient", "random", "secant"])
 def test_other_policies_exact(policy):
     model = lminvert.load_model("tiny-qwen2")
     ids = [17, 4021, 33000, 17, 5]
@@ -184,3 +184,30 @@ def test_tied_tokens_are_flagged():
     other = ({1717, 4242} - {result.token_ids[1]}).pop()
     assert result.positions[1].tied_with == (other,)
     assert result.to_json()["tied_alternatives"] == {1: [other]}
+
+
+@pytest.mark.parametrize("layer", [1, 2, "final"])
+def test_next_token_prior_is_the_models_own_ranking(layer):
+    """Below the last block the model runs over the recovered prefix; at L and final the observed states suffice."""
+    from lminvert.invert.proposal import NextTokenPrior
+
+    model = lminvert.load_model("tiny-llama")
+    ids = [17, 4021, 33000, 17, 5]
+    states = encode(model, [ids], layer).states[0]
+    prior = NextTokenPrior(model, model.probe.layer(layer), states, depth=50)
+    assert prior.direct == (layer != 1) and prior.order(0) is None
+    with torch.no_grad():
+        logits = model.model(torch.tensor([ids])).logits[0]
+    for t in range(1, len(ids)):
+        prior.advance(ids[t - 1])
+        expected = logits[t - 1].topk(50).indices
+        assert torch.equal(prior.order(t)[:10], expected[:10]), t
+
+
+def test_time_split_is_reported():
+    model = lminvert.load_model("tiny-gpt2")
+    (result,) = invert(model, encode(model, [[5, 900, 31000, 12]], 1))
+    split = result.time_split
+    assert set(split) == {"ranking", "verification", "extension"} and all(v >= 0 for v in split.values())
+    assert split["verification"] > 0 and sum(split.values()) <= result.seconds
+    assert result.to_json()["time_split"].keys() == split.keys()
