@@ -25,7 +25,7 @@ from ..models import Layer, LoadedModel
 from .context import PositionContext
 from .proposal import NextTokenPrior
 from .secant import centre, fit_secant_map
-from .tables import second_position_map
+from .tables import position1_projection
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,7 @@ class LinearPolicy(Policy):
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         self._model, self._layer, self._prior = model, layer, None
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
-            jac = second_position_map(model, layer)
-            proj = model.probe.vocab_matrix().float() @ jac.float()
-            self._prior = (jac, proj, proj.square().sum(1))
+            self._prior = position1_projection(model, layer)
 
     def begin_prompt(self, states: torch.Tensor) -> None:
         self._pool, self._J, self._P = [], None, None
@@ -273,9 +271,16 @@ class LinearPolicy(Policy):
         if rounds == 0:
             self._fitted_on = 0
             self._lm_order = self._next.order(ctx.position) if self._next is not None else None
-            if self._lm_order is not None and self._J is not None:
-                return ctx.unseen(self._lm_order, self.first)  # likely tokens first; they also anchor the offset
-            return _remaining(ctx, ctx.generator, self.explore if self._J is not None else self.explore_first)
+            if self._J is None:
+                return _remaining(ctx, ctx.generator, self.explore_first)
+            # the prior's likely tokens (as many as it has earned in this prompt), random entries for the rest:
+            # both anchor the offset; with an unhelpful prior (random token ids) this is the secant policy's start
+            likely = round(self.explore * self._lm_share) if self._lm_order is not None else 0
+            picks = ctx.unseen(self._lm_order, likely) if likely else torch.empty(0, dtype=torch.long)
+            if len(picks) < self.explore:
+                extra = _remaining(ctx, ctx.generator, self.explore)
+                picks = torch.cat([picks, extra[~torch.isin(extra, picks)][: self.explore - len(picks)]])
+            return picks
         if self._J is None or (rounds >= 2 and ctx.checked >= 2 * self._fitted_on):
             self._fit(ctx)  # refit whenever this position's data has doubled
         size = min(self.batch, self.first * self.growth ** (rounds - 1))

@@ -82,3 +82,14 @@ def second_position_map(
         return fit_secant_map(torch.cat(xs), torch.cat(hs), ridge=1e-3)
 
     return _cached(model, layer, "position1-map", build)
+
+
+def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(J, E @ J, row norms²)`` of the position-1 map: the linear policy's starting ranking, computed once per
+    loaded model and layer (|V|·d² flops) and kept in memory."""
+    key = ("position1-projection", int(layer), model.dtype)
+    if key not in model.memo:
+        jac = second_position_map(model, layer)
+        proj = model.probe.vocab_matrix().float().cpu() @ jac.float()
+        model.memo[key] = (jac, proj, proj.square().sum(1))
+    return model.memo[key]
