@@ -27,7 +27,7 @@ from ..models.ties import representatives, tied_pairs, tied_token_groups
 from ..paths import read_json
 from ..runs import RunDirectory, versions
 from .fill import continuation_rounding_noise, fill_with_continuations
-from .identical_inputs import differing_summary, search_depth, tied_summary
+from .identical_inputs import differing_summary, search_depth, tied_distances, tied_summary
 from .results import LayerResult
 from .runner import SearchSettings, elapsed, layer_results, measure_matmul, run_summary, search_states
 from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
@@ -239,10 +239,10 @@ def exhaustive_test(
         texts = [f"{shown}⟨{tok}⟩" for tok in token_texts]
 
         def ties_of(layer, summary, searched=searched) -> dict:
-            x = searched.states(layer)
+            distance = tied_distances(searched.states(layer), tied)  # measured once, used by both summaries
             return {
-                "tied_tokens": tied_summary(x, groups, tied, threshold),
-                "inputs_differ": differing_summary(summary, tied, k, threshold, x),
+                "tied_tokens": tied_summary(distance, groups, threshold),
+                "inputs_differ": differing_summary(summary, tied, distance, k, threshold),
             }
 
         by_layer = layer_results(searched, full_ids, texts, rep, matmul, ties_of)

@@ -21,34 +21,38 @@ def search_depth(k: int, tied: list[tuple[int, int]]) -> int:
     return k + len(tied) if len(tied) <= MAX_TIED else k
 
 
-def tied_summary(x: np.ndarray, groups: list[list[int]], tied: list[tuple[int, int]], threshold: float) -> dict:
-    """Exact distances between continuations by tokens with identical embedding rows (identical inputs)."""
+def tied_distances(x: np.ndarray, tied: list[tuple[int, int]]) -> np.ndarray:
+    """Exact (float64) distances between the stored states of each tied pair (rows of ``x`` are token ids)."""
     if not tied:
-        return {"groups": [], "n_pairs": 0}
+        return np.empty(0)
     i, j = np.array(tied).T
-    distance = np.sqrt(exact_sq_distances(x, i, j))
+    return np.sqrt(exact_sq_distances(x, i, j))
+
+
+def tied_summary(distance: np.ndarray, groups: list[list[int]], threshold: float) -> dict:
+    """The tied pairs (identical inputs), from their :func:`tied_distances`: how many under the threshold."""
+    if not len(distance):
+        return {"groups": [], "n_pairs": 0}
     return {
         "groups": groups,
-        "n_pairs": len(tied),
+        "n_pairs": len(distance),
         "n_below_threshold": int(np.count_nonzero(distance < threshold)),
         "max_distance": float(distance.max()),
     }
 
 
 def differing_summary(
-    summary: dict[str, Any], tied: list[tuple[int, int]], k: int, threshold: float, x: np.ndarray
+    summary: dict[str, Any], tied: list[tuple[int, int]], distance: np.ndarray, k: int, threshold: float
 ) -> dict[str, Any]:
-    """The ``k`` closest pairs whose inputs differ, and the count of such pairs under the threshold.
+    """The ``k`` closest pairs whose inputs differ, and the count of such pairs under the threshold
+    (``distance``: the tied pairs' :func:`tied_distances`).
 
     Exact only when the search went :func:`search_depth` deep; otherwise the closest pairs are not tracked.
     """
     complete = len(tied) <= MAX_TIED
     tied_set = set(tied)
     rows = [(int(i), int(j), float(d)) for i, j, d in summary["closest"] if (int(i), int(j)) not in tied_set]
-    tied_below = 0
-    if tied:
-        i, j = np.array(tied).T
-        tied_below = int(np.count_nonzero(np.sqrt(exact_sq_distances(x, i, j)) < threshold))
+    tied_below = int(np.count_nonzero(distance < threshold))
     return {
         "min_distance": rows[0][2] if rows and complete else None,
         "closest_pairs": [{"a_token": i, "b_token": j, "distance": d} for i, j, d in rows[:k]] if complete else [],

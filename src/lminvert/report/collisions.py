@@ -139,7 +139,8 @@ def _render(results: CollisionResults | ExhaustiveResults, figure: bool, markdow
     paths = {}
     if figure:
         names, nn = _nn_arrays(results)
-        minima = [results.layer_minima()[name][0] for name in names]
+        by_layer = results.layer_minima()
+        minima = [by_layer[name][0] for name in names]
         figure_path = plot_nn_distances(names, nn, minima, root / FIGURE, results.config.threshold, **plot)
         paths["figure"] = str(figure_path)
     target = root / MARKDOWN
@@ -168,7 +169,7 @@ def render_exhaustive(results: ExhaustiveResults, figure: bool = True) -> dict[s
         exhaustive_markdown(results, FIGURE if figure else None),
         title=title,
         unit="continuations",
-        second_minima=[results.layers[n]["min_distance_inputs_differ"] for n in results.config.layers],
+        second_minima=[row["min_distance_inputs_differ"] for row in results.layers.values()],
         second_label="minimum over pairs whose inputs differ (tied tokens aside)",
     )
 
