@@ -11,6 +11,10 @@ wrong without an uncertain flag (must be 0); % r/v/e/o: time in ranking / verifi
 
     python benchmarks/bench_invert.py --layers 0,3,6,9,12,15,18,21,24,27,30 --bruteforce 0 --baseline 0   # depth
     python benchmarks/bench_invert.py --layers 15 --long 500 --bruteforce 0 --baseline 0   # cost against length
+    python benchmarks/bench_invert.py --layers 1,15 --dtypes float32,bfloat16,float16 --policies linear \
+        --bruteforce 0 --baseline 0      # precision: the same prompts in each dtype, ratio against float32
+    python benchmarks/bench_invert.py --layers 15 --together 7 --policies linear --bruteforce 0 --baseline 0
+                                         # N prompts inverted together against one at a time (throughput)
 Timed sections hold /tmp/lminvert-bench.lock so that two benchmarks never share the cores.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
 import platform
 import statistics
 import sys
@@ -33,6 +38,7 @@ from lminvert.forward import encode
 from lminvert.invert import invert
 from lminvert.invert.baseline import sequential_baseline
 from lminvert.invert.tables import first_position_table, second_position_map
+from lminvert.invert.tolerance import calibrate
 
 
 def main() -> int:
@@ -52,17 +58,23 @@ def main() -> int:
         help="give the baseline the true first token: time ordinary positions, not the attention sink",
     )
     ap.add_argument("--long", type=int, default=0, help="also time one prose prompt of this many tokens (e.g. 500)")
+    ap.add_argument("--dtypes", default="float32", help="comma-separated; each is compared with the first")
+    ap.add_argument("--device", default="cpu", help="cpu, auto, cuda, cuda:N or mps")
+    ap.add_argument("--together", type=int, default=0, help="also invert this many prompts together vs one at a time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench/invert.json")
     args = ap.parse_args()
 
-    lock = open("/tmp/lminvert-bench.lock", "w")  # noqa: SIM115
+    lock = open(os.environ.get("LMINVERT_BENCH_LOCK", "/tmp/lminvert-bench.lock"), "w")  # noqa: SIM115
     fcntl.flock(lock, fcntl.LOCK_EX)
-    model = lminvert.load_model(args.model)
+    dtypes = args.dtypes.split(",")
+    models = {dtype: lminvert.load_model(args.model, dtype=dtype, device=args.device) for dtype in dtypes}
+    model = models[dtypes[0]]
     prompts = evaluation_prompts(model, args.per_kind, args.length, args.seed)
     layers = model.probe.layers(args.layers)
     report: dict = {
         "model": model.describe(),
+        "dtypes": dtypes,
         "machine": {
             "platform": platform.platform(),
             "threads": torch.get_num_threads(),
@@ -77,27 +89,57 @@ def main() -> int:
         f"({', '.join(sorted({p.kind for p in prompts}))}), threads={torch.get_num_threads()}"
     )
     for layer in layers:
-        states = encode(model, [list(p.ids) for p in prompts], layer)
-        t0 = time.perf_counter()
-        first_position_table(model, layer, progress=False)
-        second_position_map(model, layer)
-        table_s = time.perf_counter() - t0
-        entry: dict = {"precompute_seconds": table_s, "policies": {}}
-        print(
-            f"\nlayer {layer}  (first-position table + position-1 map: {table_s:.1f} s, once per model and layer, "
-            "then cached; not in the times below)"
-        )
+        entry: dict = {"precompute_seconds": {}, "calibration": {}, "policies": {}, "dtypes": {}}
+        print(f"\nlayer {layer}")
+        for dtype, m in models.items():  # once per model, dtype and layer, then cached: not in the times below
+            t0 = time.perf_counter()
+            first_position_table(m, layer, progress=False)
+            second_position_map(m, layer)
+            calibration = calibrate(m, layer)
+            entry["precompute_seconds"][dtype] = time.perf_counter() - t0
+            entry["calibration"][dtype] = calibration.as_dict()
+            print(
+                f"  {dtype}: tables + calibration {entry['precompute_seconds'][dtype]:.1f} s (cached); measured "
+                f"disagreement {calibration.cached:.1e} (cached forward), {calibration.plain:.1e} (plain); "
+                f"smallest gap {calibration.gap:.1e} (relative)"
+            )
+        if len(models) > 1:
+            entry["verification_ms"] = _verification_cost(models, layer, list(prompts[0].ids))
         print(
             f"  {'method':<18} {'exact':>7} {'median s':>9} {'mean s':>8} {'max/med':>7} {'med c/p':>8} "
-            f"{'mean c/p':>9} {'explored':>9} {'wrong':>5} {'% r/v/e/o':>12}  by kind"
+            f"{'mean c/p':>9} {'explored':>9} {'wrong':>5} {'unc':>4} {'conf/p':>6} {'% r/v/e/o':>12}  by kind"
         )
+        encoded = {dtype: encode(m, [list(p.ids) for p in prompts], layer) for dtype, m in models.items()}
         for policy in args.policies.split(","):
-            results = invert(model, states, method="sipit", policy=policy, seed=args.seed)
-            rows = _summarise(results, prompts)
-            entry["policies"][policy] = rows
-            _print_row(f"sipit/{policy}", rows)
+            per_dtype: dict[str, list] = {dtype: [] for dtype in models}
+            for i in range(len(prompts)):  # each prompt in every dtype back to back: load changes hit all alike
+                for dtype, m in models.items():
+                    one = encoded[dtype].with_meta(states=encoded[dtype].states[i : i + 1])
+                    per_dtype[dtype] += invert(m, one, method="sipit", policy=policy, seed=args.seed)
+            for dtype in models:
+                results = per_dtype[dtype]
+                rows = _summarise(results, prompts)
+                entry["dtypes"].setdefault(dtype, {})[policy] = rows
+                if dtype == dtypes[0]:
+                    entry["policies"][policy] = rows
+                _print_row(f"{policy}/{dtype}"[:18], rows)
+            if len(models) > 1:
+                for dtype in dtypes[1:]:
+                    ratios = [
+                        r.seconds / f.seconds for r, f in zip(per_dtype[dtype], per_dtype[dtypes[0]], strict=True)
+                    ]
+                    entry["dtypes"][dtype][policy]["per_prompt_ratio_median"] = statistics.median(ratios)
+                    print(f"  {policy}: per prompt {dtype} / {dtypes[0]}: median {statistics.median(ratios):.2f}x")
+            base = entry["dtypes"][dtypes[0]][policy]["median_seconds"]
+            for dtype in dtypes[1:]:
+                ratio = entry["dtypes"][dtype][policy]["median_seconds"] / base
+                entry["dtypes"][dtype][policy]["median_over_first"] = ratio
+                print(f"  {policy}: median {dtype} / {dtypes[0]} = {ratio:.2f}x")
+        if args.together:
+            entry["together"] = _together(model, layer, args)
         if args.bruteforce:
             n, k = args.bruteforce, args.bruteforce_positions
+            states = encoded[dtypes[0]]
             sub = states.with_meta(states=tuple(s[:k] for s in states.states[:n]))
             results = invert(model, sub, method="bruteforce")
             truth = [p.ids[:k] for p in prompts[:n]]
@@ -185,6 +227,62 @@ def _long_prompt(model, layer, args) -> dict:
     return {"layer": int(layer), "rows": rows, "ratio": ratio}
 
 
+def _verification_cost(models, layer, ids, batch=64, reps=5) -> dict:
+    """Milliseconds of one verification forward (``batch`` candidates over a 19-token prefix) per dtype: the
+    median of ``reps`` calls, the dtypes interleaved so that a change in the machine's load hits all of them."""
+    prefixes = {dtype: m.probe.prefix(ids[:19], layer) for dtype, m in models.items()}
+    cands = torch.arange(batch) + 1000
+    times: dict[str, list[float]] = {dtype: [] for dtype in models}
+    for _ in range(reps + 1):  # the first round warms up
+        for dtype, m in models.items():
+            start = time.perf_counter()
+            m.probe.continuation(prefixes[dtype], token_ids=cands)
+            times[dtype].append(1000 * (time.perf_counter() - start))
+    out = {dtype: statistics.median(t[1:]) for dtype, t in times.items()}
+    first = next(iter(out))
+    print(
+        f"  one verification forward of {batch} candidates: "
+        + ", ".join(f"{d} {ms:.0f} ms ({ms / out[first]:.2f}x)" for d, ms in out.items())
+    )
+    return out
+
+
+def _together(model, layer, args) -> dict:
+    """N prompts inverted together (one verification forward per step across prompts) against one at a time."""
+    n = args.together
+    pool = evaluation_prompts(model, max(1, -(-(n - 1) // 3)), args.length, args.seed)[:n]
+    states = encode(model, [list(p.ids) for p in pool], layer)
+    policy = args.policies.split(",")[0]
+    timed = {}
+    for label, together in (("one at a time", 1), (f"{n} together", n)):
+        start = time.perf_counter()
+        results = invert(model, states, policy=policy, seed=args.seed, together=together)
+        seconds = time.perf_counter() - start
+        timed[label] = (seconds, results)
+    (one_s, one), (all_s, many) = timed.values()
+    same_ids = [a.token_ids for a in one] == [b.token_ids for b in many]
+    same_flags = [a.uncertain_positions for a in one] == [b.uncertain_positions for b in many]
+    same_checked = [a.candidates_checked for a in one] == [b.candidates_checked for b in many]
+    exact = sum(r.token_ids == list(p.ids) for r, p in zip(many, pool, strict=True))
+    tokens = sum(len(p.ids) for p in pool)
+    print(
+        f"  together: {n} prompts ({tokens} tokens) one at a time {one_s:.1f} s ({tokens / one_s:.1f} tok/s), "
+        f"together {all_s:.1f} s ({tokens / all_s:.1f} tok/s): {one_s / all_s:.2f}x the throughput; "
+        f"{exact}/{n} exact; same ids {same_ids}, same flags {same_flags}, same candidates {same_checked}"
+    )
+    return {
+        "prompts": n,
+        "tokens": tokens,
+        "one_at_a_time_seconds": one_s,
+        "together_seconds": all_s,
+        "throughput_ratio": one_s / all_s,
+        "exact": exact,
+        "same_ids": same_ids,
+        "same_uncertain": same_flags,
+        "same_candidates": same_checked,
+    }
+
+
 def _summarise(results, prompts) -> dict:
     exact = [tuple(r.token_ids) == p.ids for r, p in zip(results, prompts, strict=True)]
     secs = [r.seconds for r in results]
@@ -212,6 +310,7 @@ def _summarise(results, prompts) -> dict:
         "time_split": {k: v / total for k, v in split.items()} | {"other": 1 - sum(split.values()) / total},
         "explored_fraction": statistics.mean(cands) / vocab,
         "uncertain_positions": sum(len(r.uncertain_positions) for r in results),
+        "confirmed_per_position": statistics.mean(p.confirmed for r in results for p in r.positions),
         "by_kind": {
             k: {
                 "exact": sum(o for o, _, _ in v),
@@ -235,7 +334,8 @@ def _print_row(name: str, rows: dict) -> None:
         f"  {name:<18} {100 * rows['exact_rate']:>6.0f}% {rows['median_seconds']:>9.2f} {rows['mean_seconds']:>8.2f} "
         f"{rows['max_over_median_seconds']:>6.1f}x {rows['median_candidates_per_position']:>8.0f} "
         f"{rows['mean_candidates_per_position']:>9.1f} {100 * rows['explored_fraction']:>8.3f}% "
-        f"{rows['wrong_but_confident_positions']:>5} {split:>12}  {kinds}"
+        f"{rows['wrong_but_confident_positions']:>5} {rows['uncertain_positions']:>4} "
+        f"{rows['confirmed_per_position']:>6.2f} {split:>12}  {kinds}"
     )
 
 

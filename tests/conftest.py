@@ -10,7 +10,16 @@ import pytest
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
-TINY = ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-gemma3"]
+TINY = ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-gemma3"]  # the core four: every unit test runs on them
+FAMILIES = [  # every causal-LM family lminvert is tested on: parity with transformers and inversion
+    *TINY,
+    "tiny-mistral",
+    "tiny-qwen3",
+    "tiny-gemma2",
+    "tiny-phi3",
+    "tiny-pythia",
+    "tiny-opt",
+]
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 from . import __version__
 from .errors import LminvertError
 from .models import LoadedModel
+from .models.layers import Layer, LayerSpec
 from .models.loading import require_loaded
-from .models.probe import Layer, LayerSpec
 from .states import HiddenStates
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,10 @@ def last_token_states(
     resolved = model.probe.layers(layers)
     out = {layer: np.empty((len(ids), model.probe.hidden_size), dtype=np.float32) for layer in resolved}
     for rows, states in _batched(model, ids, resolved, batch_tokens, progress):
-        last = torch.tensor([len(ids[i]) - 1 for i in rows])
-        index = torch.arange(len(rows))
+        last = torch.tensor([len(ids[i]) - 1 for i in rows], device=model.device)
+        index = torch.arange(len(rows), device=model.device)
         for layer in resolved:
-            out[layer][rows] = states[layer][index, last.to(states[layer].device)].float().cpu().numpy()
+            out[layer][rows] = states[layer][index, last].float().cpu().numpy()
     return out
 
 

@@ -167,6 +167,8 @@ class HiddenStates:
                 raise LminvertError(f"states must have shape [T, d] or [N, T, d], got {list(array.shape)}")
             if array.shape[0] == 0 or array.shape[1] == 0:
                 raise LminvertError(f"states array is empty (shape {list(array.shape)})")
+            if array.dtype in (torch.bfloat16, torch.float16):  # a half-precision array says how it was computed
+                meta.setdefault("dtype", str(array.dtype).replace("torch.", ""))
             items = tuple(array[i] for i in range(array.shape[0]))
         else:
             items = tuple(array)

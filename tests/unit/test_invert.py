@@ -194,12 +194,12 @@ def test_next_token_prior_is_the_models_own_ranking(layer):
     model = lminvert.load_model("tiny-llama")
     ids = [17, 4021, 33000, 17, 5]
     states = encode(model, [ids], layer).states[0]
-    prior = NextTokenPrior(model, model.probe.layer(layer), states, depth=50)
+    prior = NextTokenPrior(model, model.probe.layer(layer), [states], depth=50)
     assert prior.direct == (layer != 1) and prior.order(0) is None
     with torch.no_grad():
         logits = model.model(torch.tensor([ids])).logits[0]
     for t in range(1, len(ids)):
-        prior.advance(ids[t - 1])
+        prior.advance([ids[t - 1]])
         expected = logits[t - 1].topk(50).indices
         assert torch.equal(prior.order(t)[:10], expected[:10]), t
 

@@ -10,22 +10,34 @@ from typing import Any
 from ..collisions.runner import SearchSettings
 from ..collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 from ..models import load_model
-from ..models.loading import DTYPES, LoadedModel
+from ..models.loading import DEVICES, DTYPES, LoadedModel
 from ..models.registry import DEFAULT_MODEL
 
 
-def add_model_args(parser: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL) -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser,
+    default: str | None = DEFAULT_MODEL,
+    dtype: str | None = "float32",
+    model_help: str | None = None,
+    dtype_help: str = "precision the model runs in",
+) -> None:
+    """``--model``, ``--dtype`` and ``--device``: every command that loads a model takes all three."""
     parser.add_argument(
         "--model",
         default=default,
-        help=f"alias (see `lminvert models`), hub id, directory or .gguf (default: {default})",
+        help=model_help or f"alias (see `lminvert models`), hub id, directory or .gguf (default: {default})",
     )
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=dtype_help)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help=f"where the model runs: {DEVICES} (auto: CUDA when available, else the CPU)",
+    )
 
 
-def model_from_args(args: argparse.Namespace, name: str | None = None) -> LoadedModel:
+def model_from_args(args: argparse.Namespace, name: str | None = None, dtype: str | None = None) -> LoadedModel:
     """The CLI is the one place that turns a model name into a loaded model."""
-    return load_model(name or args.model, dtype=args.dtype)
+    return load_model(name or args.model, dtype=dtype or args.dtype or "float32", device=args.device)
 
 
 def add_search_args(parser: argparse.ArgumentParser) -> None:

@@ -17,10 +17,11 @@ from ..collisions import CollisionResults, find_collisions
 from ..errors import LminvertError
 from ..forward import encode
 from ..invert import invert
-from ..models import DEFAULT_LAYERS, DEFAULT_MODEL, LoadedModel, load_model
+from ..models import DEFAULT_LAYERS, LoadedModel
 from ..paths import check_output_dir
 from ..report import render
 from ..states import HiddenStates
+from .common import add_model_args, model_from_args
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_model_args(parser)
     parser.add_argument("--out", default="out/demo", help="directory for the demo's files")
     parser.add_argument("--layer", default="15", help="layer to encode and invert at")
     parser.add_argument("--text", default=SAMPLE, help="the prompt to leak and recover")
@@ -65,11 +67,12 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError("--n-prompts must be at least 2")
     out = check_output_dir(args.out)
     start = time.perf_counter()
-    model = load_model(DEFAULT_MODEL)
+    model = model_from_args(args)
     info = model.describe()
     print(
         f"model     {model.name}: {info['architecture']}, {info['n_layers']} layers, d={info['hidden_size']}, "
-        f"|V|={info['vocab_size']}, weights {info['weights_hash']} ({time.perf_counter() - start:.1f} s to load)"
+        f"|V|={info['vocab_size']}, {info['dtype']} on {info['device']}, weights {info['weights_hash']} "
+        f"({time.perf_counter() - start:.1f} s to load)"
     )
 
     print("\n1. leak: encode a prompt at a middle layer")

@@ -11,7 +11,7 @@ from ..invert import METHODS, POLICIES, invert
 from ..models.loading import DTYPES
 from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
-from .common import Formatter, model_from_args, print_json
+from .common import Formatter, add_model_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   lminvert invert leak.safetensors --json --out result.json
   lminvert invert states.npy --model smollm2-135m --layer 15 --policy gradient
   lminvert invert leak.safetensors --noise 1e-3          # robustness: add relative Gaussian noise first
+  lminvert invert leak-bf16.safetensors --device cuda     # dtype from the file (bfloat16 here), on a GPU
 """
 
 
@@ -31,8 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=Formatter,
     )
     parser.add_argument("states", help="states file (.safetensors from `lminvert encode`, or .npy/.pt array)")
-    parser.add_argument("--model", default=None, help="model (default: the one recorded in the file)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    add_model_args(
+        parser,
+        default=None,
+        dtype=None,
+        model_help="model (default: the one recorded in the file)",
+        dtype_help="precision (default: the one recorded in the file, else float32); must match the file's",
+    )
     parser.add_argument("--layer", default=None, help="layer (default: the one recorded in the file)")
     parser.add_argument(
         "--method",
@@ -43,6 +49,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--policy", default="linear", choices=list(POLICIES), help="candidate order for sipit")
     parser.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
     parser.add_argument("--max-candidates", type=int, default=None, help="budget per position (default |V|)")
+    parser.add_argument(
+        "--together",
+        type=int,
+        default=32,
+        help="prompts inverted at once: their candidates share one forward per step (1: one at a time)",
+    )
+    parser.add_argument(
+        "--tolerance-scale",
+        type=float,
+        default=1.0,
+        help="multiply the measured acceptance radii (e.g. 4 for states computed on other hardware)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
@@ -58,9 +76,13 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError("--max-candidates must be at least 1")
     if args.noise < 0 or args.noise != args.noise:
         raise LminvertError("--noise must be a non-negative number (a relative level, e.g. 0.001)")
+    if args.together < 1:
+        raise LminvertError("--together must be at least 1")
+    if not args.tolerance_scale > 0:
+        raise LminvertError("--tolerance-scale must be positive (1: the measured radii)")
     if args.out:
         check_output_file(args.out)
-    model = model_from_args(args, name)
+    model = model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
     results = invert(
         model,
         states,
@@ -70,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         noise=args.noise,
         seed=args.seed,
         max_candidates=args.max_candidates,
+        together=args.together,
+        tolerance_scale=args.tolerance_scale,
         progress=not args.json,
     )
     docs = [r.to_json() for r in results]
@@ -84,6 +108,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {r.text!r}")
         print(
             f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
-            f"({100 * r.explored_fraction:.3f}% of the vocabulary per position){flag}"
+            f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device}){flag}"
         )
     return 0

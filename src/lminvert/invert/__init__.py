@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import LminvertError
 from ..models import LayerSpec, LoadedModel
@@ -10,7 +11,7 @@ from ..models.compat import check_compatible
 from ..models.loading import require_loaded
 from ..models.ties import tied_token_groups
 from ..states import HiddenStates
-from .engine import InvertConfig, invert_prompt, progress_callback
+from .engine import InvertConfig, invert_prompt, invert_prompts
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
 from .tolerance import add_noise
@@ -29,13 +30,19 @@ def invert(
     seed: int = 0,
     max_candidates: int | None = None,
     first_table: bool = True,
+    together: int = 32,
+    tolerance_scale: float = 1.0,
     progress: bool = False,
 ) -> list[InversionResult]:
-    """Recover the token ids of every prompt in ``states`` (one result per prompt).
+    """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
-    ``model`` comes from :func:`lminvert.load_model`; ``layer`` defaults to what the states file says (and must
-    agree with it). ``noise`` adds relative Gaussian noise of
-    that level to the states first (for robustness studies) and widens the acceptance tolerance to match.
+    ``model`` comes from :func:`lminvert.load_model`, in the dtype the states were computed in (checked against
+    the file); everything runs on the model's device. ``layer`` defaults to what the states file says (and must
+    agree with it). Up to ``together`` prompts are inverted together: their candidates share one batched forward per
+    verification step (``together=1``: one prompt at a time; the recovered ids are the same). ``noise`` adds
+    relative Gaussian noise of that level to the states first (for robustness studies) and widens the acceptance
+    tolerance to match; ``tolerance_scale`` multiplies the measured acceptance radii (e.g. for states computed on
+    other hardware, whose rounding the calibration on this one did not see).
     """
     if method not in METHODS:
         raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -43,6 +50,10 @@ def invert(
         raise LminvertError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
     if noise < 0 or noise != noise:
         raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
+    if together < 1:
+        raise LminvertError("together must be at least 1 (prompts inverted at once)")
+    if not tolerance_scale > 0:
+        raise LminvertError("tolerance_scale must be positive (1 = the measured radii)")
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
@@ -52,30 +63,35 @@ def invert(
         policy=policy,
         first_table=first_table,
         max_candidates=max_candidates,
+        tolerance_scale=tolerance_scale,
         noise=noise,
         seed=seed,
         progress=progress,
     )
     generator = torch.Generator().manual_seed(seed + 1)
     ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
-    results = []
-    for i, clean in enumerate(states.states):
-        observed = add_noise(clean, noise, generator) if noise > 0 else clean
-        callback, bar = progress_callback(len(clean), f"prompt {i + 1}/{len(states)}", progress)
-        try:
-            results.append(
-                invert_prompt(
-                    model,
-                    observed,
-                    resolved,
-                    config,
-                    clean_states=clean if noise > 0 else None,
-                    on_position=callback,
-                    ties=ties,
-                )
+    clean = list(states.states)
+    observed = [add_noise(c, noise, generator) if noise > 0 else c for c in clean]
+    bar = tqdm(total=sum(states.lengths), desc="inverting", unit="tok", disable=not progress, leave=False)
+
+    def on_position(prompt: int, position: int, result: PositionResult) -> None:
+        bar.update(1)
+
+    results: list[InversionResult] = []
+    try:
+        for first in range(0, len(observed), together):
+            chunk = slice(first, first + together)
+            results += invert_prompts(
+                model,
+                observed[chunk],
+                resolved,
+                config,
+                clean_states=clean[chunk] if noise > 0 else None,
+                on_position=on_position,
+                ties=ties,
             )
-        finally:
-            bar.close()
+    finally:
+        bar.close()
     return results
 
 
@@ -91,4 +107,5 @@ __all__ = [
     "SweepPolicy",
     "invert",
     "invert_prompt",
+    "invert_prompts",
 ]

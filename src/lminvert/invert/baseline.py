@@ -6,7 +6,8 @@ measured again against it, on the same machine, in the same process (``benchmark
 One candidate at a time: a gradient step on a continuous input vector at position t, then the nearest
 not-yet-tried vocabulary entry is checked by a full forward of prefix + candidate through the whole model
 (no KV cache, no early stop, all hidden states returned). Exact but slow; lminvert's engine must beat it.
-Acceptance uses the same L2 tolerance as the engine, so both solve the same problem.
+Acceptance uses the engine's measured radius for a plain forward (:mod:`.tolerance`), so both solve the same
+problem. Everything runs on the model's device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models import Layer, LayerSpec, LoadedModel
-from .tolerance import tolerance
+from .tolerance import calibrate
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,20 @@ def sequential_baseline(
     """
     probe = model.probe
     layer = probe.layer(layer)
-    vocab = probe.vocab_matrix().float()
+    device = probe.device
+    calibration = calibrate(model, layer)
+    vocab = probe.vocab_matrix(torch.float32)
     embed = probe.embed
     recovered: list[int] = list(known or [])
     checked: list[int] = []
     start = time.perf_counter()
     for t in range(len(recovered), states.shape[0]):
-        target = states[t].float()
-        tol = tolerance(target, probe.dtype)
-        prefix = embed(torch.tensor(recovered, dtype=torch.long)).detach() if recovered else None
+        target = states[t].to(device=device, dtype=torch.float32)
+        tol = calibration.confirm_radius(target)
+        prefix = embed(torch.tensor(recovered, dtype=torch.long, device=device)).detach() if recovered else None
         x = vocab.mean(0).clone().requires_grad_(True)
         opt = torch.optim.SGD([x], lr=lr)
-        tried = torch.zeros(len(vocab), dtype=torch.bool)
+        tried = torch.zeros(len(vocab), dtype=torch.bool, device=device)
         found = None
         count = 0
         while found is None and count < len(vocab):
@@ -85,7 +88,8 @@ def sequential_baseline(
             # gradient step: full forward + backward through the whole model
             opt.zero_grad()
             seq = x[None] if prefix is None else torch.cat([prefix, x[None]])
-            loss = (_layer_state(model, seq, layer) - target).square().sum() / target.square().sum()
+            loss = (_layer_state(model, seq.to(probe.dtype), layer).float() - target).square().sum()
+            loss = loss / target.square().sum()
             loss.backward()
             opt.step()
             with torch.no_grad():
@@ -94,8 +98,8 @@ def sequential_baseline(
                 cand = int(dist.argmin())
                 tried[cand] = True
                 count += 1
-                seq = embed(torch.tensor([*recovered, cand]))
-                state = _layer_state(model, seq, layer)
+                seq = embed(torch.tensor([*recovered, cand], device=device))
+                state = _layer_state(model, seq, layer).float()
                 if float((state - target).norm()) <= tol:
                     found = cand
         recovered.append(found if found is not None else cand)

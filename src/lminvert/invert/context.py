@@ -1,4 +1,8 @@
-"""What a candidate policy sees at one position: the prefix, the target, and every verified candidate."""
+"""What a candidate policy sees at one position: the prefix, the target, and every verified candidate.
+
+Everything here lives on the model's device (ids, states, distances), so that policies rank where the model runs.
+Distances are measured in float64 (float32 on MPS, which has no float64).
+"""
 
 from __future__ import annotations
 
@@ -9,26 +13,37 @@ import torch
 from ..models import LayerProbe, Prefix
 
 
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """The most precise float dtype on ``device`` (float64; float32 on MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 @dataclass
 class PositionContext:
     """Mutable per-position bookkeeping, owned by the engine; policies read it."""
 
     probe: LayerProbe
-    prefix: Prefix
-    target: torch.Tensor  # observed state [d] (float32)
-    tolerance: float  # acceptance: a candidate whose state lies within this L2 distance of the target
+    prefix: Prefix  # the recovered prefixes of every prompt advanced together
+    row: int  # this prompt's row of ``prefix``
+    target: torch.Tensor  # observed state [d] (float32, on the model's device)
+    tolerance: float  # acceptance: a candidate whose verified state lies within this L2 distance of the target
     position: int
-    generator: torch.Generator
+    generator: torch.Generator  # CPU: the same random draws on every device
+    next_tokens: torch.Tensor | None = None  # the model's own next-token order after the recovered prefix, if asked
     seen: torch.Tensor = field(init=False)  # [V] bool: already verified
     ids: list[torch.Tensor] = field(default_factory=list)  # verified ids, per batch
-    states: list[torch.Tensor] = field(default_factory=list)  # their verified states, per batch
-    dists: list[torch.Tensor] = field(default_factory=list)  # their distances to target (float64), per batch
+    states: list[torch.Tensor] = field(default_factory=list)  # their verified states (float32), per batch
+    dists: list[torch.Tensor] = field(default_factory=list)  # their distances to target (wide dtype), per batch
     best_id: int = -1
     best_dist: float = float("inf")
     best_state: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.seen = torch.zeros(self.probe.vocab_size, dtype=torch.bool)
+        self.seen = torch.zeros(self.probe.vocab_size, dtype=torch.bool, device=self.probe.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.probe.device
 
     @property
     def checked(self) -> int:
@@ -37,6 +52,19 @@ class PositionContext:
     @property
     def accepted(self) -> bool:
         return self.best_dist <= self.tolerance
+
+    def continuation(self, token_ids: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """States of one-token continuations of this prompt's prefix (ids or input vectors)."""
+        count = len(token_ids) if token_ids is not None else len(embeds)  # type: ignore[arg-type]
+        rows = None if self.prefix.size == 1 else torch.full((count,), self.row, device=self.device)
+        out = self.probe.continuation(self.prefix, token_ids=token_ids, embeds=embeds, rows=rows)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def distances(self, states: torch.Tensor) -> torch.Tensor:
+        """L2 distances of verified states ``[B, d]`` to the target."""
+        wide = wide_dtype(self.device)
+        return (states.to(wide) - self.target.to(wide)).norm(dim=1)
 
     def record(self, ids: torch.Tensor, states: torch.Tensor, dists: torch.Tensor) -> None:
         self.seen[ids] = True
@@ -50,13 +78,17 @@ class PositionContext:
             self.best_state = states[index]
 
     def all_ids(self) -> torch.Tensor:
-        return torch.cat(self.ids) if self.ids else torch.empty(0, dtype=torch.long)
+        return torch.cat(self.ids) if self.ids else torch.empty(0, dtype=torch.long, device=self.device)
 
     def all_states(self) -> torch.Tensor:
-        return torch.cat(self.states) if self.states else torch.empty(0, self.probe.hidden_size)
+        if self.states:
+            return torch.cat(self.states)
+        return torch.empty(0, self.probe.hidden_size, device=self.device)
 
     def all_dists(self) -> torch.Tensor:
-        return torch.cat(self.dists) if self.dists else torch.empty(0, dtype=torch.float64)
+        return (
+            torch.cat(self.dists) if self.dists else torch.empty(0, dtype=wide_dtype(self.device), device=self.device)
+        )
 
     def unseen(self, ranked: torch.Tensor, k: int) -> torch.Tensor:
         """The first ``k`` ids of ``ranked`` not yet verified."""

@@ -1,30 +1,41 @@
-"""The sequential inversion engine (SIPIT): recover token ids position by position.
+"""The sequential inversion engine (SIPIT): recover token ids position by position, for many prompts at once.
 
-For t = 0..T-1, with the recovered prefix's KV cache fixed (blocks 1..l only, computed once and extended by
-one token per position), a policy proposes candidate batches; each batch is verified by one batched
-one-position forward; the first candidate inside the acceptance ball is taken. If none passes within the
-budget, the closest verified candidate is kept and the position is marked uncertain.
+For t = 0..T-1, with the recovered prefixes' KV caches fixed (blocks 1..l only, computed once and extended by one
+token per position), each prompt's policy proposes candidate batches; the batches of every prompt still searching
+position t are verified together by **one** batched one-position forward (each candidate row reads its own
+prompt's prefix from one batched cache; split only when candidate rows x prefix length would exceed ``POSITIONS``,
+which bounds the memory of the copied keys and values); each prompt's search (:mod:`.search`) applies the acceptance test and asks
+for confirmations, which are computed together by one plain forward. Prompts advance in lockstep, so all prefixes
+have the same length and share one cache without padding; a prompt that finished position t waits (costing
+nothing) for the others. One prompt is the special case N = 1. If nothing passes within the budget, the closest
+verified candidate is kept and the position is marked uncertain.
+
+Shared work (a verification forward serving several prompts, the prefix extension, the next-token prior) is
+split evenly among the prompts it served in each prompt's time split, so the prompts' seconds add up to the
+wall time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
-from ..models import LayerSpec, LoadedModel
-from .context import PositionContext
-from .policies import POLICIES, Policy, SweepPolicy, TablePolicy
+from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, Prefix
+from .policies import POLICIES, Policy, SweepPolicy
+from .proposal import NextTokenPrior
 from .results import InversionResult, PositionResult
+from .search import PromptSearch, Settings
 from .tables import first_position_table
-from .tolerance import noise_tolerance, tolerance
+from .tolerance import calibrate
 
 log = logging.getLogger(__name__)
+
+OnPosition = Callable[[int, int, PositionResult], None]  # (prompt index, position, result)
+POSITIONS = 1 << 19  # candidate rows x prefix length per verification forward (bounds the copied keys and values)
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class InvertConfig:
     policy: str = "linear"
     first_table: bool = True  # rank position 0 with the first-position table (policies that support it)
     max_candidates: int | None = None  # per position; default: the whole vocabulary
-    tolerance_scale: float = 1.0
+    tolerance_scale: float = 1.0  # multiplies the measured acceptance radii
     noise: float = 0.0  # relative Gaussian noise level the states carry (widens the acceptance tolerance)
     seed: int = 0
     progress: bool = False
@@ -59,116 +70,167 @@ def invert_prompt(
     ties: dict[int, tuple[int, ...]] | None = None,
 ) -> InversionResult:
     """Recover the token ids whose layer-``layer`` states are ``states`` ``[T, d]``."""
+    callback = None if on_position is None else (lambda i, t, r: on_position(t, r))
+    (result,) = invert_prompts(
+        model,
+        [states],
+        layer,
+        config,
+        policies=None if policy is None else [policy],
+        clean_states=[clean_states],
+        on_position=callback,
+        ties=ties,
+    )
+    return result
+
+
+def invert_prompts(
+    model: LoadedModel,
+    states: Sequence[torch.Tensor],
+    layer: LayerSpec,
+    config: InvertConfig = InvertConfig(),
+    policies: Sequence[Policy] | None = None,
+    clean_states: Sequence[torch.Tensor | None] | None = None,
+    on_position: OnPosition | None = None,
+    ties: dict[int, tuple[int, ...]] | None = None,
+) -> list[InversionResult]:
+    """Recover the token ids of N prompts from their layer-``layer`` states ``[T_i, d]``, advanced together."""
     probe = model.probe
     layer = probe.layer(layer)
-    policy = policy or _make_policy(config)
+    device = probe.device
     exhaustive = config.method == "bruteforce"
     vocab = probe.vocab_size
-    budget = vocab if config.max_candidates is None else max(1, min(vocab, config.max_candidates))
-    generator = torch.Generator().manual_seed(config.seed)
+    policies = list(policies) if policies is not None else [_make_policy(config) for _ in states]
     table = None
-    if config.first_table and policy.uses_first_table and not exhaustive:
+    if config.first_table and policies[0].uses_first_table and not exhaustive:
         table = first_position_table(model, layer, progress=config.progress)
-    start = time.perf_counter()  # the policy's per-prompt set-up counts; cached tables are built above
-    targets = states.to(torch.float32)
-    policy.prepare(model, layer, first_table=table is not None)
-    policy.begin_prompt(targets)
-    prefix = probe.prefix([], layer)
-    results: list[PositionResult] = []
-    for t in range(targets.shape[0]):
-        target = targets[t]
-        accept = tolerance(target, probe.dtype, config.tolerance_scale) + noise_tolerance(target, config.noise)
-        ctx = PositionContext(probe, prefix, target, accept, t, generator)
-        active = TablePolicy(table) if (t == 0 and table is not None) else policy
-        clock = _Clock()
-        while ctx.checked < budget:
-            with clock("ranking"):
-                ids = active.propose(ctx)
-            if ids is None or ids.numel() == 0:
-                break
-            ids = ids[~ctx.seen[ids]][: budget - ctx.checked]
-            if ids.numel() == 0:
-                break
-            with clock("verification"), torch.no_grad():
-                cand = probe.continuation(prefix, token_ids=ids).float()
-                dists = (cand.double() - target.double()).norm(dim=1)
-                ctx.record(ids, cand, dists)
-            if ctx.accepted and not exhaustive:
-                break
-        with clock("ranking"):
-            if active is policy:
-                policy.end_position(ctx)
-            policy.accepted(t, ctx.best_id)
-        decided = _decide(ctx, budget, vocab, clean_states[t] if clean_states is not None else None)
-        if ties and decided.token_id in ties:  # no state can tell these tokens apart: say so
-            decided = replace(decided, uncertain=True, tied_with=ties[decided.token_id])
-        with clock("extension"):
-            prefix = probe.extend(prefix, ctx.best_id)
-        decided = replace(decided, **clock.seconds)
-        results.append(decided)
-        if on_position is not None:
-            on_position(t, results[-1])
-    seconds = time.perf_counter() - start
-    ids = [r.token_id for r in results]
-    return InversionResult(
-        token_ids=ids,
-        text=model.decode(ids),
-        seconds=seconds,
-        positions=results,
-        layer=layer.name,
-        model=model.name,
-        method=config.method,
-        policy="sweep" if exhaustive else policy.name,
-        vocab_size=vocab,
+    calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
+    settings = Settings(
+        calibration=calibration,
+        budget=vocab if config.max_candidates is None else max(1, min(vocab, config.max_candidates)),
+        vocab=vocab,
+        exhaustive=exhaustive,
+        noise=config.noise,
+        table=table,
+        ties=ties or {},
     )
+    start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
+    clean = list(clean_states) if clean_states is not None else [None] * len(states)
+    searches = [
+        PromptSearch(
+            s.to(device=device, dtype=torch.float32),
+            policy,
+            settings,
+            torch.Generator().manual_seed(config.seed),
+            None if c is None else c.to(device),
+        )
+        for s, policy, c in zip(states, policies, clean, strict=True)
+    ]
+    for search in searches:
+        search.policy.prepare(model, layer, first_table=table is not None)
+        search.policy.begin_prompt(search.targets)
+    prior = None
+    if not exhaustive and any(search.policy.uses_next_tokens for search in searches):
+        prior = NextTokenPrior(model, layer, [search.targets for search in searches])
+    live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
+    prefix = probe.prefixes([[]] * len(live), layer)
+    t = 0
+    while live:
+        group = [searches[i] for i in live]
+        shared = time.perf_counter()
+        orders = prior.orders(t) if prior is not None else None
+        shared = (time.perf_counter() - shared) / len(group)
+        for row, search in enumerate(group):
+            search.begin(t, probe, prefix, row, None if orders is None else orders[row])
+            search.clock.add("ranking", shared)
+        _search_position(probe, prefix, layer, group)
+        tokens = [search.decide() for search in group]
+        keep = [row for row, search in enumerate(group) if search.length > t + 1]
+        if keep:
+            shared = time.perf_counter()
+            prefix = probe.select(prefix, keep)
+            prefix, _ = probe.advance_rows(prefix, [tokens[row] for row in keep])
+            shared = (time.perf_counter() - shared) / len(keep)
+            for row in keep:
+                group[row].clock.add("extension", shared)
+            if prior is not None:
+                shared = time.perf_counter()
+                prior.select(keep)
+                prior.advance([tokens[row] for row in keep])
+                shared = (time.perf_counter() - shared) / len(keep)
+                for row in keep:
+                    group[row].clock.add("ranking", shared)
+        for i, search in zip(live, group, strict=True):
+            result = search.finish()
+            if on_position is not None:
+                on_position(i, t, result)
+        live = [live[row] for row in keep]
+        t += 1
+    wall = time.perf_counter() - start
+    overhead = (wall - sum(search.elapsed for search in searches)) / len(searches)
+    policy_name = "sweep" if exhaustive else policies[0].name
+    return [
+        InversionResult(
+            token_ids=[p.token_id for p in search.positions],
+            text=model.decode([p.token_id for p in search.positions]),
+            seconds=search.elapsed + overhead,
+            positions=search.positions,
+            layer=layer.name,
+            model=model.name,
+            method=config.method,
+            policy=policy_name,
+            vocab_size=vocab,
+            dtype=model.dtype,
+            device=str(device),
+        )
+        for search in searches
+    ]
 
 
-class _Clock:
-    """Seconds spent per kind of work at one position (ranking, verification, prefix extension)."""
-
-    def __init__(self) -> None:
-        self.seconds = {"ranking_seconds": 0.0, "verification_seconds": 0.0, "extension_seconds": 0.0}
-
-    @contextlib.contextmanager
-    def __call__(self, kind: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[f"{kind}_seconds"] += time.perf_counter() - start
+def _verify(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Verified states (float32) of candidates ``ids`` (on prefix rows ``rows``), in as few forwards as memory allows:
+    each forward copies its rows' prefix keys and values, so rows x prefix length stays under ``POSITIONS``."""
+    step = max(1, POSITIONS // (prefix.length + 1))
+    with torch.no_grad():
+        parts = [
+            probe.continuation(prefix, token_ids=ids[i : i + step], rows=None if rows is None else rows[i : i + step])
+            for i in range(0, len(ids), step)
+        ]
+    return torch.cat(parts).float()
 
 
-def _decide(ctx: PositionContext, budget: int, vocab: int, clean: torch.Tensor | None) -> PositionResult:
-    """Summarise a position: accepted id, distance, margin, uncertainty, certified radius."""
-    ids, dists = ctx.all_ids(), ctx.all_dists()
-    others = dists[ids != ctx.best_id]
-    margin = float(others.min()) if others.numel() else float("inf")
-    inside = int((dists <= ctx.tolerance).sum())
-    uncertain = not ctx.accepted or inside > 1
-    noise_norm = certified = None
-    if clean is not None and ctx.best_state is not None:
-        noise_norm = float((ctx.target.double() - clean.double()).norm())
-        states = ctx.all_states()
-        gaps = (states[ids != ctx.best_id].double() - ctx.best_state.double()).norm(dim=1)
-        certified = float(gaps.min()) / 2 if gaps.numel() else float("inf")
-    return PositionResult(
-        token_id=ctx.best_id,
-        distance=ctx.best_dist,
-        margin=margin,
-        tolerance=ctx.tolerance,
-        candidates_checked=ctx.checked,
-        uncertain=uncertain,
-        noise_norm=noise_norm,
-        certified_radius=certified,
-        certified_exact=ctx.checked >= vocab,
-    )
-
-
-def progress_callback(total: int, desc: str, enabled: bool) -> tuple[Callable[[int, PositionResult], None], tqdm]:
-    bar = tqdm(total=total, desc=desc, unit="tok", disable=not enabled, leave=False)
-
-    def update(t: int, result: PositionResult) -> None:
-        bar.update(1)
-        bar.set_postfix(checked=result.candidates_checked, refresh=False)
-
-    return update, bar
+def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: list[PromptSearch]) -> None:
+    """Verify and confirm candidates of every prompt in ``group`` at the current position until all are decided."""
+    pending = list(range(len(group)))  # rows still searching
+    while pending:
+        proposals = []
+        for row in pending:
+            search = group[row]
+            if not search.to_confirm and not search.done:
+                ids = search.propose()
+                if ids is not None:
+                    proposals.append((row, ids))
+        if proposals:
+            ids = torch.cat([p[1] for p in proposals])
+            rows = None
+            if prefix.size > 1:
+                rows = torch.cat([torch.full((len(p[1]),), p[0], device=ids.device) for p in proposals])
+            start = time.perf_counter()
+            states = _verify(probe, prefix, ids, rows)
+            share = (time.perf_counter() - start) / len(proposals)
+            for (row, mine), part in zip(proposals, states.split([len(p[1]) for p in proposals]), strict=True):
+                with group[row].clock("verification"):
+                    group[row].record(mine, part)
+                group[row].clock.add("verification", share)
+        confirming = [row for row in pending if group[row].to_confirm]
+        if confirming:
+            sequences = [[*prefix.rows[row], c] for row in confirming for c in group[row].to_confirm]
+            start = time.perf_counter()
+            plain = probe.states(torch.tensor(sequences), [layer])[layer][:, -1].float()
+            share = (time.perf_counter() - start) / len(confirming)
+            sizes = [len(group[row].to_confirm) for row in confirming]
+            for row, part in zip(confirming, plain.split(sizes), strict=True):
+                with group[row].clock("verification"):
+                    group[row].confirm(list(group[row].to_confirm), part)
+                group[row].clock.add("verification", share)
+        pending = [row for row in pending if not group[row].done]

@@ -22,8 +22,7 @@ import logging
 import torch
 
 from ..models import Layer, LoadedModel
-from .context import PositionContext
-from .proposal import NextTokenPrior
+from .context import PositionContext, wide_dtype
 from .secant import centre, fit_secant_map
 from .tables import position1_projection
 
@@ -31,10 +30,14 @@ log = logging.getLogger(__name__)
 
 
 class Policy:
-    """Base class: subclasses implement :meth:`propose`; :meth:`begin` / :meth:`end` are optional hooks."""
+    """Base class: subclasses implement :meth:`propose`; :meth:`begin` / :meth:`end` are optional hooks.
+
+    A policy instance serves one prompt at a time; when several prompts are inverted together each has its own.
+    """
 
     name = "base"
     uses_first_table = False
+    uses_next_tokens = False  # the engine then fills ``ctx.next_tokens`` (the model's own next-token order)
 
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         """Called once before inverting with ``model`` at ``layer`` (load cached priors here); ``first_table``:
@@ -56,8 +59,8 @@ class Policy:
 def _remaining(ctx: PositionContext, generator: torch.Generator | None, batch: int) -> torch.Tensor:
     """Next ``batch`` unseen ids in random (or index) order."""
     unseen = (~ctx.seen).nonzero().squeeze(1)
-    if generator is not None:
-        unseen = unseen[torch.randperm(len(unseen), generator=generator)]
+    if generator is not None:  # the generator lives on the CPU: the same draws on every device
+        unseen = unseen[torch.randperm(len(unseen), generator=generator).to(unseen.device)]
     return unseen[:batch]
 
 
@@ -128,9 +131,9 @@ class GradientPolicy(Policy):
         self._opt: torch.optim.Optimizer | None = None
 
     def _start(self, ctx: PositionContext) -> None:
-        vocab = ctx.probe.vocab_matrix()
-        pick = torch.randint(0, len(vocab), (self.restarts - 1,), generator=ctx.generator)
-        init = torch.cat([vocab.mean(0, keepdim=True), vocab[pick]]).float()
+        vocab = ctx.probe.vocab_matrix(torch.float32)
+        pick = torch.randint(0, len(vocab), (self.restarts - 1,), generator=ctx.generator).to(vocab.device)
+        init = torch.cat([vocab.mean(0, keepdim=True), vocab[pick]])
         self._x = init.clone().requires_grad_(True)
         self._opt = torch.optim.Adam([self._x], lr=self.lr)
 
@@ -145,12 +148,12 @@ class GradientPolicy(Policy):
         scale = target.float().square().sum()
         for _ in range(self.steps):
             self._opt.zero_grad()
-            out = ctx.probe.continuation(ctx.prefix, embeds=self._x)
+            out = ctx.continuation(embeds=self._x)
             loss = (out.float() - target.float()).square().sum(dim=-1).div(scale).sum()
             loss.backward()
             self._opt.step()
         with torch.no_grad():
-            dist = torch.cdist(self._x.detach().float(), ctx.probe.vocab_matrix().float())  # [R, V]
+            dist = torch.cdist(self._x.detach().float(), ctx.probe.vocab_matrix(torch.float32))  # [R, V]
             dist[:, ctx.seen] = float("inf")
             k = max(1, self.per_round // self.restarts)
             picks = dist.topk(k, dim=1, largest=False).indices.reshape(-1).unique()
@@ -180,9 +183,13 @@ class LinearPolicy(Policy):
     * ``fresh`` - with this many pairs at the current position, fit on them alone (no memory, no prior);
     * ``explore_max`` - random samples stop being added once this many candidates were verified;
     * ``lm_prior`` - also rank by the model's own next-token distribution after the recovered prefix
-      (:mod:`.proposal`): the first batch of a position is its most likely tokens, and every later batch
-      adds as many from that order as from the linear ranking, scaled by how often the prior ranked the
-      recovered token in its top ``4 * first`` at the previous positions (random token ids: soon none).
+      (:mod:`.proposal`, given by the engine as ``ctx.next_tokens``): the first batch of a position is its most
+      likely tokens, and every later batch adds as many from that order as from the linear ranking, scaled by how
+      often the prior ranked the recovered token in its top ``4 * first`` at the previous positions (random token
+      ids: soon none).
+
+    The whole ranking runs in float32 on the model's device whatever the model's precision (the fits in float64):
+    a half-precision model only verifies candidates in its own dtype.
     """
 
     name = "linear"
@@ -206,9 +213,6 @@ class LinearPolicy(Policy):
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
         self.fresh, self.explore_max, self.lm_prior = fresh, explore_max, lm_prior
-        self._model: LoadedModel | None = None
-        self._layer: Layer | None = None
-        self._next: NextTokenPrior | None = None
         self._lm_order: torch.Tensor | None = None
         self._lm_share = 1.0  # recent success of the next-token prior in this prompt (1: always right)
         self._fitted_on = 0  # samples of the current position used by the last fit
@@ -218,8 +222,12 @@ class LinearPolicy(Policy):
         self._P_sq: torch.Tensor | None = None  # its squared row norms
         self._prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (J, P, P_sq), set by prepare()
 
+    @property
+    def uses_next_tokens(self) -> bool:  # type: ignore[override]
+        return self.lm_prior
+
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
-        self._model, self._layer, self._prior = model, layer, None
+        self._prior = None
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
             self._prior = position1_projection(model, layer)
 
@@ -227,9 +235,7 @@ class LinearPolicy(Policy):
         self._pool, self._J, self._P = [], None, None
         if self._prior is not None:
             self._J, self._P, self._P_sq = self._prior
-        self._next, self._lm_share = None, 1.0
-        if self.lm_prior and self._model is not None and self._layer is not None:
-            self._next = NextTokenPrior(self._model, self._layer, states)
+        self._lm_share = 1.0
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
@@ -238,9 +244,10 @@ class LinearPolicy(Policy):
         1 of SmolLM2); they would dominate a least-squares fit, so states with norms beyond
         ``outlier`` times the target's are left out.
         """
-        x = ctx.probe.vocab_matrix()[ctx.all_ids()].double()
-        h = ctx.all_states().double()
-        keep = h.norm(dim=1) <= self.outlier * float(ctx.target.double().norm())
+        wide = wide_dtype(ctx.device)
+        x = ctx.probe.vocab_matrix(torch.float32)[ctx.all_ids()].to(wide)
+        h = ctx.all_states().to(wide)
+        keep = h.norm(dim=1) <= self.outlier * float(ctx.target.norm())
         return centre(x[keep], h[keep])
 
     def _fit(self, ctx: PositionContext) -> None:
@@ -251,7 +258,7 @@ class LinearPolicy(Policy):
             h = torch.cat([h, *(p[1] for p in self._pool)])
         prior = None if local else self._J
         self._J = fit_secant_map(x, h, ridge=self.ridge, prior=prior, prior_weight=self.prior)
-        self._P = ctx.probe.vocab_matrix().float() @ self._J.float()
+        self._P = ctx.probe.vocab_matrix(torch.float32) @ self._J.float()
         self._P_sq = self._P.square().sum(1)
         self._fitted_on = ctx.checked
 
@@ -270,13 +277,13 @@ class LinearPolicy(Policy):
         rounds = len(ctx.ids)
         if rounds == 0:
             self._fitted_on = 0
-            self._lm_order = self._next.order(ctx.position) if self._next is not None else None
+            self._lm_order = ctx.next_tokens if self.lm_prior else None
             if self._J is None:
                 return _remaining(ctx, ctx.generator, self.explore_first)
             # the prior's likely tokens (as many as it has earned in this prompt), random entries for the rest:
             # both anchor the offset; with an unhelpful prior (random token ids) this is the secant policy's start
             likely = round(self.explore * self._lm_share) if self._lm_order is not None else 0
-            picks = ctx.unseen(self._lm_order, likely) if likely else torch.empty(0, dtype=torch.long)
+            picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
             if len(picks) < self.explore:
                 extra = _remaining(ctx, ctx.generator, self.explore)
                 picks = torch.cat([picks, extra[~torch.isin(extra, picks)][: self.explore - len(picks)]])
@@ -302,8 +309,6 @@ class LinearPolicy(Policy):
             hit = bool((self._lm_order[: 4 * self.first] == token_id).any())
             self._lm_share = 0.5 * self._lm_share + 0.5 * hit
             self._lm_order = None
-        if self._next is not None:
-            self._next.advance(token_id)
 
 
 class SecantPolicy(LinearPolicy):

@@ -11,8 +11,10 @@ class PositionResult:
 
     ``distance`` is the L2 distance between the accepted candidate's verified state and the observed state;
     ``margin`` the distance of the best *rejected* candidate that was checked (inf if none was);
-    ``uncertain`` is set when no candidate passed the acceptance test within the budget, or when another
-    checked candidate was also inside the acceptance radius.
+    ``uncertain`` is set when no candidate passed the acceptance test within the budget, when more than one
+    candidate survived it (also after confirmation by the plain forward), or when the token has a tied twin.
+    ``confirmed`` counts the candidates whose states were recomputed by a plain uncached forward of prefix +
+    candidate (see :mod:`lminvert.invert.search`); ``plain_distance`` is the accepted token's distance under it.
     """
 
     token_id: int
@@ -27,6 +29,9 @@ class PositionResult:
     certified_radius: float | None = None
     certified_exact: bool = False
     tied_with: tuple[int, ...] = ()  # other tokens with a bit-identical input vector: indistinguishable by any state
+    confirmed: int = 0  # candidates re-measured by the plain forward at this position
+    plain_distance: float | None = None  # the token's plain-forward distance, where it was re-measured
+    confirm_tolerance: float | None = None  # the plain forward's acceptance radius
     ranking_seconds: float = 0.0  # proposing candidates (fits, ranking, the next-token prior)
     verification_seconds: float = 0.0  # batched forwards of the candidates and their distances
     extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
@@ -45,6 +50,8 @@ class InversionResult:
     method: str
     policy: str
     vocab_size: int
+    dtype: str = "float32"
+    device: str = "cpu"
 
     @property
     def candidates_checked(self) -> list[int]:
@@ -87,10 +94,13 @@ class InversionResult:
             "uncertain_positions": self.uncertain_positions,
             "explored_fraction": self.explored_fraction,
             "time_split": {k: round(v, 4) for k, v in self.time_split.items()},
+            "confirmed": [p.confirmed for p in self.positions],
             "layer": self.layer,
             "model": self.model,
             "method": self.method,
             "policy": self.policy,
+            "dtype": self.dtype,
+            "device": self.device,
         }
         ties = {i: list(p.tied_with) for i, p in enumerate(self.positions) if p.tied_with}
         if ties:

@@ -7,7 +7,10 @@ first token and itself; a secant map fitted over random first tokens is a good p
 
 Both are built with the batched forwards of :mod:`lminvert.forward` and written atomically to
 ``<cache>/tables/<weights hash>-<dtype>-layer<L>...safetensors``; a loaded model keeps them in memory
-(on its own :attr:`~lminvert.models.LoadedModel.memo`, so edited weights never see stale tables).
+(on its own :attr:`~lminvert.models.LoadedModel.memo`, so edited weights never see stale tables). Files hold CPU
+float32 tensors whatever the device that built them; a table read from disk is moved to the model's device. They
+are keyed by the model's dtype: a bfloat16 model builds its own (its states differ from float32's by more than
+the gaps a table has to resolve at some positions), and reads it on any device.
 """
 
 from __future__ import annotations
@@ -28,20 +31,28 @@ from .secant import centre, fit_secant_map
 log = logging.getLogger(__name__)
 
 
-def _cached(model: LoadedModel, layer: Layer, kind: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-    key = (kind, int(layer), model.dtype)
+def cached(
+    model: LoadedModel, layer: Layer, kind: str, build: Callable[[], torch.Tensor], per_device: bool = False
+) -> torch.Tensor:
+    """``build()`` once per weights, dtype and layer (and device type, with ``per_device``): kept on the loaded
+    model and on disk (a CPU tensor in the file), always returned on the model's device."""
+    device = model.device
+    key = (kind, int(layer), model.dtype, device.type if per_device else None)
     if key in model.memo:
         return model.memo[key]
-    suffix = "" if kind == "table" else f"-{kind}"
+    suffix = ("" if kind == "table" else f"-{kind}") + (f"-{device.type}" if per_device else "")
     path: Path = cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
     if path.is_file():
         (value,) = load_file(str(path)).values()
     else:
         start = time.perf_counter()
-        value = build().contiguous()
+        value = build().detach().cpu().contiguous()
         with atomic_file(path) as tmp:  # unique name: two processes building the same table cannot collide
             save_file({"value": value}, str(tmp))
         log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
+    if device.type == "mps" and value.dtype == torch.float64:  # MPS has no float64
+        value = value.float()
+    value = value.to(device)
     model.memo[key] = value
     return value
 
@@ -54,7 +65,7 @@ def first_position_table(model: LoadedModel, layer: Layer, batch: int = 1024, pr
         parts = vocabulary_states(model, [], [layer], batch=batch, progress=progress, desc=desc)
         return torch.cat([states[layer] for _, states in parts])
 
-    return _cached(model, layer, "table", build)
+    return cached(model, layer, "table", build)
 
 
 def second_position_map(
@@ -69,7 +80,7 @@ def second_position_map(
     def build() -> torch.Tensor:
         probe = model.probe
         gen = torch.Generator().manual_seed(seed)
-        vocab = probe.vocab_matrix().double().cpu()
+        vocab = probe.vocab_matrix().cpu().double()
         xs, hs = [], []
         for first in torch.randint(0, probe.vocab_size, (contexts,), generator=gen).tolist():
             ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
@@ -81,7 +92,7 @@ def second_position_map(
             hs.append(h)
         return fit_secant_map(torch.cat(xs), torch.cat(hs), ridge=1e-3)
 
-    return _cached(model, layer, "position1-map", build)
+    return cached(model, layer, "position1-map", build)
 
 
 def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,6 +101,6 @@ def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor
     key = ("position1-projection", int(layer), model.dtype)
     if key not in model.memo:
         jac = second_position_map(model, layer)
-        proj = model.probe.vocab_matrix().float().cpu() @ jac.float()
+        proj = model.probe.vocab_matrix(torch.float32) @ jac.float()
         model.memo[key] = (jac, proj, proj.square().sum(1))
     return model.memo[key]

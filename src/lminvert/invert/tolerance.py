@@ -1,26 +1,141 @@
-"""The acceptance test: an L2 ball around the observed state, sized from dtype and the state's norm.
+"""The acceptance test: L2 balls around the observed state, with radii measured on the model, not assumed.
 
-A candidate is verified by a cached, batched one-position forward, while the observed state came from a
-plain full forward: different kernels, different rounding. Measured on SmolLM2 (float32), the two differ by
-~1e-6 of the state's norm at layers 1..30 (tests/integration/test_smollm2.py bounds it at 1e-5). The
-default tolerance is ``KAPPA[dtype] * eps(dtype) * ||h||``: 1.5e-5 * ||h|| for float32, an order of
-magnitude above that rounding and far below the distance between distinct tokens' states (>1e-3 * ||h||
-in the collision search at the same layers).
+The observed states came from a plain forward of the whole prompt (what :func:`lminvert.encode` runs, and what a
+leaking system runs). The engine verifies candidates differently: a cached, batched one-position forward. The two
+round differently; by how much depends on the dtype (float32: ~1e-6 of the state's norm on SmolLM2; bfloat16: up
+to several 1e-2), the layer, the device and the kernels. So the radii are measured once per model weights, dtype,
+layer and device type, by :func:`calibrate`, on calibration prompts the model itself provides (random token ids,
+and greedy continuations of random first tokens, i.e. text the model finds likely):
+
+* ``cached`` - the largest relative disagreement ``||v - h|| / ||h||`` between the engine's verification ``v`` of
+  the true token (all calibration prompts advanced together over one batched prefix cache, the true token among
+  1..255 random candidates, so that several batch shapes are seen) and the plain forward's state ``h``;
+* ``plain`` - the same for the confirmation forward: prefix + candidate, uncached, several rows at once (what the
+  observer computed, recomputed);
+* ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate.
+
+The radius of a test is ``SAFETY * max(measured, FLOOR) * ||h||`` (+ the noise bound when noise was added):
+``SAFETY = 4`` covers the tail beyond the sample maximum; ``FLOOR`` (float32's eps) keeps a bit-exact measurement
+from giving a zero radius. ``gap`` is reported, not used: in half precision it is smaller than the radius (at
+attention-sink positions), which is why acceptance there rests on confirmation (:mod:`lminvert.invert.search`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
-KAPPA = {torch.float32: 128.0, torch.bfloat16: 4.0, torch.float16: 16.0, torch.float64: 1e6}
+from ..forward import prompt_states
+from ..models import Layer, LoadedModel
+from .tables import cached
+
+SAFETY = 4.0
+FLOOR = float(torch.finfo(torch.float32).eps)
 
 
-def tolerance(target: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> float:
-    """Radius of the acceptance ball for an observed state ``target`` from a model running in ``dtype``."""
-    eps = torch.finfo(dtype).eps
-    return float(scale * KAPPA.get(dtype, 128.0) * eps * target.double().norm())
+def norm(state: torch.Tensor) -> float:
+    """``||state||`` (accumulated in float32 on the state's device: a radius needs no more)."""
+    return float(torch.linalg.vector_norm(state.float()))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured relative disagreements of one model, dtype, layer and device type (see the module docstring)."""
+
+    cached: float  # max ||verification - plain|| / ||plain|| of the true token
+    plain: float  # max ||confirmation forward - plain|| / ||plain||
+    gap: float  # min ||other candidate - plain|| / ||plain||
+    samples: int  # positions measured
+    scale: float = 1.0  # multiplies both radii (InvertConfig.tolerance_scale)
+
+    def radius(self, target: torch.Tensor) -> float:
+        """Acceptance radius of the engine's cached verification around the observed state ``target``."""
+        return self.scale * SAFETY * max(self.cached, FLOOR) * norm(target)
+
+    def confirm_radius(self, target: torch.Tensor) -> float:
+        """Acceptance radius of the plain (uncached) forward of prefix + candidate."""
+        return self.scale * SAFETY * max(self.plain, FLOOR) * norm(target)
+
+    def scaled(self, scale: float) -> Calibration:
+        """The same measurements with both radii multiplied by ``scale``."""
+        return replace(self, scale=scale)
+
+    def as_dict(self) -> dict:
+        return {
+            "cached": self.cached,
+            "plain": self.plain,
+            "gap": self.gap,
+            "samples": self.samples,
+            "safety": SAFETY,
+        }
+
+
+def calibration_prompts(model: LoadedModel, n: int = 3, length: int = 12, seed: int = 0) -> list[list[int]]:
+    """``n`` random-id prompts and ``n`` greedy continuations of random first tokens, ``length`` tokens each."""
+    probe = model.probe
+    gen = torch.Generator().manual_seed(seed)
+    random_ids = torch.randint(0, probe.vocab_size, (2 * n, length), generator=gen)
+    rows = [list(map(int, r)) for r in random_ids[:n]]
+    natural = [[int(r[0])] for r in random_ids[n:]]
+    if model.model.get_output_embeddings() is not None:
+        full = probe.prefixes([[]] * n, probe.layer(-1))
+        for _ in range(length - 1):
+            full, last = probe.advance_rows(full, [row[-1] for row in natural])
+            best = probe.next_token_logits(last).float().argmax(dim=-1).tolist()
+            natural = [[*row, int(b)] for row, b in zip(natural, best, strict=True)]
+    else:
+        natural = [list(map(int, r)) for r in random_ids[n:]]
+    return rows + natural
+
+
+def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: int = 0) -> Calibration:
+    """Measure the disagreements on ``prompts`` (equal lengths), exactly as the engine verifies and confirms."""
+    probe = model.probe
+    reference = [p[layer] for p in prompt_states(model, prompts, [layer], progress=False)]
+    gen = torch.Generator().manual_seed(seed)
+    sizes = (7, 31, 127, 0)  # other candidates per prompt: several batch shapes
+    cached_rel, plain_rel, gap_rel = [], [], []
+    prefix = probe.prefixes([[]] * len(prompts), layer)
+    for t in range(len(prompts[0])):
+        true = torch.tensor([p[t] for p in prompts])
+        others = torch.randint(0, probe.vocab_size, (len(prompts), sizes[t % len(sizes)]), generator=gen)
+        ids = torch.cat([true[:, None], others], dim=1)  # [N, 1 + k]
+        rows = torch.arange(len(prompts))[:, None].expand_as(ids)
+        with torch.no_grad():
+            states = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1)).float().cpu()
+        states = states.reshape(*ids.shape, -1)
+        extra = torch.randint(0, probe.vocab_size, (len(prompts),), generator=gen).tolist()  # a second row each
+        plain_ids = torch.tensor([[*p[:t], x] for p, e in zip(prompts, extra, strict=True) for x in (p[t], e)])
+        plain = probe.states(plain_ids, [layer])[layer][:, -1].float().cpu().reshape(len(prompts), 2, -1)[:, 0]
+        for i in range(len(prompts)):
+            h = reference[i][t].double()
+            norm = float(h.norm())
+            dist = (states[i].double() - h).norm(dim=1) / norm
+            differs = ids[i] != ids[i, 0]
+            cached_rel.append(float(dist[0]))
+            if differs.any():
+                gap_rel.append(float(dist[differs].min()))
+            plain_rel.append(float((plain[i].double() - h).norm()) / norm)
+        prefix, _ = probe.advance_rows(prefix, true.tolist())
+    return Calibration(
+        cached=max(cached_rel),
+        plain=max(plain_rel),
+        gap=min(gap_rel) if gap_rel else math.inf,
+        samples=len(cached_rel),
+    )
+
+
+def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
+    """The measured :class:`Calibration` of ``model`` at ``layer`` (cached beside the tables, per device type)."""
+
+    def build() -> torch.Tensor:
+        found = measure(model, layer, calibration_prompts(model))
+        return torch.tensor([found.cached, found.plain, found.gap, found.samples], dtype=torch.float64)
+
+    values = cached(model, layer, "calibration", build, per_device=True).tolist()
+    return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
 
 
 def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
@@ -32,7 +147,7 @@ def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
     if sigma <= 0:
         return 0.0
     d = target.numel()
-    return float(sigma * target.double().norm() * (1.0 + 4.0 / math.sqrt(2.0 * d)))
+    return float(sigma * norm(target) * (1.0 + 4.0 / math.sqrt(2.0 * d)))
 
 
 def add_noise(states: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:

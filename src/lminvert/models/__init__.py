@@ -1,7 +1,8 @@
 """Models: the alias registry, offline sources, loading, the layer probe, and facts about a model's inputs."""
 
+from .layers import DEFAULT_LAYERS, Layer, LayerSpec, parse_layers
 from .loading import LoadedModel, load_model
-from .probe import DEFAULT_LAYERS, Layer, LayerProbe, LayerSpec, Prefix, parse_layers
+from .probe import LayerProbe, Prefix
 from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec
 
 __all__ = ["DEFAULT_LAYERS", "DEFAULT_MODEL", "REGISTRY", "Layer", "LayerProbe", "LayerSpec", "LoadedModel"]

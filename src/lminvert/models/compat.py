@@ -1,11 +1,11 @@
-"""Whether a states file can have come from a model: weights, hidden size and layer must agree."""
+"""Whether a states file can have come from a model: weights, precision, hidden size and layer must agree."""
 
 from __future__ import annotations
 
 from ..errors import LminvertError
 from ..states import HiddenStates
+from .layers import Layer, LayerSpec
 from .loading import LoadedModel
-from .probe import Layer, LayerSpec
 
 
 def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec | None) -> Layer:
@@ -15,6 +15,12 @@ def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec 
         raise LminvertError(
             f"these states were made by a model with weights hash {states.weights_hash} ('{states.model}'), "
             f"not by '{model.name}' ({model.weights_hash}); pass the model that produced them with --model"
+        )
+    if states.dtype is not None and states.dtype != model.dtype:
+        raise LminvertError(
+            f"these states were computed in {states.dtype} but '{model.name}' runs in {model.dtype}: "
+            f"load the model with --dtype {states.dtype} (dtype='{states.dtype}'), or leave --dtype out "
+            "to take the file's"
         )
     if states.hidden_size != probe.hidden_size:
         raise LminvertError(

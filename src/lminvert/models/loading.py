@@ -19,6 +19,36 @@ from .registry import DEFAULT_MODEL, ModelSpec, resolve
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = "auto, cpu, cuda, cuda:N or mps"
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """The torch device ``device`` names: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``,
+    ``cuda:N`` or ``mps``. Checked now, with a one-line error naming ``--device`` when it is not usable here."""
+    text = str(device).strip().lower()
+    if text == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise LminvertError(f"unknown device '{device}': use {DEVICES} (--device)") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LminvertError(
+                f"device '{device}' asked for, but this torch ({torch.__version__}) sees no CUDA GPU: "
+                "use --device cpu, or install a CUDA build of torch (see the README)"
+            )
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise LminvertError(f"device '{device}' does not exist: this machine has cuda:0..cuda:{count - 1}")
+        return resolved
+    if resolved.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise LminvertError(f"device '{device}' asked for, but MPS is not available here: use --device cpu")
+        return resolved
+    raise LminvertError(f"unsupported device '{device}': use {DEVICES} (--device)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +81,11 @@ class LoadedModel:
     def dtype(self) -> str:
         return str(self.probe.dtype).replace("torch.", "")
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live; every tensor lminvert computes with this model is made there."""
+        return self.probe.device
+
     def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text`` as the model's tokenizer makes them (its own special tokens included)."""
         if not text or not text.strip():
@@ -76,6 +111,7 @@ class LoadedModel:
             "hidden_size": probe.hidden_size,
             "vocab_size": probe.vocab_size,
             "dtype": self.dtype,
+            "device": str(self.device),
             "weights_hash": self.weights_hash,
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
             "threads": torch.get_num_threads(),
@@ -131,15 +167,20 @@ def _external(name: str) -> tuple[PreTrainedModel, object]:
 def load_model(
     name: str = DEFAULT_MODEL,
     dtype: str = "float32",
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     seed: int | None = None,
 ) -> LoadedModel:
     """Load ``name`` (alias, hub id, directory or .gguf path): a new, independent object on every call.
 
-    Converted models load from the cache in about a second; hold on to the result rather than reloading.
+    ``dtype``: ``float32``, ``bfloat16`` or ``float16`` (the weights are cast once, after loading).
+    ``device``: ``cpu`` (the default, so that results are reproducible anywhere), ``auto`` (CUDA when
+    available, else the CPU), ``cuda``, ``cuda:N`` or ``mps``; everything computed with the model (forwards,
+    inversion tables, candidate rankings) is made on that device. Converted models load from the cache in about
+    a second; hold on to the result rather than reloading.
     """
     if dtype not in DTYPES:
         raise LminvertError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    target = resolve_device(device)
     label = name if seed is None else f"{name}@{seed}"
     spec = resolve(name)
     if spec is not None and spec.kind == "gguf-package":
@@ -153,8 +194,10 @@ def load_model(
     else:
         model, tokenizer = _external(name)
         digest = sources.weights_hash(model)
-    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+    model = model.to(device=target, dtype=DTYPES[dtype]).eval()
     model.requires_grad_(False)
     loaded = LoadedModel(name=label, model=model, tokenizer=tokenizer, weights_hash=digest, spec=spec)
-    log.info("loaded %s (%s, %d layers, d=%d)", name, dtype, loaded.probe.n_layers, loaded.probe.hidden_size)
+    log.info(
+        "loaded %s (%s on %s, %d layers, d=%d)", name, dtype, target, loaded.probe.n_layers, loaded.probe.hidden_size
+    )
     return loaded

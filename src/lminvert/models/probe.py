@@ -1,6 +1,6 @@
 """The layer probe: the one place that knows where a transformers model keeps its blocks.
 
-Layer semantics (used everywhere in lminvert):
+Layer semantics (used everywhere in lminvert; the ``Layer`` type and its one resolver live in :mod:`.layers`):
 
 * ``0`` - the input of the first block: the input embeddings as the model uses them (after any scaling,
   e.g. Gemma's sqrt(d); for GPT-2 this includes the learned position embedding). Equal to transformers'
@@ -15,7 +15,7 @@ stopping the forward right after the highest layer asked for (no work above it, 
 
 from __future__ import annotations
 
-import operator
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,146 +25,79 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import LminvertError
-
-LayerSpec = int | str  # what users write: 0..L, -1..-L, "final", "middle", or a resolved Layer
-
-DEFAULT_LAYERS = "1,middle,-1"  # first block, middle block, last block: valid for a model of any depth
-
-
-class Layer(int):
-    """A resolved layer of one model: an int ``0..L``, or ``L + 1`` for the output of the final norm.
-
-    Made only by :meth:`LayerProbe.layer` (the one resolver), so a ``Layer`` is always in range for its
-    model. It behaves as its index (dict key, file names, arithmetic) and knows its user-facing ``name``.
-    """
-
-    n_layers: int
-
-    def __new__(cls, index: int, n_layers: int) -> Layer:
-        if not 0 <= index <= n_layers + 1:
-            raise ValueError(f"layer index {index} outside 0..{n_layers + 1}")
-        value = super().__new__(cls, index)
-        value.n_layers = n_layers
-        return value
-
-    def __reduce__(self):  # picklable for executors
-        return (Layer, (int(self), self.n_layers))
-
-    @property
-    def is_final(self) -> bool:
-        return int(self) == self.n_layers + 1
-
-    @property
-    def name(self) -> str:
-        """``"final"`` or the index as text: what files, results and the CLI show."""
-        return "final" if self.is_final else str(int(self))
-
-    @property
-    def top_block(self) -> int:
-        """The highest block (1..L) whose output this layer needs (a KV cache covers blocks 1..top_block)."""
-        return min(max(int(self), 1), self.n_layers)
-
-    def __repr__(self) -> str:
-        return f"Layer({self.name})"
-
-    def __str__(self) -> str:  # f"{layer}" shows the name ("final" for L + 1); f"{layer:03d}" the index
-        return self.name
-
-
-def _parse_one(spec: LayerSpec, n_layers: int) -> Layer:
-    if isinstance(spec, Layer):
-        if spec.n_layers != n_layers:
-            raise LminvertError(f"layer {spec.name} belongs to a model with {spec.n_layers} layers, not {n_layers}")
-        return spec
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        if text == "final":
-            return Layer(n_layers + 1, n_layers)
-        if text == "middle":
-            return Layer(max(1, n_layers // 2), n_layers)
-        try:
-            spec = int(text)
-        except ValueError:
-            raise LminvertError(
-                f"layer '{spec}' is not a layer: use 0..{n_layers}, -1..-{n_layers} from the top, 'middle' or 'final'"
-            ) from None
-    try:
-        if isinstance(spec, bool):
-            raise TypeError
-        spec = operator.index(spec)
-    except TypeError:
-        raise LminvertError(f"layer {spec!r} is not a layer: use an int, 'middle' or 'final'") from None
-    if not -n_layers <= spec <= n_layers:
-        raise LminvertError(
-            f"layer {spec} is out of range for this model: use 0..{n_layers} "
-            f"(or -1..-{n_layers} from the top, 'middle' or 'final')"
-        )
-    return Layer(spec % (n_layers + 1) if spec < 0 else spec, n_layers)
-
-
-def parse_layers(spec: LayerSpec | str | Sequence[LayerSpec], n_layers: int) -> list[Layer]:
-    """The one layer resolver. ``spec``: one layer, ``"all"`` (1..L), a comma-separated list such as
-    ``"1,middle,-1"``, or a sequence of layers. Returns sorted, distinct :class:`Layer` values; a one-line
-    error names the bad entry."""
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        if text == "all":
-            return [Layer(i, n_layers) for i in range(1, n_layers + 1)]
-        items: list[LayerSpec] = [part for part in text.split(",") if part.strip()]
-    elif isinstance(spec, Sequence):
-        items = list(spec)
-    else:
-        items = [spec]  # one int-like layer (or something that is not a layer: _parse_one says so)
-    if not items:
-        raise LminvertError(f"no layers given: use 'all', one layer, or a list such as {DEFAULT_LAYERS}")
-    return sorted({_parse_one(item, n_layers) for item in items})
+from .halfmath import HalfAsFloat32, half_is_slow
+from .layers import Layer, LayerSpec, parse_layers
 
 
 class _Stop(Exception):
     """Raised by a hook to end the forward after the last block we need."""
 
 
-def _find_blocks(base: nn.Module, n_layers: int) -> nn.ModuleList:
-    for name in ("layers", "h", "blocks"):
-        blocks = getattr(base, name, None)
-        if isinstance(blocks, nn.ModuleList) and len(blocks) == n_layers:
-            return blocks
-    for module in base.children():
-        if isinstance(module, nn.ModuleList) and len(module) == n_layers:
-            return module
-    raise LminvertError(f"cannot find the {n_layers} transformer blocks of {type(base).__name__}")
+BLOCK_NAMES = ("layers", "h", "blocks")
+NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+
+
+def _owners(base: nn.Module) -> list[nn.Module]:
+    """Where a base model keeps its blocks and final norm: itself, or its ``decoder`` (OPT)."""
+    decoder = getattr(base, "decoder", None)
+    return [base] + ([decoder] if isinstance(decoder, nn.Module) else [])
+
+
+def _find_blocks(base: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
+    for owner in _owners(base):
+        for name in BLOCK_NAMES:
+            blocks = getattr(owner, name, None)
+            if isinstance(blocks, nn.ModuleList) and len(blocks) == n_layers:
+                return ("decoder." if owner is not base else "") + name, blocks
+    found = [(n, m) for n, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+    if len(found) == 1:
+        return found[0]
+    raise LminvertError(
+        f"cannot find the {n_layers} transformer blocks of {type(base).__name__}: no ModuleList named "
+        f"{', '.join(BLOCK_NAMES)} with {n_layers} entries"
+        + (f" and {len(found)} other candidates" if found else " and no other one")
+        + "; this architecture is not supported yet (teach lminvert.models.probe._find_blocks)"
+    )
 
 
 def _find_final_norm(base: nn.Module) -> nn.Module | None:
-    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
-        module = getattr(base, name, None)
-        if isinstance(module, nn.Module):
-            return module
+    for owner in _owners(base):
+        for name in NORM_NAMES:
+            module = getattr(owner, name, None)
+            if isinstance(module, nn.Module):
+                return module
     return None
 
 
 class _FrozenPrefixLayer(CacheLayerMixin):
     """Read-only view of one layer of a prefix cache, broadcast over a batch of continuations.
 
-    ``update`` returns prefix keys/values (expanded, not copied) concatenated with the new ones and stores
-    nothing, so one prefix cache serves any number of candidate batches.
+    ``update`` returns prefix keys/values concatenated with the new ones and stores nothing, so one prefix cache
+    serves any number of candidate batches. One prefix row is broadcast (expanded) to every continuation; with
+    several rows, ``rows[i]`` names the prefix of continuation ``i``.
     """
 
-    def __init__(self, inner: CacheLayerMixin, batch: int) -> None:
+    def __init__(self, inner: CacheLayerMixin, rows: torch.Tensor | None) -> None:
         super().__init__()
         self.inner = inner
-        self.batch = batch
+        self.rows = rows
         self.keys, self.values = inner.keys, inner.values
         self.is_initialized = True
+        self.is_sliding = getattr(inner, "is_sliding", False)  # masks are sized per kind of layer (Gemma-2/3)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
+    def _past(self, past: torch.Tensor, batch: int) -> torch.Tensor:
+        if self.rows is None:
+            return past.expand(batch, *past.shape[1:])
+        return past.index_select(0, self.rows)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         assert self.keys is not None and self.values is not None
-        shape = (key_states.shape[0], *self.keys.shape[1:])
-        keys = torch.cat([self.keys.expand(shape), key_states], dim=-2)
-        values = torch.cat([self.values.expand(shape[:-1] + self.values.shape[-1:]), value_states], dim=-2)
+        batch = key_states.shape[0]
+        keys = torch.cat([self._past(self.keys, batch), key_states], dim=-2)
+        values = torch.cat([self._past(self.values, batch), value_states], dim=-2)
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -179,15 +112,27 @@ class _FrozenPrefixLayer(CacheLayerMixin):
 
 @dataclass
 class Prefix:
-    """A prompt prefix whose KV cache (blocks 1..layer) has been computed once."""
+    """``N`` prompt prefixes of the same length whose KV caches (blocks 1..top) were computed once, as one batched
+    cache (row ``i`` of every cache tensor is prefix ``i``). Most callers hold one row."""
 
-    token_ids: list[int]
+    rows: list[list[int]]
     layer: Layer
-    cache: Cache | None  # None for the empty prefix
+    cache: Cache | None  # None while the prefixes are empty
 
     @property
     def length(self) -> int:
-        return len(self.token_ids)
+        return len(self.rows[0])
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids of a one-row prefix."""
+        if len(self.rows) != 1:
+            raise ValueError(f"this prefix holds {len(self.rows)} rows; read .rows")
+        return self.rows[0]
 
 
 class LayerProbe:
@@ -198,12 +143,62 @@ class LayerProbe:
         self.config = model.config.get_text_config(decoder=True)
         self.base: nn.Module = model.base_model
         self.n_layers: int = int(self.config.num_hidden_layers)
-        self.blocks = _find_blocks(self.base, self.n_layers)
+        self.blocks_name, self.blocks = _find_blocks(self.base, self.n_layers)
         self.final_norm = _find_final_norm(self.base)
         self.embedding: nn.Module = model.get_input_embeddings()
         self.hidden_size: int = int(self.config.hidden_size)
         self.vocab_size: int = int(self.embedding.weight.shape[0])
         self._vocab_matrix: torch.Tensor | None = None
+        self._vocab_copies: dict[torch.dtype, torch.Tensor] = {}
+        self._head32: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._half: HalfAsFloat32 | None = None  # cached forwards of a half model on a CPU without half GEMMs
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and half_is_slow(self.dtype):
+            self._half = HalfAsFloat32(self.dtype)
+        self._check_mapping()
+
+    def _cached_math(self) -> contextlib.AbstractContextManager:
+        """How the cached forwards run: as the model does, or with float32 GEMMs for a half model on a CPU that
+        has no half GEMMs (:mod:`.halfmath`; the plain forward, :meth:`states`, always runs as the model does)."""
+        return self._half if self._half is not None else contextlib.nullcontext()
+
+    def _check_mapping(self) -> None:
+        """Compare the probe with transformers' own ``output_hidden_states`` on two tokens (one small forward): a
+        model whose blocks or final norm were mapped wrongly gets a one-line error here, never a wrong layer."""
+        name = type(self.model).__name__
+        ids = torch.tensor([[0, min(1, self.vocab_size - 1)]], device=self.device)
+        with torch.no_grad():
+            ref = self.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        if ref is None or len(ref) != self.n_layers + 1:
+            raise LminvertError(f"{name} does not return {self.n_layers + 1} hidden states: cannot map its layers")
+        try:
+            ours = self.states(ids, [*range(self.n_layers + 1), "final"])
+        except KeyError:
+            raise LminvertError(
+                f"the blocks found in {name} ('{self.blocks_name}') do not run in its forward: cannot map its "
+                "layers (teach lminvert.models.probe._find_blocks)"
+            ) from None
+
+        def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return bool((a.float() - b.float()).norm() <= 1e-2 * b.float().norm() + 1e-6)
+
+        for layer in range(self.n_layers):
+            if not same(ours[layer], ref[layer]):
+                raise LminvertError(
+                    f"layer {layer} read from '{self.blocks_name}' of {name} is not transformers' hidden_states"
+                    f"[{layer}]: cannot map this architecture (teach lminvert.models.probe._find_blocks)"
+                )
+        last = ours[self.n_layers]
+        if same(last, ref[-1]):
+            return  # the model's last hidden state is the raw residual stream (no final norm, or not applied)
+        if self.final_norm is None:
+            raise LminvertError(
+                f"cannot find the final norm of {name} (looked for {', '.join(NORM_NAMES)}): its last hidden state "
+                "is normalised by a module lminvert does not know (teach lminvert.models.probe._find_final_norm)"
+            )
+        if not same(self.final_norm(last), ref[-1]):
+            raise LminvertError(
+                f"the final norm found in {name} does not give transformers' last hidden state: cannot map 'final'"
+            )
 
     # ------------------------------------------------------------------ basics
     @property
@@ -232,8 +227,9 @@ class LayerProbe:
         """Token embeddings as the model's own embedding module produces them (scaling included)."""
         return self.embedding(token_ids.to(self.device))
 
-    def vocab_matrix(self) -> torch.Tensor:
-        """All |V| input vectors, ``embed(arange(V))``, built once (the weight itself when unscaled)."""
+    def vocab_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """All |V| input vectors, ``embed(arange(V))``, built once (the weight itself when unscaled), on the model's
+        device; ``dtype=torch.float32`` gives (and keeps) a float32 copy for rankings in a half-precision model."""
         if self._vocab_matrix is None:
             if type(self.embedding) is nn.Embedding:
                 self._vocab_matrix = self.embedding.weight.detach()
@@ -241,7 +237,11 @@ class LayerProbe:
                 with torch.no_grad():
                     ids = torch.arange(self.vocab_size, device=self.device)
                     self._vocab_matrix = torch.cat([self.embed(chunk) for chunk in ids.split(16384)])
-        return self._vocab_matrix
+        if dtype is None or dtype == self._vocab_matrix.dtype:
+            return self._vocab_matrix
+        if dtype not in self._vocab_copies:
+            self._vocab_copies[dtype] = self._vocab_matrix.to(dtype)
+        return self._vocab_copies[dtype]
 
     def check_ids(self, token_ids: torch.Tensor) -> None:
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size):
@@ -307,14 +307,20 @@ class LayerProbe:
 
     def prefix(self, token_ids: Sequence[int], layer: LayerSpec) -> Prefix:
         """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""
+        return self.prefixes([token_ids], layer)
+
+    def prefixes(self, rows: Sequence[Sequence[int]], layer: LayerSpec) -> Prefix:
+        """One batched KV cache (blocks ``1..layer``) of several prefixes of the same length, in one forward."""
         resolved = self.layer(layer)
-        ids = list(int(t) for t in token_ids)
-        if not ids:
-            return Prefix([], resolved, None)
+        ids = [[int(t) for t in row] for row in rows]
+        if not ids or len({len(row) for row in ids}) != 1:
+            raise ValueError("give at least one prefix; all prefixes must have the same length")
+        if not ids[0]:
+            return Prefix(ids, resolved, None)
         cache = DynamicCache(config=self.config)
-        tensor = torch.tensor([ids], device=self.device)
+        tensor = torch.tensor(ids, device=self.device)
         self.check_ids(tensor)
-        with torch.no_grad():
+        with torch.no_grad(), self._cached_math():
             self._forward(
                 [Layer(resolved.top_block, self.n_layers)], input_ids=tensor, past_key_values=cache, use_cache=True
             )
@@ -326,13 +332,30 @@ class LayerProbe:
 
     def advance(self, prefix: Prefix, token_id: int) -> tuple[Prefix, torch.Tensor]:
         """Like :meth:`extend`, also returning the new token's state ``[d]`` after block ``top_block``."""
+        grown, states = self.advance_rows(prefix, [token_id])
+        return grown, states[0]
+
+    def advance_rows(self, prefix: Prefix, token_ids: Sequence[int]) -> tuple[Prefix, torch.Tensor]:
+        """Every row grows by its token (one forward, the cache is taken over); returns the new tokens' states
+        ``[N, d]`` after block ``top_block``."""
+        if len(token_ids) != prefix.size:
+            raise ValueError(f"one token per prefix row: got {len(token_ids)} for {prefix.size} rows")
         top = Layer(prefix.layer.top_block, self.n_layers)
         cache = prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
-        tensor = torch.tensor([[int(token_id)]], device=self.device)
+        tensor = torch.tensor([[int(t)] for t in token_ids], device=self.device)
         self.check_ids(tensor)
-        with torch.no_grad():
+        with torch.no_grad(), self._cached_math():
             out = self._forward([top], input_ids=tensor, past_key_values=cache, use_cache=True)
-        return Prefix([*prefix.token_ids, int(token_id)], prefix.layer, cache), out[top][0, -1]
+        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
+        return Prefix(rows, prefix.layer, cache), out[top][:, -1]
+
+    def select(self, prefix: Prefix, keep: Sequence[int]) -> Prefix:
+        """Only rows ``keep`` of the prefix (its cache is taken over)."""
+        if list(keep) == list(range(prefix.size)):
+            return prefix
+        if prefix.cache is not None:
+            prefix.cache.batch_select_indices(torch.tensor(list(keep), dtype=torch.long, device=self.device))
+        return Prefix([prefix.rows[i] for i in keep], prefix.layer, prefix.cache)
 
     def next_token_logits(self, state: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """The model's next-token logits from states ``[..., d]`` after the last block (``normed``: after the
@@ -344,6 +367,11 @@ class LayerProbe:
             state = state.to(device=self.device, dtype=self.dtype)
             if not normed and self.final_norm is not None:
                 state = self.final_norm(state)
+            if isinstance(head, nn.Linear) and self.dtype != torch.float32:  # rank in float32: CPUs are slow in half
+                if self._head32 is None:
+                    bias = None if head.bias is None else head.bias.detach().float()
+                    self._head32 = (head.weight.detach().float(), bias)
+                return nn.functional.linear(state.float(), *self._head32)
             return head(state)
 
     def continuation(
@@ -352,28 +380,33 @@ class LayerProbe:
         token_ids: torch.Tensor | None = None,
         embeds: torch.Tensor | None = None,
         layers: Sequence[LayerSpec] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[Layer, torch.Tensor]:
         """States at position ``prefix.length`` for B one-token continuations, in one batched forward.
 
         Give either ``token_ids`` ``[B]`` or continuous input vectors ``embeds`` ``[B, d]`` (in the space of
         the embedding module's output; gradients flow through them if they require grad). Returns ``[B, d]``
-        at ``prefix.layer``, or a dict when ``layers`` (each <= prefix.layer) is given.
+        at ``prefix.layer``, or a dict when ``layers`` (each <= prefix.layer) is given. A prefix of several rows
+        needs ``rows`` ``[B]``: the prefix row each continuation extends (so several prompts' candidates share
+        one forward).
         """
         if (token_ids is None) == (embeds is None):
             raise ValueError("give exactly one of token_ids or embeds")
+        if (rows is None) != (prefix.size == 1):
+            raise ValueError("give rows (the prefix row of each continuation) exactly when the prefix has several")
         if token_ids is not None:
             self.check_ids(token_ids)
             embeds = self.embed(token_ids.reshape(-1))
         assert embeds is not None
-        batch = embeds.shape[0]
         kwargs: dict = {"inputs_embeds": embeds[:, None, :].to(self.dtype), "use_cache": prefix.cache is not None}
         if prefix.cache is not None:
-            view = Cache(layers=[_FrozenPrefixLayer(layer, batch) for layer in prefix.cache.layers])
+            index = None if rows is None else rows.to(self.device)
+            view = Cache(layers=[_FrozenPrefixLayer(layer, index) for layer in prefix.cache.layers])
             kwargs["past_key_values"] = view
         wanted = [prefix.layer] if layers is None else self.layers(layers)
         if max(wanted) > prefix.layer and prefix.cache is not None:
             raise ValueError("continuation layers must not exceed the prefix's layer")
-        with torch.set_grad_enabled(embeds.requires_grad):
+        with torch.set_grad_enabled(embeds.requires_grad), self._cached_math():
             out = self._forward(wanted, **kwargs)
         out = {layer: state[:, 0, :] for layer, state in out.items()}
         return out[prefix.layer] if layers is None else out

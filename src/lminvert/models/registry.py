@@ -126,7 +126,17 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         _tiny("gpt2", "tiny-gpt2"),
         _tiny("llama", "tiny-llama", num_key_value_heads=2),
+        _tiny("mistral", "tiny-mistral", num_key_value_heads=2, sliding_window=4),  # window < test prompts
         _tiny("qwen2", "tiny-qwen2", num_key_value_heads=2),
+        _tiny("qwen3", "tiny-qwen3", num_key_value_heads=2, head_dim=16),
+        _tiny(
+            "gemma2",
+            "tiny-gemma2",
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
         _tiny(
             "gemma3_text",
             "tiny-gemma3",
@@ -135,6 +145,9 @@ REGISTRY: dict[str, ModelSpec] = {
             sliding_window=512,
             layer_types=["sliding_attention", "full_attention"],
         ),
+        _tiny("phi3", "tiny-phi3", num_key_value_heads=2),
+        _tiny("gpt_neox", "tiny-pythia"),
+        _tiny("opt", "tiny-opt", ffn_dim=128, word_embed_proj_dim=64),
     ]
 }
 

@@ -1,0 +1,235 @@
+"""One prompt's search at one position: proposals, the ball test, confirmation by the plain forward, the decision.
+
+The engine (:mod:`.engine`) runs one :class:`PromptSearch` per prompt and batches their work: the candidates of
+every prompt in one verification forward, the confirmations of every prompt in one plain forward.
+
+Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and device):
+
+1. *contenders*: verified candidates whose cached-forward state lies inside the acceptance ball, less those the
+   plain forward has ruled out;
+2. a single contender in the inner half of the ball is accepted;
+3. otherwise (several contenders, or the only one near the edge) the contenders are *confirmed*: their states are
+   recomputed the way the observer computed them (a plain uncached forward of prefix + candidate, same dtype) and
+   compared again. Those outside the plain radius are ruled out (the search goes on if none is left). Of the
+   rest, the closest is accepted when every other lies more than ``SEPARATION`` times farther (plus float32's
+   resolution): rounding noise is not aligned with the difference between two tokens' states, so a wrong state
+   cannot come much nearer to the observation than the noise on the right one. Otherwise the position is still
+   ambiguous and the search goes on (a candidate not verified yet may be decisively closer); if the budget runs
+   out first, the closest is kept and the position flagged uncertain. Tokens with a tied twin (identical input
+   vectors) are not searched past: no state can separate them, and the engine flags them.
+
+This matters in half precision, where the radius (several 1e-2 of the state's norm) is wider than the gaps between
+tokens at attention-sink positions: there the right token's state is reproduced to ~0 and the others lie ~1e-3 of
+the (huge) norm away. A position whose budget runs out without an accepted candidate keeps its closest candidate
+(by the plain distance where one was measured) and is flagged uncertain: never a wrong answer given as certain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..models import LayerProbe, Prefix
+from .context import PositionContext, wide_dtype
+from .policies import Policy, TablePolicy
+from .results import PositionResult
+from .tolerance import FLOOR, Calibration, noise_tolerance, norm
+
+MAX_CONFIRM = 16  # contenders re-measured by the plain forward per round (closest first)
+SEPARATION = 8.0  # the accepted candidate's plain distance, times this, must stay below every other contender's
+
+
+class Clock:
+    """Seconds spent per kind of work at one position (ranking, verification, prefix extension)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"ranking_seconds": 0.0, "verification_seconds": 0.0, "extension_seconds": 0.0}
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[f"{kind}_seconds"] += seconds
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(kind, time.perf_counter() - start)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every prompt's search shares."""
+
+    calibration: Calibration
+    budget: int  # candidates per position
+    vocab: int
+    exhaustive: bool  # verify the whole budget, then decide (the brute-force oracle)
+    noise: float
+    table: torch.Tensor | None  # first-position table (position 0), if used
+    ties: dict[int, tuple[int, ...]]
+
+
+class PromptSearch:
+    """The inversion state of one prompt: its policy, observed states and decided positions."""
+
+    def __init__(
+        self,
+        targets: torch.Tensor,
+        policy: Policy,
+        settings: Settings,
+        generator: torch.Generator,
+        clean: torch.Tensor | None = None,
+    ) -> None:
+        self.targets = targets  # [T, d] float32 on the model's device
+        self.policy = policy
+        self.settings = settings
+        self.generator = generator
+        self.clean = clean
+        self.positions: list[PositionResult] = []
+        self.elapsed = 0.0  # this prompt's share of the timed work
+        self.ctx: PositionContext | None = None
+        self.chosen: int | None = None
+        self.to_confirm: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return int(self.targets.shape[0])
+
+    # ------------------------------------------------------------------ one position
+    def begin(self, t: int, probe: LayerProbe, prefix: Prefix, row: int, next_tokens: torch.Tensor | None) -> None:
+        target = self.targets[t]
+        calibration, noise = self.settings.calibration, noise_tolerance(target, self.settings.noise)
+        self.radius = calibration.radius(target) + noise
+        self.confirm_radius = calibration.confirm_radius(target) + noise
+        self.resolution = FLOOR * norm(target)
+        self.ctx = PositionContext(probe, prefix, row, target, self.radius, t, self.generator, next_tokens)
+        table = self.settings.table
+        self.active = TablePolicy(table) if (t == 0 and table is not None) else self.policy
+        self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state
+        self.chosen, self.ambiguous, self.exhausted = None, False, False
+        self.to_confirm = []
+        self.clock = Clock()
+
+    @property
+    def done(self) -> bool:
+        return self.chosen is not None or (self.exhausted and not self.to_confirm)
+
+    def propose(self) -> torch.Tensor | None:
+        """The next candidates to verify, or None when this position's search is over (budget or policy spent)."""
+        ctx = self.ctx
+        assert ctx is not None
+        ids = None
+        if ctx.checked < self.settings.budget:
+            with self.clock("ranking"):
+                ids = self.active.propose(ctx)
+            if ids is not None and ids.numel():
+                ids = ids[~ctx.seen[ids]][: self.settings.budget - ctx.checked]
+        if ids is None or ids.numel() == 0:
+            self.exhausted = True
+            self._examine()
+            return None
+        return ids
+
+    def record(self, ids: torch.Tensor, states: torch.Tensor) -> None:
+        """Verified states ``[B, d]`` (float32) of ``ids``."""
+        assert self.ctx is not None
+        self.ctx.record(ids, states, self.ctx.distances(states))
+        if not self.settings.exhaustive:
+            self._examine()
+
+    def confirm(self, ids: list[int], states: torch.Tensor) -> None:
+        """Plain-forward states ``[k, d]`` of the contenders ``ids`` asked for in :attr:`to_confirm`."""
+        assert self.ctx is not None
+        for token, dist in zip(ids, self.ctx.distances(states).tolist(), strict=True):
+            self.plain[token] = dist
+        self.to_confirm = []
+        if not self.settings.exhaustive or self.exhausted:
+            self._examine()
+
+    def _contenders(self) -> list[tuple[int, float]]:
+        """(id, cached distance) inside the ball, not ruled out by the plain forward, closest first."""
+        assert self.ctx is not None
+        ids, dists = self.ctx.all_ids(), self.ctx.all_dists()
+        inside = dists <= self.radius
+        pairs = sorted(zip(ids[inside].tolist(), dists[inside].tolist(), strict=True), key=lambda p: p[1])
+        return [(i, d) for i, d in pairs if self.plain.get(i, 0.0) <= self.confirm_radius]
+
+    def _examine(self) -> None:
+        contenders = self._contenders()
+        if not contenders:
+            return
+        if len(contenders) == 1 and contenders[0][1] <= self.radius / 2 and not self.plain:
+            self.chosen = contenders[0][0]
+            return
+        unmeasured = [i for i, _ in contenders if i not in self.plain]
+        if unmeasured:
+            self.to_confirm = unmeasured[:MAX_CONFIRM]
+            return
+        best = min((i for i, _ in contenders), key=self.plain.__getitem__)
+        bound = SEPARATION * self.plain[best] + self.resolution
+        rivals = [i for i, _ in contenders if i != best and self.plain[i] <= bound]
+        twins = set(self.settings.ties.get(best, ()))
+        if not rivals or set(rivals) <= twins:  # separated (tied twins are flagged by the engine, not searched)
+            self.chosen = best
+        elif self.exhausted:  # still ambiguous with the budget spent: keep the closest, flag it
+            self.chosen, self.ambiguous = best, True
+        # else: ambiguous so far; the search goes on (a candidate not yet verified may be decisively closer)
+
+    def decide(self) -> int:
+        """The token of this position (after the search is done); the policy learns it."""
+        ctx = self.ctx
+        assert ctx is not None
+        if self.active is self.policy:
+            self.policy.end_position(ctx)
+        token = self.chosen
+        if token is None:  # nothing accepted: the closest candidate, by the plain forward where measured
+            token = min(self.plain, key=self.plain.__getitem__) if self.plain else ctx.best_id
+        self.token = token
+        self.policy.accepted(ctx.position, token)
+        return token
+
+    def finish(self) -> PositionResult:
+        """The decided position's result (its clock complete: the engine added its shares of the shared work)."""
+        ctx, token = self.ctx, self.token
+        assert ctx is not None
+        ids, dists = ctx.all_ids(), ctx.all_dists()
+        mine = ids == token
+        distance = float(dists[mine][0])
+        others = dists[~mine]
+        certified = noise_norm = None
+        if self.clean is not None:
+            wide = wide_dtype(ctx.device)
+            noise_norm = float((ctx.target.to(wide) - self.clean[ctx.position].to(wide)).norm())
+            states = ctx.all_states().to(wide)
+            gaps = (states[~mine] - states[mine][0]).norm(dim=1)
+            certified = float(gaps.min()) / 2 if gaps.numel() else float("inf")
+        tied = self.settings.ties.get(token, ())
+        result = PositionResult(
+            token_id=token,
+            distance=distance,
+            margin=float(others.min()) if others.numel() else float("inf"),
+            tolerance=self.radius,
+            candidates_checked=ctx.checked,
+            uncertain=self.chosen is None or self.ambiguous or bool(tied),
+            noise_norm=noise_norm,
+            certified_radius=certified,
+            certified_exact=ctx.checked >= self.settings.vocab,
+            tied_with=tied,
+            confirmed=len(self.plain),
+            plain_distance=self.plain.get(token),
+            confirm_tolerance=self.confirm_radius,
+            **self.clock.seconds,
+        )
+        self.positions.append(result)
+        self.elapsed += self.clock.total
+        self.ctx = None
+        return result

@@ -1,0 +1,99 @@
+"""Every causal-LM family: invert(encode(x)) == x at the first, middle and last block (parity with transformers is in
+test_probe.py), and an architecture the probe cannot map is a one-line error, never a wrong layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import lminvert
+from lminvert.errors import LminvertError
+from lminvert.forward import encode
+from lminvert.invert import invert
+from lminvert.models import LayerProbe, LoadedModel
+
+from ..conftest import FAMILIES, TINY
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f not in TINY])  # the core four: test_invert.py
+def family(request):
+    return lminvert.load_model(request.param)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), layer=st.sampled_from(["1", "middle", "-1"]))
+def test_invert_encode_roundtrip_on_every_family(family, ids, layer):
+    states = encode(family, [ids], layer)
+    (result,) = invert(family, states)
+    assert result.token_ids == ids
+    assert result.uncertain_positions == []
+
+
+def _tiny_gpt2() -> GPT2LMHeadModel:
+    config = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(config).eval()
+
+
+def test_blocks_that_cannot_be_found_are_named():
+    model = _tiny_gpt2()
+    model.config.n_layer = 3  # no list of 3 blocks anywhere
+    with pytest.raises(LminvertError, match="cannot find the 3 transformer blocks of GPT2Model") as err:
+        LayerProbe(model)
+    assert "\n" not in str(err.value)
+
+
+def test_a_decoy_list_of_blocks_is_caught_not_read():
+    """A ModuleList the probe would pick (named `layers`) that the forward never runs: an error, not wrong states."""
+    model = _tiny_gpt2()
+    model.transformer.layers = nn.ModuleList([nn.Identity(), nn.Identity()])
+    with pytest.raises(LminvertError, match="do not run in its forward"):
+        LayerProbe(model)
+
+
+def test_a_wrong_list_of_blocks_is_caught_not_read():
+    """A ModuleList that runs but is not the residual stream (the layer norms of each block)."""
+    model = _tiny_gpt2()
+
+    class Tap(nn.Module):  # wraps ln_1: runs once per block, outputs something other than the block's output
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    for block in model.transformer.h:
+        block.ln_1 = Tap(block.ln_1)
+    model.transformer.layers = nn.ModuleList([block.ln_1 for block in model.transformer.h])
+    with pytest.raises(LminvertError, match=r"is not transformers' hidden_states\[0\]|hidden_states\[1\]"):
+        LayerProbe(model)
+
+
+def test_a_final_norm_that_cannot_be_found_is_named(monkeypatch):
+    from lminvert.models import probe as probe_module
+
+    monkeypatch.setattr(probe_module, "NORM_NAMES", ("norm",))  # as if GPT-2 named its final norm unusually
+    with pytest.raises(LminvertError, match="cannot find the final norm of GPT2LMHeadModel"):
+        LayerProbe(_tiny_gpt2())
+
+
+def test_a_decoy_final_norm_is_caught_not_used():
+    model = _tiny_gpt2()
+    model.transformer.norm = nn.LayerNorm(16)  # found before ln_f, never run by the forward
+    with torch.no_grad():
+        model.transformer.norm.weight.mul_(3.0)  # (a fresh LayerNorm would compute what GPT-2's fresh ln_f does)
+    with pytest.raises(LminvertError, match="final norm found in GPT2LMHeadModel does not give"):
+        LayerProbe(model)
+
+
+def test_wrapped_models_are_checked_too():
+    loaded = LoadedModel.wrap("gpt2-tiny", _tiny_gpt2())
+    assert loaded.probe.n_layers == 2 and loaded.probe.blocks_name == "h"

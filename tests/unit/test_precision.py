@@ -1,0 +1,160 @@
+"""Precision: measured acceptance radii, exact inversion in bfloat16 and float16, dtype from the file, mismatches."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lminvert
+from lminvert.errors import LminvertError
+from lminvert.forward import encode
+from lminvert.invert import invert
+from lminvert.invert.tables import first_position_table
+from lminvert.invert.tolerance import FLOOR, SAFETY, calibrate, calibration_prompts, measure
+from lminvert.models.halfmath import HalfAsFloat32
+
+from ..conftest import FAMILIES
+
+IDS = [17, 4021, 33000, 17, 5, 912, 48000]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {dtype: lminvert.load_model("tiny-llama", dtype=dtype) for dtype in ("float32", "bfloat16", "float16")}
+
+
+def test_radius_is_the_measured_disagreement_times_the_safety_factor(models):
+    for dtype, model in models.items():
+        layer = model.probe.layer(2)
+        found = calibrate(model, layer)
+        assert found.samples >= 36 and found.cached > 0 and found.plain >= 0
+        target = torch.ones(64)
+        assert found.radius(target) == pytest.approx(SAFETY * max(found.cached, FLOOR) * 8.0)
+        assert found.confirm_radius(target) == pytest.approx(SAFETY * max(found.plain, FLOOR) * 8.0)
+        assert found.scaled(3.0).radius(target) == pytest.approx(3 * found.radius(target))
+        # cached on disk: a new object of the same weights reads the same measurement
+        again = calibrate(lminvert.load_model("tiny-llama", dtype=dtype), layer)
+        assert again.cached == found.cached and again.plain == found.plain
+    rel = {dtype: calibrate(m, m.probe.layer(2)).cached for dtype, m in models.items()}
+    assert rel["float32"] < 1e-5 < rel["float16"] < 1e-1 and rel["float32"] < rel["bfloat16"] < 1e-1
+
+
+def test_measured_radius_covers_held_out_prompts_and_excludes_other_tokens(models):
+    """The calibration prompts are not the ones inverted: the radius must hold on prompts it never saw."""
+    for dtype, model in models.items():
+        probe, layer = model.probe, model.probe.layer(2)
+        found = calibrate(model, layer)
+        gen = torch.Generator().manual_seed(11)
+        ids = torch.randint(0, probe.vocab_size, (10,), generator=gen).tolist()
+        observed = encode(model, [ids], layer).states[0]
+        prefix = probe.prefix([], layer)
+        for t, token in enumerate(ids):
+            others = torch.randint(0, probe.vocab_size, (64,), generator=gen)
+            states = probe.continuation(prefix, token_ids=torch.cat([torch.tensor([token]), others])).float()
+            dist = (states - observed[t]).norm(dim=1)
+            radius = found.radius(observed[t])
+            assert dist[0] <= radius / 2, (dtype, t)  # the true token: well inside the measured ball
+            assert (dist[1:][others != token] > radius).all(), (dtype, t)  # other tokens: outside
+            prefix = probe.extend(prefix, token)
+
+
+def test_measure_is_what_calibrate_caches(models):
+    model = models["bfloat16"]
+    layer = model.probe.layer(1)
+    again = measure(model, layer, calibration_prompts(model))
+    cached = calibrate(model, layer)
+    assert again.cached == pytest.approx(cached.cached) and again.plain == pytest.approx(cached.plain)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_half_precision_inversion_is_exact_on_every_family(name, dtype):
+    model = lminvert.load_model(name, dtype=dtype)
+    states = encode(model, [IDS], 2)
+    assert states.dtype == dtype
+    (result,) = invert(model, states, first_table=False)
+    assert result.token_ids == IDS
+    assert result.uncertain_positions == []
+    assert result.dtype == dtype
+
+
+def test_ambiguity_is_resolved_by_the_plain_forward_not_guessed():
+    """A ball so wide that many candidates lie inside: the plain forward re-measures them and picks the right one."""
+    model = lminvert.load_model("tiny-qwen2")
+    states = encode(model, [IDS[:5]], 2)
+    found = calibrate(model, model.probe.layer(2))
+    scale = 1.2 / (SAFETY * max(found.cached, found.plain, FLOOR))  # both balls: 1.2x the state's norm
+    (wide,) = invert(model, states, tolerance_scale=scale, first_table=False)
+    assert wide.token_ids == IDS[:5] and wide.uncertain_positions == []
+    assert sum(p.confirmed for p in wide.positions) > len(IDS[:5])  # several contenders re-measured per position
+    assert all(p.plain_distance is not None and p.plain_distance <= p.confirm_tolerance for p in wide.positions)
+
+
+def test_dtype_mismatch_is_refused_naming_dtype(models):
+    states = encode(models["bfloat16"], [IDS[:3]], 1)
+    with pytest.raises(LminvertError, match="--dtype bfloat16"):
+        invert(models["float32"], states)
+    with pytest.raises(LminvertError, match="--dtype float32"):
+        invert(models["float16"], encode(models["float32"], [IDS[:3]], 1))
+    # a half-precision array carries its dtype too
+    half = encode(models["float32"], [IDS[:3]], 1).states[0].to(torch.float16)
+    with pytest.raises(LminvertError, match="--dtype float16"):
+        invert(models["float32"], half, layer=1)
+
+
+def test_cli_takes_the_dtype_from_the_file_and_refuses_a_forced_mismatch(cli, tmp):
+    path = tmp / "s.safetensors"
+    cli("encode", "--model", "tiny-gpt2", "--dtype", "bfloat16", "--device", "cpu", "--layer", "2", "--text",
+        "Secret: 1234", "--out", str(path), "--keep-ids", check=True)  # fmt: skip
+    proc = cli("invert", str(path), "--json", "--device", "cpu", check=True)
+    (doc,) = json.loads(proc.stdout)
+    assert doc["dtype"] == "bfloat16" and doc["device"] == "cpu" and doc["uncertain_positions"] == []
+    assert doc["token_ids"] == list(lminvert.HiddenStates.load(path).token_ids[0])
+    proc = cli("invert", str(path), "--dtype", "float32")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--dtype bfloat16" in proc.stderr
+
+
+def test_half_linear_as_float32_matches_the_native_kernel():
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(64, 96, generator=gen).to(dtype)
+        w = torch.nn.Parameter(torch.randn(128, 96, generator=gen).to(dtype), requires_grad=False)
+        native = F.linear(x, w)
+        with HalfAsFloat32(dtype) as mode:
+            emulated = F.linear(x, w)
+            again = F.linear(x, w)
+            with torch.no_grad():
+                w.mul_(2)  # an in-place edit of the weights is seen
+            doubled = F.linear(x, w)
+        assert emulated.dtype == dtype and torch.equal(emulated, again) and len(mode._copies) == 1
+        assert (emulated == native).float().mean() > 0.99
+        torch.testing.assert_close(emulated.float(), native.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(doubled.float(), 2 * emulated.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_tables_written_by_one_object_are_read_by_another_and_dtypes_keep_their_own(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
+    (cache / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")  # the borrowed tokenizer
+    monkeypatch.setenv("LMINVERT_CACHE", str(cache))
+    writer = lminvert.load_model("tiny-gpt2")
+    layer = writer.probe.layer(1)
+    built = first_position_table(writer, layer, progress=False)
+    reader = lminvert.load_model("tiny-gpt2")  # a new object: nothing in memory, the file is read
+    read = first_position_table(reader, layer, progress=False)
+    assert torch.equal(read, built) and read.device == reader.device and read.dtype == torch.float32
+    half = lminvert.load_model("tiny-gpt2", dtype="bfloat16")
+    own = first_position_table(half, layer, progress=False)
+    assert own.dtype == torch.float32 and not torch.equal(own, built)  # its own table, from its own forwards
+    assert (own - built).norm(dim=1).max() < 0.05 * built.norm(dim=1).min()
+    calibrate(writer, layer)
+    names = sorted(p.name for p in (cache / "tables").iterdir())
+    assert any("float32-layer1.safetensors" in n for n in names) and any("bfloat16-layer1." in n for n in names)
+    assert any(n.endswith("float32-layer1-calibration-cpu.safetensors") for n in names)  # per device type
