@@ -305,6 +305,15 @@ class LayerProbe:
         with torch.no_grad():
             return self._forward(resolved, **kwargs)
 
+    def embeds_states(self, embeds: torch.Tensor, layers: LayerSpec | Sequence[LayerSpec]) -> dict[Layer, torch.Tensor]:
+        """States ``[B, T, d]`` of continuous input vectors ``embeds`` ``[B, T, d]`` (the embedding module's output
+        space); gradients flow through them if they require grad (e.g. to optimise a soft prompt)."""
+        resolved = self.layers(layers)
+        if embeds.dim() == 2:
+            embeds = embeds[None]
+        with torch.set_grad_enabled(embeds.requires_grad):
+            return self._forward(resolved, inputs_embeds=embeds.to(self.dtype), use_cache=False)
+
     def prefix(self, token_ids: Sequence[int], layer: LayerSpec) -> Prefix:
         """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""
         resolved = self.layer(layer)

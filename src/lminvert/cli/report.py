@@ -1,0 +1,36 @@
+"""`lminvert report`: one self-contained HTML page from experiment, lab, collision, exhaustive and inversion
+outputs (figures embedded, no network, no script)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..paths import check_output_file
+from ..report.html import write_report
+from .common import Formatter
+
+EXAMPLES = """examples:
+  lminvert report runs/methods runs/depth runs/c2k --out report.html
+  lminvert invert leak.safetensors --out result.json && lminvert report result.json --out leak.html
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "report",
+        help="one HTML page from output directories and inversion results",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    parser.add_argument("inputs", nargs="+", help="output directories and/or inversion result .json files")
+    parser.add_argument("--out", required=True, help="the .html file to write")
+    parser.add_argument("--title", default="lminvert report")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = check_output_file(args.out, ".html")
+    path = write_report(args.inputs, out, args.title)
+    print(f"report: {path}")
+    return 0
