@@ -12,10 +12,15 @@ from typing import Any
 from ..errors import LminvertError
 from ..models import LoadedModel
 from .base import Context, Experiment, FigureSpec, Series, Summary, Table, Unit
+from .inversion import Depth, Noise, Splits
+from .layers import Layers
 from .methods import Methods
 from .runner import run_experiment
+from .vocabulary import Vocabulary
 
-EXPERIMENTS: dict[str, type[Experiment]] = {cls.name: cls for cls in [Methods]}
+EXPERIMENTS: dict[str, type[Experiment]] = {
+    cls.name: cls for cls in [Methods, Depth, Vocabulary, Splits, Noise, Layers]
+}
 
 
 def get_experiment(name: str) -> Experiment:
@@ -48,7 +53,13 @@ def run(
     if unknown:
         raise LminvertError(f"experiment {name} has no size {', '.join(sorted(unknown))}")
     doc = run_experiment(
-        experiment, load or load_model, out, quick=quick, models=models, seed=seed, overrides=overrides,
+        experiment,
+        load or load_model,
+        out,
+        quick=quick,
+        models=models,
+        seed=seed,
+        overrides=overrides,
         progress=progress,
     )
     render_experiment(doc, out)

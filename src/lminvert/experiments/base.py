@@ -103,6 +103,7 @@ class Experiment:
     title: ClassVar[str] = ""
     paper: ClassVar[str] = ""  # what the paper reported, in one paragraph
     models: ClassVar[tuple[str, ...]] = ("smollm2-135m",)
+    quick_models: ClassVar[tuple[str, ...] | None] = None  # the models of the quick size (default: ``models``)
     quick_size: ClassVar[Mapping[str, Any]] = {}
     full_size: ClassVar[Mapping[str, Any]] = {}
     full_duration: ClassVar[str] = ""  # expected duration of the full size on the reference 2-core CPU

@@ -59,7 +59,7 @@ def run_experiment(
     """
     out = check_output_dir(out)
     size = experiment.size(quick, overrides)
-    models = tuple(models or experiment.models)
+    models = tuple(models or (experiment.quick_models if quick else None) or experiment.models)
     config = {"experiment": experiment.name, "quick": quick, "seed": seed, "size": size, "models": list(models)}
     config = json.loads(json.dumps(config))  # as a resumed run reads it back (tuples become lists)
     run = RunDirectory(out, kind, config, identity=["experiment", "quick", "seed", "size", "models"])

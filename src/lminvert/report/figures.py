@@ -107,6 +107,10 @@ def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
     else:
         for s in series:
             ax.errorbar(s["x"], s["y"], yerr=s.get("yerr"), marker="o", markersize=4, capsize=3, label=s["label"])
+    if spec.get("kind") != "bar" and all(isinstance(x, int) for s in series for x in s["x"]):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if spec.get("logx"):
         ax.set_xscale("log")
     if spec.get("logy"):

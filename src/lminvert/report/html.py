@@ -15,6 +15,7 @@ import math
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,8 @@ def _margin_colour(margin: float | None, tolerance: float) -> str:
     return f"#{red:02x}{green:02x}{blue:02x}"
 
 
-def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> tuple[str, dict[str, str]]:
+def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> str:
     parts = [f"<h2>Inversion: {html.escape(name)}</h2>"]
-    total = 0.0
     for i, doc in enumerate(docs):
         ids = doc["token_ids"]
         tokens = doc.get("tokens") or [f"[{t}]" for t in ids]
@@ -83,19 +83,25 @@ def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> tuple[str, d
         distances = doc.get("distances") or [0.0] * len(ids)
         uncertain = set(doc.get("uncertain_positions", []))
         tolerance = doc.get("tolerances") or [max(d, 1e-12) for d in distances]
-        total += float(doc.get("seconds", 0.0))
         spans = []
         for t, (tid, tok) in enumerate(zip(ids, tokens, strict=False)):
             margin = margins[t] if t < len(margins) else None
-            title = f"position {t}: id {tid}, distance {distances[t]:.3g}, margin {margin if margin is not None else 'inf'}"
+            title = (
+                f"position {t}: id {tid}, distance {distances[t]:.3g}, margin {margin if margin is not None else 'inf'}"
+            )
             if t in uncertain:
-                spans.append(f'<span class="tok unc" title="{html.escape(title)} (uncertain)">{html.escape(tok)}</span>')
+                spans.append(
+                    f'<span class="tok unc" title="{html.escape(title)} (uncertain)">{html.escape(tok)}</span>'
+                )
             else:
                 colour = _margin_colour(margin, tolerance[t])
                 spans.append(
-                    f'<span class="tok" style="background:{colour}" title="{html.escape(title)}">{html.escape(tok)}</span>'
+                    f'<span class="tok" style="background:{colour}" title="{html.escape(title)}">'
+                    f"{html.escape(tok)}</span>"
                 )
-        flagged = f", <b>{len(uncertain)} uncertain positions</b> (outlined red)" if uncertain else ", every position exact"
+        flagged = (
+            f", <b>{len(uncertain)} uncertain positions</b> (outlined red)" if uncertain else ", every position exact"
+        )
         parts.append(
             f"<h3>Prompt {i}</h3><p>{len(ids)} tokens at layer {html.escape(str(doc.get('layer')))} of "
             f"{html.escape(str(doc.get('model')))}, {float(doc.get('seconds', 0)):.2f} s, "
@@ -109,18 +115,33 @@ def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> tuple[str, d
         '<span style="background:#c7e9c0">far from any other token</span><span class="tok unc">uncertain</span>. '
         "Hover a token for its numbers.</p>",
     )
-    summary = {"kind": "inversion", "what": f"{len(docs)} prompts inverted", "model": str(docs[0].get("model", "?"))}
-    summary["seconds"] = f"{total:.1f}"
-    return "\n".join(parts), summary
+    return "\n".join(parts)
 
 
-def _run_section(path: Path) -> tuple[str, dict[str, str]]:
+@dataclass(frozen=True)
+class RunSection:
+    """One output as the report pages see it: its summary line and its markdown (or inversion results)."""
+
+    path: Path
+    kind: str
+    what: str
+    model: str
+    seconds: str
+    markdown: str = ""  # results.md of a run directory (figure paths relative to ``path``)
+    inversions: tuple[Mapping[str, Any], ...] = ()
+
+
+def collect(path: str | Path) -> RunSection:
+    """Read one output: a run directory (experiment, lab, collisions, exhaustive) or an inversion .json."""
+    path = Path(path)
     if path.is_file() and path.suffix == ".json":
         docs = read_json(path)
         docs = docs if isinstance(docs, list) else [docs]
-        if not docs or "token_ids" not in docs[0]:
+        if not docs or not isinstance(docs[0], dict) or "token_ids" not in docs[0]:
             raise LminvertError(f"{path} is not an inversion result (lminvert invert --out result.json writes one)")
-        return inversion_html(docs, path.name)
+        total = sum(float(d.get("seconds", 0.0)) for d in docs)
+        return RunSection(path, "inversion", f"{len(docs)} prompts inverted", str(docs[0].get("model", "?")),
+                          f"{total:.1f}", inversions=tuple(docs))  # fmt: skip
     if not path.is_dir():
         raise LminvertError(f"{path} is neither an output directory nor an inversion result .json")
     results = path / "results.json"
@@ -132,16 +153,14 @@ def _run_section(path: Path) -> tuple[str, dict[str, str]]:
     if kind in ("experiment", "lab"):
         from .experiments import render_experiment
 
-        if not markdown.exists():
-            render_experiment(doc, path)
+        render_experiment(doc, path)  # always current with this version's renderer
     if not markdown.exists():
         raise LminvertError(f"{path} has no results.md: render it with lminvert.render(results), then rerun")
-    body = markdown_to_html(markdown.read_text(encoding="utf-8"), path)
     config = doc.get("config", {})
     model = ", ".join(config.get("models", [])) or str(config.get("model", doc.get("model_info", {}).get("model", "?")))
-    what = doc.get("experiment") or kind
     seconds = doc.get("compute_seconds", doc.get("seconds", doc.get("timings", {}).get("total_seconds")))
-    return body, {"kind": kind, "what": str(what), "model": model, "seconds": _seconds(seconds)}
+    return RunSection(path, kind, str(doc.get("experiment") or kind), model, _seconds(seconds),
+                      markdown=markdown.read_text(encoding="utf-8"))  # fmt: skip
 
 
 def _seconds(value: Any) -> str:
@@ -156,14 +175,18 @@ def build_report(paths: Sequence[str | Path], title: str = "lminvert report") ->
         raise LminvertError("give at least one output directory or inversion .json to report on")
     sections, rows = [], []
     for i, raw in enumerate(paths):
-        path = Path(raw)
-        body, summary = _run_section(path)
+        run = collect(raw)
+        body = (
+            inversion_html(run.inversions, run.path.name)
+            if run.inversions
+            else markdown_to_html(run.markdown, run.path)
+        )
         anchor = f"run{i}"
         sections.append(f'<section class="run" id="{anchor}">{body}</section>')
         rows.append(
-            f'<tr><td><a href="#{anchor}">{html.escape(path.name or str(path))}</a></td>'
-            f"<td>{html.escape(summary['kind'])}</td><td>{html.escape(summary['what'])}</td>"
-            f"<td>{html.escape(summary['model'])}</td><td>{summary['seconds']}</td></tr>"
+            f'<tr><td><a href="#{anchor}">{html.escape(run.path.name or str(run.path))}</a></td>'
+            f"<td>{html.escape(run.kind)}</td><td>{html.escape(run.what)}</td>"
+            f"<td>{html.escape(run.model)}</td><td>{run.seconds}</td></tr>"
         )
     head = (
         f"<h1>{html.escape(title)}</h1><p>Generated {time.strftime('%Y-%m-%d %H:%M')} from {len(paths)} outputs.</p>"
@@ -187,4 +210,3 @@ def write_report(paths: Sequence[str | Path], out: str | Path, title: str = "lmi
     with atomic_file(out) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return out
-
