@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -259,3 +260,27 @@ def test_markdown_page_replaces_only_its_block(runs, tmp_path):
     text = page.read_text()
     assert text.startswith("# Results\n\nhand-written benchmarks") and text.rstrip().endswith("tail")
     assert "Gaussian noise" in text and "Inversion by kind of prompt" not in text
+
+
+def test_experiment_cli_size_overrides_reach_the_run(tmp_path):
+    out = tmp_path / "splits"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lminvert",
+        "experiment",
+        "splits",
+        "--quick",
+        "--model",
+        "tiny-llama",
+        "--out",
+        str(out),
+    ]
+    cmd += ["--size", "length=5", "--size", 'kinds=["random"]', "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["config"]["size"]["length"] == 5 and {r["kind"] for r in doc["rows"]} == {"random"}
+    assert all(r["length"] == 5 and r["exact"] for r in doc["rows"])
+    bad = subprocess.run([*cmd[:-5], "--size", "nokey"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr

@@ -8,6 +8,8 @@ units are kept. `--quick` sizes take under two minutes each on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from ..errors import LminvertError
 from ..experiments import EXPERIMENTS, get_experiment
@@ -20,6 +22,7 @@ EXAMPLES = """examples:
   lminvert experiment methods --quick --out runs/methods-quick
   lminvert experiment methods --model gpt2-small-random --out runs/methods-gpt2
   lminvert experiment noise --quick --model tiny-llama --out runs/noise
+  lminvert experiment splits --size per_kind=10 --size 'kinds=["prose","chat"]' --out runs/splits
   lminvert report runs/methods-quick runs/noise --out report.html
 """
 
@@ -37,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--quick", action="store_true", help="the small size (minutes on a laptop CPU)")
     add_model_args(parser, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change one size of the chosen preset, e.g. --size prompts=3 --size length=32 (JSON values)",
+    )
     parser.add_argument("--out", help="output directory (reused to resume)")
     parser.add_argument("--json", action="store_true", help="print results.json instead of the summary")
     parser.set_defaults(func=run)
@@ -49,6 +59,19 @@ def _list() -> int:
     return 0
 
 
+def _sizes(items: list[str]) -> dict:
+    sizes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise LminvertError(f"--size takes KEY=VALUE, got '{item}'")
+        try:
+            sizes[key] = json.loads(value)
+        except json.JSONDecodeError:
+            sizes[key] = value  # a bare string, e.g. layer=middle
+    return sizes
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
@@ -57,17 +80,26 @@ def run(args: argparse.Namespace) -> int:
     experiment = get_experiment(args.name)
     if not args.out:
         raise LminvertError("--out DIR is required: the directory the results go to (and resume from)")
+    sizes = _sizes(args.size)
     out = check_output_dir(args.out)
     models = (args.model,) if args.model else None
-    doc = run_experiment(
-        experiment.name,
-        out,
-        quick=args.quick,
-        models=models,
-        load=lambda name: model_from_args(args, name),
-        seed=args.seed,
-        progress=not args.json,
-    )
+    try:
+        doc = run_experiment(
+            experiment.name,
+            out,
+            quick=args.quick,
+            models=models,
+            load=lambda name: model_from_args(args, name),
+            seed=args.seed,
+            progress=not args.json,
+            **sizes,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"lminvert: interrupted; finished units are kept in {out}: rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
     if args.json:
         print_json(doc)
         return 0
