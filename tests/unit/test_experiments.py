@@ -169,7 +169,9 @@ def test_vocabulary_and_layers_quick_on_tiny_models(tmp_path):
     sizes = {r["vocab_size"] for r in doc["rows"]}
     assert {8192, 32768, 49152} <= sizes
     assert all(r["exact"] and r["wrong_unflagged"] == 0 for r in doc["rows"])
-    doc = experiments.run("layers", tmp_path / "l", quick=True, models=TINY, progress=False, n_prompts=60)
+    doc = experiments.run(
+        "layers", tmp_path / "l", quick=True, models=TINY, progress=False, n_prompts=60, exhaustive_prefixes=1
+    )
     tests = {r["test"] for r in doc["rows"]}
     assert tests == {"collisions", "exhaustive"}
     assert all(r["min_distance"] > 1e-6 for r in doc["rows"] if r["test"] == "collisions")

@@ -26,22 +26,22 @@ class Layers(Experiment):
         "1 / L/2 / L). Exhaustive test: every vocabulary token appended to the closest prefixes: no collision."
     )
     quick_size = {
-        "n_prompts": 300,
-        "max_tokens": 16,
+        "n_prompts": 200,
+        "max_tokens": 12,
+        "corpus": "mixed",
+        "layers": "all",
+        "exhaustive_prefixes": 0,  # |V| continuations through every layer: minutes, full size only
+        "exhaustive_layers": "1,middle,-1",
+    }
+    full_size = {
+        "n_prompts": 2000,
+        "max_tokens": 32,
         "corpus": "mixed",
         "layers": "all",
         "exhaustive_prefixes": 1,
         "exhaustive_layers": "1,middle,-1",
     }
-    full_size = {
-        "n_prompts": 5000,
-        "max_tokens": 32,
-        "corpus": "mixed",
-        "layers": "all",
-        "exhaustive_prefixes": 3,
-        "exhaustive_layers": "1,middle,-1",
-    }
-    full_duration = "about 15 minutes on SmolLM2 (5,000 prompts at all 30 layers, then 3 prefixes x 49,152 tokens)"
+    full_duration = "about 15 minutes on SmolLM2 (2,000 prompts at all 30 layers, then 1 prefix x 49,152 tokens)"
 
     def units(self, ctx: Context) -> list[Unit]:
         units = []

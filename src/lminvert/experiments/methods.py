@@ -41,7 +41,7 @@ class Methods(Experiment):
     quick_size = {
         "prompts": 2,
         "length": 4,
-        "layer": "middle",
+        "layer": "1",
         "policies": ["linear", "secant"],
         "bruteforce_prompts": 1,
         "bruteforce_positions": 1,
@@ -55,14 +55,14 @@ class Methods(Experiment):
         "length": 20,
         "layer": "middle",
         "policies": ["linear", "secant"],
-        "bruteforce_prompts": 2,
-        "bruteforce_positions": 2,
+        "bruteforce_prompts": 1,
+        "bruteforce_positions": 1,
         "baseline_prompts": 1,
         "baseline_seconds": 300.0,
-        "hardprompts_prompts": 3,
-        "hardprompts_steps": 500,
+        "hardprompts_prompts": 2,
+        "hardprompts_steps": 200,
     }
-    full_duration = "about 40 minutes (SmolLM2 and gpt2-small-random; brute force and the baseline dominate)"
+    full_duration = "about 30 minutes (SmolLM2 and gpt2-small-random; brute force, the baseline and HardPrompts dominate)"
 
     def units(self, ctx: Context) -> list[Unit]:
         s = ctx.size
