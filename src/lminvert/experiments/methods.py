@@ -177,4 +177,12 @@ class Methods(Experiment):
             series=series,
             logy=True,
         )
-        return Summary(tables, [figure])
+        notes = []
+        if any("random" in model for (model,) in group(rows, "model")):
+            notes.append(
+                "A randomly initialised model's residual stream is dominated by the input embedding (its blocks "
+                "add small updates), so methods that look for the nearest embedding row (the sequential baseline's "
+                "first gradient step, HardPrompts' projection) can succeed on it where they fail on a trained model; "
+                "the paper's GPT-2 small is trained."
+            )
+        return Summary(tables, [figure], notes)
