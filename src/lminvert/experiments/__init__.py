@@ -15,11 +15,12 @@ from .base import Context, Experiment, FigureSpec, Series, Summary, Table, Unit
 from .inversion import Depth, Noise, Splits
 from .layers import Layers
 from .methods import Methods
+from .quantization import Quantization
 from .runner import run_experiment
 from .vocabulary import Vocabulary
 
 EXPERIMENTS: dict[str, type[Experiment]] = {
-    cls.name: cls for cls in [Methods, Depth, Vocabulary, Splits, Noise, Layers]
+    cls.name: cls for cls in [Methods, Depth, Vocabulary, Splits, Noise, Layers, Quantization]
 }
 
 
