@@ -42,7 +42,8 @@ bench-invert: setup
 bench-collisions: setup
 	$(BIN)/python benchmarks/bench_collisions.py
 
-# The paper's experiments at full size (about 2 hours on a 2-core CPU; each resumes if interrupted), then their
+# The paper's experiments at full size (hours on a 2-core CPU: `lminvert experiment --list` gives each one's
+# duration; each resumes if interrupted), then their
 # results written into docs/results.md (between its generated markers) and one HTML page.
 EXPERIMENTS := splits noise depth vocabulary layers methods quantization
 results: setup

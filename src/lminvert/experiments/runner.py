@@ -106,6 +106,7 @@ def run_experiment(
         "paper": experiment.paper,
         "config": config,
         "full_duration": experiment.full_duration,
+        "overrides": {k: v for k, v in (overrides or {}).items() if v is not None},
         "seconds": time.perf_counter() - start,
         "units_seconds": unit_seconds,
         "units_resumed": resumed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ def command_line(doc: Mapping[str, Any]) -> str:
         parts.append(f"--model {models[0]}")
     if config.get("seed"):
         parts.append(f"--seed {config['seed']}")
+    for key, value in doc.get("overrides", {}).items():
+        text = json.dumps(value, separators=(",", ":"))
+        parts.append(
+            f"--size {key}={text}" if text.replace(".", "").replace("-", "").isalnum() else f"--size '{key}={text}'"
+        )
     parts.append("--out DIR")
     return " ".join(parts)
 
