@@ -9,7 +9,9 @@ Schemes, as bitsandbytes defines them (its CPU backend runs all of them):
   on every row of the matmul: other positions of the prompt (later ones too) and other prompts of the batch.
   So a state is no longer a function of its prefix alone.
 * ``int8-t0`` - the same with threshold 0: weights and inputs all int8, row by row (no outlier columns).
-  Each row's result depends on that row only; the integer matmul is exact, so batching changes nothing.
+  Each row's result depends on that row only and the integer matmul is exact, so batched and full forwards
+  usually agree bit for bit; but where a float rounding difference upstream (attention) puts an input on the
+  other side of an int8 rounding boundary, the state jumps by a whole quantisation step.
 * ``nf4`` / ``fp4`` - ``bnb.nn.Linear4bit``: 4-bit NormalFloat / 4-bit float codes in blocks of 64 weights, one
   absmax scale per block; at run time the weight is dequantised and multiplied in float32 (``compute_dtype``),
   the input untouched (weight-only quantisation).
