@@ -156,7 +156,7 @@ class Layers(Experiment):
                 FigureSpec(
                     f"{model}-{test}",
                     f"{model}, {what}: nearest-neighbour distances per layer (boxes) and the exact "
-                    "minimum (red); the minimum stays far above the 1e-6 threshold at every layer.",
+                    "minimum (red): look at whether the minimum stays above the 1e-6 threshold at every layer.",
                     kind="file",
                     path=rs[0]["figure"],
                 )
@@ -178,7 +178,7 @@ class Layers(Experiment):
         figures.append(
             FigureSpec(
                 "layer_minima",
-                "Minimum pairwise distance per layer (log scale): it grows with depth, as in the paper.",
+                "Minimum pairwise distance per layer (log scale): look at whether it grows with depth, as in the paper.",
                 title="Minimum distance against depth",
                 xlabel="layer",
                 ylabel="minimum L2 distance",

@@ -49,11 +49,11 @@ def run_line(doc: Mapping[str, Any]) -> str:
     versions = doc.get("versions", {})
     device = machine.get("cuda") or f"{machine.get('cpu', 'CPU')} ({doc.get('threads', '?')} threads)"
     size = "quick" if doc["config"].get("quick") else "full"
+    dtype = f", dtype {doc['dtype']}" if doc.get("dtype") else ""
     return (
         f"{size} size, models {', '.join(doc['config'].get('models', []))}, seed {doc['config'].get('seed', 0)}; "
         f"{len(doc.get('units_seconds', {}))} units in {doc.get('compute_seconds', 0):.0f} s of compute "
-        f"({doc.get('units_resumed', 0)} resumed); {device}; torch {versions.get('torch', '?')}, "
-        f"dtype {doc.get('dtype') or '?'}"
+        f"({doc.get('units_resumed', 0)} resumed); {device}; torch {versions.get('torch', '?')}{dtype}"
     )
 
 
