@@ -178,7 +178,7 @@ class Layers(Experiment):
         figures.append(
             FigureSpec(
                 "layer_minima",
-                "Minimum pairwise distance per layer (log scale): look at whether it grows with depth, as in the paper.",
+                "Minimum pairwise distance per layer (log scale): look at whether it grows with depth as in the paper.",
                 title="Minimum distance against depth",
                 xlabel="layer",
                 ylabel="minimum L2 distance",
