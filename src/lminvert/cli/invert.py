@@ -96,7 +96,15 @@ def run(args: argparse.Namespace) -> int:
         tolerance_scale=args.tolerance_scale,
         progress=not args.json,
     )
-    docs = [r.to_json() for r in results]
+    # per-token text and tolerances make the JSON self-describing for `lminvert report`
+    docs = [
+        {
+            **r.to_json(),
+            "tokens": [model.decode([t]) for t in r.token_ids],
+            "tolerances": [p.tolerance for p in r.positions],
+        }
+        for r in results
+    ]
     if args.out:
         with atomic_file(args.out) as tmp:
             tmp.write_text(json.dumps(docs, indent=2))

@@ -3,12 +3,12 @@
 For t = 0..T-1, with the recovered prefixes' KV caches fixed (blocks 1..l only, computed once and extended by one
 token per position), each prompt's policy proposes candidate batches; the batches of every prompt still searching
 position t are verified together by **one** batched one-position forward (each candidate row reads its own
-prompt's prefix from one batched cache; split only when candidate rows x prefix length would exceed ``POSITIONS``,
-which bounds the memory of the copied keys and values); each prompt's search (:mod:`.search`) applies the acceptance test and asks
-for confirmations, which are computed together by one plain forward. Prompts advance in lockstep, so all prefixes
-have the same length and share one cache without padding; a prompt that finished position t waits (costing
-nothing) for the others. One prompt is the special case N = 1. If nothing passes within the budget, the closest
-verified candidate is kept and the position is marked uncertain.
+prompt's prefix from one batched cache; split only when candidate rows x prefix length would exceed
+``POSITIONS``, which bounds the memory of the copied keys and values); each prompt's search (:mod:`.search`)
+applies the acceptance test and asks for confirmations, which are computed together by one plain forward.
+Prompts advance in lockstep, so all prefixes have the same length and share one cache without padding; a prompt
+that finished position t waits (costing nothing) for the others. One prompt is the special case N = 1. If
+nothing passes within the budget, the closest verified candidate is kept and the position is marked uncertain.
 
 Shared work (a verification forward serving several prompts, the prefix extension, the next-token prior) is
 split evenly among the prompts it served in each prompt's time split, so the prompts' seconds add up to the

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
+from ..models.probe import has_hooks
 from ..paths import atomic_file, cache_dir
 from .secant import centre, fit_secant_map
 
@@ -35,14 +36,16 @@ def cached(
     model: LoadedModel, layer: Layer, kind: str, build: Callable[[], torch.Tensor], per_device: bool = False
 ) -> torch.Tensor:
     """``build()`` once per weights, dtype and layer (and device type, with ``per_device``): kept on the loaded
-    model and on disk (a CPU tensor in the file), always returned on the model's device."""
+    model and on disk (a CPU tensor in the file; not for a hooked model), always returned on the model's device."""
     device = model.device
     key = (kind, int(layer), model.dtype, device.type if per_device else None)
     if key in model.memo:
         return model.memo[key]
     suffix = ("" if kind == "table" else f"-{kind}") + (f"-{device.type}" if per_device else "")
     path: Path = cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
-    if path.is_file():
+    if has_hooks(model.model):  # what it computes is not what its weights hash names: keep it off the disk
+        value = build().detach().cpu().contiguous()
+    elif path.is_file():
         (value,) = load_file(str(path)).values()
     else:
         start = time.perf_counter()

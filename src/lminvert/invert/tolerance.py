@@ -112,6 +112,8 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
         for i in range(len(prompts)):
             h = reference[i][t].double()
             norm = float(h.norm())
+            if norm == 0:  # a zero state (quantised activations) has no relative disagreement: its radius is 0
+                continue
             dist = (states[i].double() - h).norm(dim=1) / norm
             differs = ids[i] != ids[i, 0]
             cached_rel.append(float(dist[0]))
@@ -120,8 +122,8 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
             plain_rel.append(float((plain[i].double() - h).norm()) / norm)
         prefix, _ = probe.advance_rows(prefix, true.tolist())
     return Calibration(
-        cached=max(cached_rel),
-        plain=max(plain_rel),
+        cached=max(cached_rel, default=0.0),
+        plain=max(plain_rel, default=0.0),
         gap=min(gap_rel) if gap_rel else math.inf,
         samples=len(cached_rel),
     )

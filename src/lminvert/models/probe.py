@@ -29,6 +29,12 @@ from .halfmath import HalfAsFloat32, half_is_slow
 from .layers import Layer, LayerSpec, parse_layers
 
 
+def has_hooks(model: nn.Module) -> bool:
+    """Whether forward hooks are registered on any module of ``model`` (the probe's own are removed after use): they
+    change what the weights compute, which neither the weights hash nor transformers' hidden states show."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 class _Stop(Exception):
     """Raised by a hook to end the forward after the last block we need."""
 
@@ -163,7 +169,12 @@ class LayerProbe:
 
     def _check_mapping(self) -> None:
         """Compare the probe with transformers' own ``output_hidden_states`` on two tokens (one small forward): a
-        model whose blocks or final norm were mapped wrongly gets a one-line error here, never a wrong layer."""
+        model whose blocks or final norm were mapped wrongly gets a one-line error here, never a wrong layer.
+
+        Skipped for a model with forward hooks (e.g. one whose block outputs are replaced on purpose): transformers
+        records hidden states before such hooks act, the probe reads what the next block receives."""
+        if has_hooks(self.model):
+            return
         name = type(self.model).__name__
         ids = torch.tensor([[0, min(1, self.vocab_size - 1)]], device=self.device)
         with torch.no_grad():
@@ -304,6 +315,15 @@ class LayerProbe:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         with torch.no_grad():
             return self._forward(resolved, **kwargs)
+
+    def embeds_states(self, embeds: torch.Tensor, layers: LayerSpec | Sequence[LayerSpec]) -> dict[Layer, torch.Tensor]:
+        """States ``[B, T, d]`` of continuous input vectors ``embeds`` ``[B, T, d]`` (the embedding module's output
+        space); gradients flow through them if they require grad (e.g. to optimise a soft prompt)."""
+        resolved = self.layers(layers)
+        if embeds.dim() == 2:
+            embeds = embeds[None]
+        with torch.set_grad_enabled(embeds.requires_grad):
+            return self._forward(resolved, inputs_embeds=embeds.to(self.dtype), use_cache=False)
 
     def prefix(self, token_ids: Sequence[int], layer: LayerSpec) -> Prefix:
         """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""

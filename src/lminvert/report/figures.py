@@ -2,13 +2,15 @@
 notebook or GUI session).
 
 * :func:`plot_nn_distances` - the layerwise figure: nearest-neighbour distances per layer, log scale, minima marked.
+* :func:`plot_spec` - an experiment's line or bar figure from its specification.
 """
 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +81,48 @@ def plot_nn_distances(
     ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     ax.grid(axis="y", which="major", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
+    return path
+
+
+def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
+    """Draw a :class:`lminvert.experiments.base.FigureSpec` (as its JSON dict): ``line`` or ``bar``."""
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    series = list(spec.get("series", []))
+    fig = Figure(figsize=(7.5, 4.4))
+    ax = fig.subplots()
+    if spec.get("kind") == "bar":
+        categories = list(dict.fromkeys(str(x) for s in series for x in s["x"]))
+        width = 0.8 / max(len(series), 1)
+        for i, s in enumerate(series):
+            xs = np.array([categories.index(str(x)) for x in s["x"]], dtype=float) + (i - (len(series) - 1) / 2) * width
+            ax.bar(xs, s["y"], width=width, yerr=s.get("yerr"), label=s["label"], capsize=3)
+        ax.set_xticks(np.arange(len(categories)))
+        ax.set_xticklabels(categories, rotation=0 if len(categories) <= 8 else 45, ha="center")
+    else:
+        for s in series:
+            ax.errorbar(s["x"], s["y"], yerr=s.get("yerr"), marker="o", markersize=4, capsize=3, label=s["label"])
+    if spec.get("kind") != "bar" and all(isinstance(x, int) for s in series for x in s["x"]):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if spec.get("logx"):
+        ax.set_xscale("log")
+    if spec.get("logy"):
+        ax.set_yscale("log")
+    if spec.get("hline") is not None:
+        ax.axhline(spec["hline"], color="#636363", linestyle="--", linewidth=1, label=spec.get("hline_label") or None)
+    ax.set_xlabel(spec.get("xlabel", ""))
+    ax.set_ylabel(spec.get("ylabel", ""))
+    ax.set_title("\n".join(textwrap.wrap(spec.get("title", ""), 90)), fontsize=9)
+    ax.grid(alpha=0.3)
+    if any(s.get("label") for s in series) or spec.get("hline_label"):
+        ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")

@@ -1,0 +1,42 @@
+"""`lminvert report`: one self-contained HTML page from experiment, lab, collision, exhaustive and inversion
+outputs (figures embedded, no network, no script). With --out FILE.md: one markdown page instead, figures copied
+beside it; an existing page keeps everything outside its generated block."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..paths import check_output_file
+from ..report.html import write_report
+from .common import Formatter
+
+EXAMPLES = """examples:
+  lminvert report runs/methods runs/depth runs/c2k --out report.html
+  lminvert invert leak.safetensors --out result.json && lminvert report result.json --out leak.html
+  lminvert report out/results/* --out docs/results.md
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "report",
+        help="one HTML page from output directories and inversion results",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    parser.add_argument("inputs", nargs="+", help="output directories and/or inversion result .json files")
+    parser.add_argument("--out", required=True, help="the .html (or .md) file to write")
+    parser.add_argument("--title", default="lminvert report")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out.endswith(".md"):
+        from ..report.markdown_page import write_markdown
+
+        path = write_markdown(args.inputs, check_output_file(args.out), args.title)
+    else:
+        path = write_report(args.inputs, check_output_file(args.out, ".html"), args.title)
+    print(f"report: {path}")
+    return 0
