@@ -122,3 +122,15 @@ def test_lower_precision_is_selectable():
     model = lminvert.load_model("tiny-llama", dtype="bfloat16")
     out = model.probe.states(torch.tensor([[1, 2, 3]]), 1)[1]
     assert out.dtype == torch.bfloat16
+
+
+def test_hooks_that_edit_the_computation_are_seen_and_transformers_own_are_not(tiny):
+    from lminvert.models.probe import has_hooks
+
+    model = lminvert.load_model("tiny-llama")
+    model.probe.states(torch.tensor([[1, 2, 3]]), [1])  # transformers may install its own capture hooks on use
+    assert not has_hooks(model.model)
+    handle = model.probe.blocks[0].register_forward_hook(lambda module, args, out: out)
+    assert has_hooks(model.model)
+    handle.remove()
+    assert not has_hooks(model.model)

@@ -61,6 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="multiply the measured acceptance radii (e.g. 4 for states computed on other hardware)",
     )
+    parser.add_argument(
+        "--certify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check every position against the whole vocabulary, so a colliding token is flagged (brute force's "
+        "cost; default: only for a model whose computation is edited by forward hooks, where injectivity cannot "
+        "be assumed)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         max_candidates=args.max_candidates,
         together=args.together,
         tolerance_scale=args.tolerance_scale,
+        certify=args.certify,
         progress=not args.json,
     )
     # per-token text and tolerances make the JSON self-describing for `lminvert report`
@@ -116,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {r.text!r}")
         print(
             f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
-            f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device}){flag}"
+            f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
+            f"{'; certified against the whole vocabulary' if r.certified else ''}{flag}"
         )
     return 0

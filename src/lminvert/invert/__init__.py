@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from tqdm.auto import tqdm
 
@@ -9,6 +11,7 @@ from ..errors import LminvertError
 from ..models import LayerSpec, LoadedModel
 from ..models.compat import check_compatible
 from ..models.loading import require_loaded
+from ..models.probe import has_hooks
 from ..models.ties import tied_token_groups
 from ..states import HiddenStates
 from .engine import InvertConfig, invert_prompt, invert_prompts
@@ -17,6 +20,8 @@ from .results import InversionResult, PositionResult
 from .tolerance import add_noise
 
 METHODS = ("sipit", "bruteforce")
+
+log = logging.getLogger(__name__)
 
 
 def invert(
@@ -32,6 +37,7 @@ def invert(
     first_table: bool = True,
     together: int = 32,
     tolerance_scale: float = 1.0,
+    certify: bool | None = None,
     progress: bool = False,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
@@ -43,6 +49,11 @@ def invert(
     relative Gaussian noise of that level to the states first (for robustness studies) and widens the acceptance
     tolerance to match; ``tolerance_scale`` multiplies the measured acceptance radii (e.g. for states computed on
     other hardware, whose rounding the calibration on this one did not see).
+
+    ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
+    token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
+    which is exact because the model is injective; ``None`` (default) certifies when injectivity cannot be assumed:
+    the model carries forward hooks that edit what its weights compute (as the lab's constructions do).
     """
     if method not in METHODS:
         raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -58,8 +69,17 @@ def invert(
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
     resolved = check_compatible(states, model, layer)
+    if certify is None:
+        certify = has_hooks(model.model)
+        if certify:
+            log.warning(
+                "%s has forward hooks that edit its computation: injectivity cannot be assumed, so every position is "
+                "certified against the whole vocabulary (pass certify=False to stop at the first match)",
+                model.name,
+            )
     config = InvertConfig(
         method=method,
+        certify=bool(certify),
         policy=policy,
         first_table=first_table,
         max_candidates=max_candidates,

@@ -41,9 +41,15 @@ POSITIONS = 1 << 19  # candidate rows x prefix length per verification forward (
 @dataclass(frozen=True)
 class InvertConfig:
     """How to invert. ``method``: ``sipit`` (policy-guided, stops at the first accepted candidate) or
-    ``bruteforce`` (verifies the whole vocabulary at every position and takes the arg-min: the oracle)."""
+    ``bruteforce`` (verifies the whole vocabulary at every position and takes the arg-min: the oracle).
+
+    ``certify``: verify the whole vocabulary at every position whatever the method, so that a second token whose
+    state also matches (a collision: possible only in a model that is not injective) is seen and the position
+    flagged. SIPIT's early stop is exact because the model is injective; for a model that may not be (one whose
+    computation was edited, e.g. by forward hooks), :func:`lminvert.invert` turns this on by itself."""
 
     method: str = "sipit"
+    certify: bool = False
     policy: str = "linear"
     first_table: bool = True  # rank position 0 with the first-position table (policies that support it)
     max_candidates: int | None = None  # per position; default: the whole vocabulary
@@ -54,7 +60,7 @@ class InvertConfig:
 
 
 def _make_policy(config: InvertConfig) -> Policy:
-    if config.method == "bruteforce":
+    if config.method == "bruteforce" or config.certify:
         return SweepPolicy()
     return POLICIES[config.policy]()
 
@@ -98,7 +104,7 @@ def invert_prompts(
     probe = model.probe
     layer = probe.layer(layer)
     device = probe.device
-    exhaustive = config.method == "bruteforce"
+    exhaustive = config.method == "bruteforce" or config.certify
     vocab = probe.vocab_size
     policies = list(policies) if policies is not None else [_make_policy(config) for _ in states]
     table = None
@@ -107,7 +113,7 @@ def invert_prompts(
     calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
     settings = Settings(
         calibration=calibration,
-        budget=vocab if config.max_candidates is None else max(1, min(vocab, config.max_candidates)),
+        budget=vocab if config.max_candidates is None or config.certify else max(1, min(vocab, config.max_candidates)),
         vocab=vocab,
         exhaustive=exhaustive,
         noise=config.noise,
@@ -168,7 +174,7 @@ def invert_prompts(
         t += 1
     wall = time.perf_counter() - start
     overhead = (wall - sum(search.elapsed for search in searches)) / len(searches)
-    policy_name = "sweep" if exhaustive else policies[0].name
+    policy_name = policies[0].name
     return [
         InversionResult(
             token_ids=[p.token_id for p in search.positions],

@@ -75,6 +75,12 @@ class InversionResult:
         }
 
     @property
+    def certified(self) -> bool:
+        """Every position was checked against the whole vocabulary: no other token's state matches as well (without
+        it, each position is exact given that the model is injective, which SIPIT's early stop relies on)."""
+        return all(p.certified_exact for p in self.positions)
+
+    @property
     def uncertain_positions(self) -> list[int]:
         return [i for i, p in enumerate(self.positions) if p.uncertain]
 
@@ -92,6 +98,7 @@ class InversionResult:
             "distances": self.distances,
             "margins": [m if m != float("inf") else None for m in self.margins],
             "uncertain_positions": self.uncertain_positions,
+            "certified": self.certified,
             "explored_fraction": self.explored_fraction,
             "time_split": {k: round(v, 4) for k, v in self.time_split.items()},
             "confirmed": [p.confirmed for p in self.positions],

@@ -35,10 +35,11 @@ import torch
 
 from ..models import LayerProbe, Prefix
 from .context import PositionContext, wide_dtype
-from .policies import Policy, TablePolicy
+from .policies import Policy, SweepPolicy, TablePolicy
 from .results import PositionResult
 from .tolerance import FLOOR, Calibration, noise_tolerance, norm
 
+SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
 MAX_CONFIRM = 16  # contenders re-measured by the plain forward per round (closest first)
 SEPARATION = 8.0  # the accepted candidate's plain distance, times this, must stay below every other contender's
 
@@ -133,6 +134,8 @@ class PromptSearch:
                 ids = self.active.propose(ctx)
             if ids is not None and ids.numel():
                 ids = ids[~ctx.seen[ids]][: self.settings.budget - ctx.checked]
+            if self.settings.exhaustive and (ids is None or ids.numel() == 0):  # the policy is spent: sweep the rest
+                ids = SWEEP.propose(ctx)[: self.settings.budget - ctx.checked]
         if ids is None or ids.numel() == 0:
             self.exhausted = True
             self._examine()

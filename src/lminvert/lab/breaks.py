@@ -202,6 +202,7 @@ class Break(Experiment):
                         "truth": truth,
                         "recovered": got,
                         "exact": got == truth,
+                        "certified": result.certified,
                         "flagged": sorted(flagged),
                         "tied_flagged": [t for t, p in enumerate(result.positions) if p.tied_with],
                         "wrong": wrong,

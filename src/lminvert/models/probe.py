@@ -29,10 +29,21 @@ from .halfmath import HalfAsFloat32, half_is_slow
 from .layers import Layer, LayerSpec, parse_layers
 
 
+def _foreign(hook: object) -> bool:
+    """A hook someone added (not one transformers installs itself, e.g. to capture outputs: those read, not edit)."""
+    return not getattr(hook, "__module__", "").startswith("transformers.")
+
+
 def has_hooks(model: nn.Module) -> bool:
-    """Whether forward hooks are registered on any module of ``model`` (the probe's own are removed after use): they
-    change what the weights compute, which neither the weights hash nor transformers' hidden states show."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    """Whether forward hooks other than transformers' own are registered on any module of ``model`` (the probe's own
+    are removed after use): they may change what the weights compute, which neither the weights hash nor
+    transformers' hidden states show, and injectivity cannot be assumed of what they compute."""
+    return any(
+        _foreign(hook)
+        for m in model.modules()
+        for hooks in (m._forward_hooks, m._forward_pre_hooks)
+        for hook in hooks.values()
+    )
 
 
 class _Stop(Exception):
