@@ -16,7 +16,9 @@ Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and d
    cannot come much nearer to the observation than the noise on the right one. Otherwise the position is still
    ambiguous and the search goes on (a candidate not verified yet may be decisively closer); if the budget runs
    out first, the closest is kept and the position flagged uncertain. Tokens with a tied twin (identical input
-   vectors) are not searched past: no state can separate them, and the engine flags them.
+   vectors) are not searched past: no state can separate them, and the engine flags them. Two other contenders
+   that both reproduce the observation to float32's resolution (a collision: a model that is not injective)
+   make the position ambiguous at once: nothing can be decisively closer than an exact match.
 
 This matters in half precision, where the radius (several 1e-2 of the state's norm) is wider than the gaps between
 tokens at attention-sink positions: there the right token's state is reproduced to ~0 and the others lie ~1e-3 of
@@ -173,6 +175,8 @@ class PromptSearch:
         if len(contenders) == 1 and contenders[0][1] <= self.radius / 2 and not self.plain:
             self.chosen = contenders[0][0]
             return
+        if self._collision(contenders):
+            return
         unmeasured = [i for i, _ in contenders if i not in self.plain]
         if unmeasured:
             self.to_confirm = unmeasured[:MAX_CONFIRM]
@@ -186,6 +190,20 @@ class PromptSearch:
         elif self.exhausted:  # still ambiguous with the budget spent: keep the closest, flag it
             self.chosen, self.ambiguous = best, True
         # else: ambiguous so far; the search goes on (a candidate not yet verified may be decisively closer)
+
+    def _collision(self, contenders: list[tuple[int, float]]) -> bool:
+        """Two contenders (not tied twins) whose plain-forward states both reproduce the observation to float32's
+        resolution: no other candidate can make either decisively closer, so the position is ambiguous now (the
+        closest is kept and flagged), without re-measuring the rest (a non-injective model can have thousands)."""
+        measured = sorted((i for i, _ in contenders if i in self.plain), key=self.plain.__getitem__)
+        if len(measured) < 2:
+            return False
+        best = measured[0]
+        twins = set(self.settings.ties.get(best, ()))
+        if not any(self.plain[i] <= self.resolution for i in measured[1:] if i not in twins):
+            return False
+        self.chosen, self.ambiguous, self.to_confirm = best, True, []
+        return True
 
     def decide(self) -> int:
         """The token of this position (after the search is done); the policy learns it."""

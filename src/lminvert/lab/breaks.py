@@ -291,9 +291,12 @@ class Break(Experiment):
                 ],
                 invert_rows,
                 note=(
-                    "sipit: the default policy, stops at the first candidate inside the acceptance ball; bruteforce: "
-                    "verifies the whole vocabulary at every position. A position is flagged (uncertain) when no "
-                    "candidate passed, another checked candidate was also inside the ball, or its token has tied twins."
+                    "sipit: the default method, stops at the first candidate inside the acceptance ball on an "
+                    "injective model; on the hooked constructions (hard-step, act-*), whose injectivity cannot be "
+                    "assumed, it certifies every position against the whole vocabulary by itself (brute force's "
+                    "cost); bruteforce: verifies the whole vocabulary at every position. A position is flagged "
+                    "(uncertain) when no candidate passed, another candidate was also inside the ball and not "
+                    "decisively farther under the plain forward, or its token has tied twins."
                 ),
             ),
         ]

@@ -2,9 +2,10 @@
 
 Two prompts that differ only in such tokens give the same input to the first block, hence mathematically identical
 states at every layer: a collision by construction (the paper's "tied parameters" exception, not a
-counterexample to injectivity for generic weights). SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) has 15 such tokens
-in 4 groups (11 unused special tokens such as ``<issue_start>`` and ``<jupyter_code>``, and 4 rare ordinary ones). The collision search and
-the exhaustive test find them, and report them apart from the pairs whose inputs differ.
+counterexample to injectivity for generic weights). SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) has 15 such
+tokens in 4 groups (11 unused special tokens such as ``<issue_start>`` and ``<jupyter_code>``, and 4 rare ordinary
+ones). The collision search and the exhaustive test find them, and report them apart from the pairs whose inputs
+differ.
 """
 
 from __future__ import annotations
