@@ -121,7 +121,7 @@ def find_collisions(
         resolved,
         len(ids),
         chunk_size,
-        fill=lambda store: fill_with_prompts(model, ids, store, resolved, batch_tokens, progress),
+        fill=lambda store: fill_with_prompts(model, ids, store, resolved, batch_tokens, progress, runner),
         rounding_noise=lambda store: prompt_rounding_noise(model, ids, store, resolved, seed=settings.seed),
         settings=settings,
         executor=runner,

@@ -219,7 +219,7 @@ def exhaustive_test(
                 vocab,
                 batch_size,
                 fill=lambda store, prefix=prefix, index=index: fill_with_continuations(
-                    model, prefix, store, resolved, progress=progress, desc=f"prefix {index + 1}/{len(ids)}"
+                    model, prefix, store, resolved, progress, f"prefix {index + 1}/{len(ids)}", runner
                 ),
                 rounding_noise=lambda store, prefix=prefix: continuation_rounding_noise(
                     model, prefix, store, resolved, seed=seed
