@@ -55,6 +55,7 @@ class TaskRecord:
 
 class Executor(Protocol):
     name: str
+    workers: int  # tasks it runs at once
     records: list[TaskRecord]
 
     def map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]: ...
@@ -94,6 +95,7 @@ class InProcessExecutor:
     """Runs tasks one after the other in this process (torch already uses every core inside each task)."""
 
     name = "inprocess"
+    workers = 1
 
     def __init__(self) -> None:
         self.records: list[TaskRecord] = []

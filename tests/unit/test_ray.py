@@ -74,12 +74,13 @@ def _files(directory: Path) -> set[str]:
 
 
 TIMING = ("seconds", "per_second", "fraction", "flops", "matmul")  # keys that measure speed, not results
+WORK = ("n_exact", "n_tiles_scanned", "blocks")  # what a split search did (pairs re-measured), not what it found
 
 
 def _stable(value: Any) -> Any:
-    """``value`` without the keys that measure how fast it was computed."""
+    """``value`` without the keys that measure how fast it was computed, or how the search was split."""
     if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if not any(t in k for t in TIMING)}
+        return {k: _stable(v) for k, v in value.items() if not any(t in k for t in TIMING) and k not in WORK}
     if isinstance(value, list):
         return [_stable(v) for v in value]
     return value
@@ -96,11 +97,14 @@ def _same_run(a: Path, b: Path) -> None:
         assert _stable(doc_a.get(key)) == _stable(doc_b.get(key)), key
 
 
-def _collisions(model, out: Path, executor: Any = None):
+def _collisions(model, out: Path, executor: Any = None, **split: Any):
     return find_collisions(
         model, corpus="code", n_prompts=48, layers="all", max_tokens=8, chunk_size=16, out=out,
-        executor=executor, progress=False,
+        executor=executor, progress=False, **split,
     )  # fmt: skip
+
+
+SPLIT = {"tile_rows": 8, "block_pairs": 200}  # 48 prompts: 5 row blocks of 1 or 2 tile rows per layer
 
 
 def test_collisions_are_the_same_on_ray(tiny, on_ray, tmp_path):
@@ -112,6 +116,18 @@ def test_collisions_are_the_same_on_ray(tiny, on_ray, tmp_path):
     _same_run(tmp_path / "here", tmp_path / "ray")
     workers = {r.worker for r in on_ray.records}
     assert len(workers) == 2  # both workers took tasks
+
+
+def test_layers_split_into_row_blocks_on_ray_equal_one_task_in_process(tiny, on_ray, tmp_path):
+    here = _collisions(tiny, tmp_path / "here", tile_rows=8)  # one task per layer
+    on_ray.records.clear()
+    there = _collisions(tiny, tmp_path / "ray", on_ray, **SPLIT)
+    assert there.layer_minima() == here.layer_minima()
+    for name, layer in here.layers.items():
+        assert there.layers[name].closest_pairs == layer.closest_pairs
+        assert there.layers[name].details["search"]["blocks"] == 5
+    _same_run(tmp_path / "here", tmp_path / "ray")
+    assert len(on_ray.records) == 3 + 2 * 5 + 2  # encoding chunks, the blocks of 2 layers, their merges
 
 
 def test_exhaustive_is_the_same_on_ray(small_vocab, on_ray, tmp_path):
@@ -178,7 +194,7 @@ class Faulty:
 
     def __init__(self, inner: RayExecutor, marker_dir: Path, interrupt: bool = False) -> None:
         self.inner, self.marker_dir, self.interrupt, self.calls = inner, marker_dir, interrupt, 0
-        self.records = inner.records
+        self.records, self.workers = inner.records, inner.workers
 
     def map(self, fn, tasks):
         from lminvert.executors import Plain, ordered
@@ -195,11 +211,11 @@ class Faulty:
 
 
 def test_a_killed_worker_is_restarted_and_the_run_is_the_same(tiny, on_ray, tmp_path):
-    here = _collisions(tiny, tmp_path / "here")
+    here = _collisions(tiny, tmp_path / "here", tile_rows=8)
     faulty = Faulty(on_ray, tmp_path)
-    there = _collisions(tiny, tmp_path / "ray", faulty)
+    there = _collisions(tiny, tmp_path / "ray", faulty, **SPLIT)
     killed = sorted(tmp_path.glob("killed-*"))
-    assert len(killed) == 2  # one worker killed while encoding, one while searching a layer
+    assert len(killed) == 3  # one worker killed while encoding, one in a row block, one merging a layer
     assert there.layer_minima() == here.layer_minima()
     _same_run(tmp_path / "here", tmp_path / "ray")
 

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         seed=settings.seed,
         tile_rows=settings.tile_rows,
         tile_cols=settings.tile_cols,
+        block_pairs=settings.block_pairs,
         batch_tokens=args.batch_tokens,
         executor=executor_from_args(args),
     )

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         k=settings.k,
         tile_rows=settings.tile_rows,
         tile_cols=settings.tile_cols,
+        block_pairs=settings.block_pairs,
         batch_size=args.batch_size,
         executor=executor_from_args(args),
     )
