@@ -125,8 +125,9 @@ def _since(record: TaskRecord, start: float) -> TaskRecord:
 class ModelSetup:
     """A worker's copy of a loaded model: loaded there once, by name, and checked to have the same weights.
 
-    In this process it is the model itself (``local``, never shipped). A worker loads on the device type the
-    model is on here (a CUDA model: the worker's own GPU).
+    In this process it is the model itself (``local``, never shipped). A model loaded with ``device="auto"``
+    is loaded with ``auto`` on each worker too (a worker with a GPU uses it, one without runs on its CPU);
+    otherwise a worker loads on the device type the model is on here (a CUDA model: the worker's own GPU).
     """
 
     name: str
@@ -146,7 +147,8 @@ class ModelSetup:
         base, sep, suffix = model.name.rpartition("@")
         if sep and suffix.isdigit() and model.spec is not None:  # load_model(name, seed=...) labels it name@seed
             name, seed = base, int(suffix)
-        return cls(name, model.dtype, model.device.type, model.weights_hash, seed, local=model)
+        device = "auto" if model.device_asked == "auto" else model.device.type
+        return cls(name, model.dtype, device, model.weights_hash, seed, local=model)
 
     def here(self) -> LoadedModel:
         if self.local is None:

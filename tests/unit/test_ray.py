@@ -22,7 +22,8 @@ from lminvert import experiments
 from lminvert.collisions import exhaustive_test, find_collisions
 from lminvert.collisions.store import StateStore
 from lminvert.errors import LminvertError
-from lminvert.executors import ModelSetup, get_executor
+from lminvert.executors import ModelSetup, get_executor, ordered
+from lminvert.models.loading import resolve_device
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'lminvert[ray]' (make test installs it)")
 
@@ -45,7 +46,7 @@ def on_ray(cluster) -> RayExecutor:
 
 @pytest.fixture(scope="module")
 def tiny():
-    return lminvert.load_model("tiny-llama")
+    return lminvert.load_model("tiny-llama", device="auto")  # each worker resolves auto itself
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,13 @@ def test_an_interrupted_ray_run_resumes_in_process(tiny, on_ray, tmp_path):
     assert resumed.layer_minima() == fresh.layer_minima()
     _same_run(tmp_path / "run", tmp_path / "fresh")
     assert StateStore(tmp_path / "run" / "states", 48, 64, [1, 2], 16).complete
+
+
+def test_device_auto_is_resolved_by_each_worker(tiny, on_ray):
+    setup = ModelSetup.of(tiny)
+    assert setup.device == "auto" and ModelSetup.of(lminvert.load_model("tiny-llama")).device == "cpu"
+    made = ordered(on_ray.map_with(setup, lambda model, task: (str(model.device), model.weights_hash), [0, 1]), 2)
+    assert made == [(str(resolve_device("auto")), tiny.weights_hash)] * 2  # this machine: the CPU
 
 
 def test_a_model_made_in_memory_is_refused_on_workers(tiny, on_ray):
