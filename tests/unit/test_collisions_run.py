@@ -14,8 +14,12 @@ import lminvert
 from lminvert.cli.demo import demo_collisions
 from lminvert.collisions import exhaustive_test, find_collisions
 from lminvert.collisions import runner as run_module
+from lminvert.collisions import tasks as tasks_module
+from lminvert.collisions.runner import DEFAULT_BLOCK_PAIRS, MIN_BLOCK_PAIRS, SearchSettings
+from lminvert.collisions.search import DEFAULT_TILE_COLS, row_blocks
 from lminvert.collisions.store import StateStore
 from lminvert.errors import LminvertError
+from lminvert.executors import get_executor
 from lminvert.models import LoadedModel
 
 WORDS = [" cat", " dog", " cow", " pig", " hen", " fox", " owl", " bee"]
@@ -236,3 +240,68 @@ def test_exhaustive_resumes_and_refuses_other_runs(small_vocab, tmp_path, monkey
     assert again.to_dict()["layers"] == first.to_dict()["layers"]
     with pytest.raises(LminvertError, match="different exhaustive run"):
         exhaustive_test(small_vocab, [[4, 5]], layers=[1, 3], out=tmp_path, batch_size=100)
+
+
+WORK = ("n_exact", "n_tiles_scanned", "blocks")  # what the search did, not what it found: depends on the split
+
+
+def _found(path: Path) -> dict:
+    """Every prefix and layer of an exhaustive results.json, without timings and work counters."""
+    doc = json.loads((path / "results.json").read_text())
+    return {
+        (p["ids"][0], name): {
+            key: ({k: v for k, v in value.items() if k not in WORK and "second" not in k and "flops" not in k
+                   and k != "matmul_fraction"} if key == "search" else value)
+            for key, value in layer.items()
+        }
+        for p in doc["prefixes"]
+        for name, layer in p["layers"].items()
+    }  # fmt: skip
+
+
+def test_layers_split_into_row_blocks_give_the_same_run_and_resume_per_block(small_vocab, tmp_path, monkeypatch):
+    kwargs = dict(layers="all", batch_size=64, tile_rows=32, progress=False)
+    exhaustive_test(small_vocab, [[1, 2, 3]], out=tmp_path / "whole", **kwargs)
+    searched: list[tuple[int, int]] = []
+    original = tasks_module.search_block
+
+    def interrupted(x, *args):
+        if len(searched) == 5:
+            raise KeyboardInterrupt
+        searched.append(args[4])  # the rows of the block
+        return original(x, *args)
+
+    monkeypatch.setattr(tasks_module, "search_block", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        exhaustive_test(small_vocab, [[1, 2, 3]], out=tmp_path / "split", block_pairs=5000, **kwargs)
+    search_dir = tmp_path / "split" / "prefix_000" / "search"
+    assert len(list(search_dir.glob("*.blocks/rows_*.npz"))) == 5  # the finished blocks are kept
+    monkeypatch.setattr(tasks_module, "search_block", lambda x, *args: searched.append(args[4]) or original(x, *args))
+    split = exhaustive_test(small_vocab, [[1, 2, 3]], out=tmp_path / "split", block_pairs=5000, **kwargs)
+    blocks = row_blocks(300, 32, DEFAULT_TILE_COLS, 5000)
+    assert len(blocks) > 4 and len(searched) == 3 * len(blocks)  # each block of the 3 layers searched once
+    assert not list(search_dir.glob("*.blocks"))  # merged into the layers' files, then removed
+    assert {json.loads(p.read_text())["search"]["blocks"] for p in search_dir.glob("layer_*.json")} == {len(blocks)}
+    assert _files(tmp_path / "split") == _files(tmp_path / "whole")
+    for name in _files(tmp_path / "whole"):
+        if name.endswith(".npy"):
+            assert np.load(tmp_path / "whole" / name).tobytes() == np.load(tmp_path / "split" / name).tobytes(), name
+    assert _found(tmp_path / "split") == _found(tmp_path / "whole")
+    assert split.prefixes[0].layers["2"].closest_pairs[0].distance == 0.0
+
+
+def _files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != "results.md"}
+
+
+def test_pairs_per_block_defaults_to_one_task_in_process_and_fills_workers_on_ray():
+    class Workers:
+        name, workers, records = "ray", 4, []
+
+    assert SearchSettings().pairs_per_block(get_executor(None), 100_000, 30) == 0
+    assert SearchSettings().pairs_per_block(Workers(), 100_000, 2) == DEFAULT_BLOCK_PAIRS  # 2.5e9 pairs per worker
+    assert SearchSettings().pairs_per_block(Workers(), 20_000, 1) == 24_998_750  # 2e8 pairs / 8: two tasks per worker
+    assert SearchSettings().pairs_per_block(Workers(), 2_000, 1) == MIN_BLOCK_PAIRS
+    assert SearchSettings(block_pairs=123).pairs_per_block(get_executor(None), 100_000, 30) == 123
+    with pytest.raises(LminvertError, match="--block-pairs must be"):
+        SearchSettings(block_pairs=-1)

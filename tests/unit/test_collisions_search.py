@@ -11,7 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lminvert.collisions import bounds
-from lminvert.collisions.search import pairwise_min
+from lminvert.collisions.search import (
+    MAX_LISTED,
+    BlockSearch,
+    block_pairs,
+    merge_blocks,
+    pairwise_min,
+    row_blocks,
+    search_block,
+)
 from lminvert.errors import LminvertError
 
 
@@ -161,3 +169,87 @@ def test_gamma_rejects_overlong_dot_products():
 def test_bad_inputs_give_one_line_errors(bad, message):
     with pytest.raises(LminvertError, match=message.replace("[", r"\[").replace("]", r"\]")):
         pairwise_min(bad)
+
+
+def assert_same_result(a, b) -> None:
+    """Two search results with the same minimum, pairs, counts, NN distances, exactness flags and bounds."""
+    assert a.min_distance == b.min_distance
+    assert a.closest == b.closest
+    assert (a.n_below_threshold, a.below_threshold) == (b.n_below_threshold, b.below_threshold)
+    assert a.nn_distance.tobytes() == b.nn_distance.tobytes()
+    assert np.array_equal(a.nn_exact, b.nn_exact)
+    assert a.nn_error_bound == b.nn_error_bound
+    sa, sb = a.stats, b.stats
+    assert (sa.n, sa.d, sa.n_pairs, sa.n_tiles, sa.tile_rows, sa.tile_cols) == (
+        sb.n, sb.d, sb.n_pairs, sb.n_tiles, sb.tile_rows, sb.tile_cols
+    )  # fmt: skip
+    assert (sa.max_sq_error_bound, sa.mean_norm, sa.max_norm) == (sb.max_sq_error_bound, sb.mean_norm, sb.max_norm)
+
+
+def split_search(x, k, threshold, rows, cols, pairs_per_block, tmp_path=None):
+    blocks = row_blocks(len(x), rows, cols, pairs_per_block)
+    parts = [search_block(x, k, threshold, rows, cols, block) for block in blocks]
+    if tmp_path is not None:  # through the files a task writes
+        for index, part in enumerate(parts):
+            part.save(tmp_path / f"b{index}.npz")
+        parts = [BlockSearch.load(tmp_path / f"b{index}.npz") for index in range(len(parts))]
+    return blocks, merge_blocks(parts[::-1])  # any order
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(adversarial(), st.integers(1, 3000))
+def test_row_blocks_merge_to_the_single_pass_result(case, pairs_per_block):
+    x, k, threshold, rows, cols = case
+    blocks, merged = split_search(x, k, threshold, rows, cols, pairs_per_block)
+    assert_same_result(merged, pairwise_min(x, k=k, threshold=threshold, tile_rows=rows, tile_cols=cols))
+    assert merged.stats.n_blocks == len(blocks)
+    assert sum(block_pairs(len(x), b) for b in blocks) == len(x) * (len(x) - 1) // 2
+
+
+@pytest.mark.parametrize(
+    "n,rows,pairs_per_block,expected_blocks",
+    [
+        (1000, 64, 60_000, 7),  # tile rows of 64: 1 to 3 of them per block as rows get shorter, the last one short
+        (1000, 64, 1, 16),  # one tile row per block (999 rows: 15 full tile rows and a short one)
+        (1000, 64, 10**9, 1),  # N smaller than a block
+        (200, 1024, 100, 1),  # fewer rows than one tile row
+    ],
+)
+def test_split_search_with_planted_collisions(tmp_path, n, rows, pairs_per_block, expected_blocks):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((n, 24)).astype(np.float32)
+    for a, b in ((3, n - 1), (n // 2, n // 2 + 1), (7, 2 * n // 3), (8, 9)):
+        x[b] = x[a]
+    x[n - 2] = x[1] + np.float32(1e-3)
+    blocks, merged = split_search(x, 5, 1e-6, rows, 256, pairs_per_block, tmp_path)
+    assert len(blocks) == expected_blocks
+    single = pairwise_min(x, k=5, threshold=1e-6, tile_rows=rows, tile_cols=256)
+    assert_same_result(merged, single)
+    assert merged.min_distance == 0.0 and merged.n_below_threshold == 4
+
+
+def test_more_collisions_than_are_listed_keep_the_first_found(monkeypatch):
+    """Over MAX_LISTED pairs under the threshold: the blocks list the same first ones a single pass finds."""
+    import lminvert.collisions.search as search
+
+    monkeypatch.setattr(search, "MAX_LISTED", 30)
+    x = np.random.default_rng(7).integers(-2, 3, size=(400, 2)).astype(np.float32)  # 25 points: distances 0, 1, √2
+    single = pairwise_min(x, k=3, threshold=1.5, tile_rows=32, tile_cols=64)
+    _, merged = split_search(x, 3, 1.5, 32, 64, 2000)
+    assert single.n_below_threshold > 30 and len(single.below_threshold) == 30 < MAX_LISTED
+    assert_same_result(merged, single)
+
+
+def test_bad_blocks_give_one_line_errors():
+    x = np.random.default_rng(8).standard_normal((300, 4)).astype(np.float32)
+    with pytest.raises(LminvertError, match="does not start and end on a tile row"):
+        search_block(x, rows=(10, 100), tile_rows=64)
+    parts = [search_block(x, tile_rows=64, rows=b) for b in row_blocks(300, 64, 64, 5000)]
+    with pytest.raises(LminvertError, match="do not cover rows"):
+        merge_blocks(parts[1:])
+    with pytest.raises(LminvertError, match="do not cover rows"):
+        merge_blocks([*parts, parts[0]])
+    with pytest.raises(LminvertError, match="different searches"):
+        merge_blocks([parts[0], search_block(x, k=3, tile_rows=64, rows=parts[1].rows), *parts[2:]])
+    with pytest.raises(LminvertError, match="pairs per search block must be positive"):
+        row_blocks(300, 64, 64, -1)

@@ -14,7 +14,14 @@ import argparse
 from ..collisions import find_collisions
 from ..errors import LminvertError
 from ..paths import check_output_dir
-from .common import Formatter, add_model_args, add_search_args, model_from_args, search_settings
+from .common import (
+    Formatter,
+    add_model_args,
+    add_search_args,
+    executor_from_args,
+    model_from_args,
+    search_settings,
+)
 from .runs import report_run
 
 EXAMPLES = """corpora (--corpus):
@@ -30,6 +37,7 @@ examples:
   lminvert collisions --model gpt2-small-random --corpus code --n-prompts 20000 --layers all --max-tokens 16 \\
       --threshold 1e-6 --k 10 --seed 1 --out runs/gpt2
   lminvert collisions --corpus notes.jsonl --n-prompts 500 --out runs/mine --json
+  lminvert collisions --n-prompts 100000 --ray auto --out runs/c100k   # on a running Ray cluster
 """
 
 
@@ -82,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         seed=settings.seed,
         tile_rows=settings.tile_rows,
         tile_cols=settings.tile_cols,
+        block_pairs=settings.block_pairs,
         batch_tokens=args.batch_tokens,
-        executor=args.executor,
+        executor=executor_from_args(args),
     )
     return report_run(results, args)

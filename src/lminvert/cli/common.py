@@ -9,6 +9,8 @@ from typing import Any
 
 from ..collisions.runner import SearchSettings
 from ..collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
+from ..errors import LminvertError
+from ..executors import executor_spec
 from ..models import load_model
 from ..models.loading import DEVICES, DTYPES, LoadedModel
 from ..models.registry import DEFAULT_MODEL
@@ -46,15 +48,48 @@ def add_search_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=10, help="closest pairs to report per layer")
     parser.add_argument("--tile-rows", type=int, default=DEFAULT_TILE_ROWS, help="rows per GEMM tile")
     parser.add_argument("--tile-cols", type=int, default=DEFAULT_TILE_COLS, help="columns per GEMM tile")
-    parser.add_argument("--executor", default="inprocess", help="inprocess, ray or ray://host:port (layer searches)")
+    parser.add_argument(
+        "--block-pairs",
+        type=float,
+        default=None,
+        metavar="PAIRS",
+        help="pairs per search task: a layer's rows are split into blocks of about this many pairs, searched as "
+        "separate tasks and merged (the same result); 0: one task per layer (default: one per layer without "
+        "--ray, blocks of up to 2e8 pairs with it)",
+    )
+    add_ray_arg(parser)
     parser.add_argument("--no-figure", action="store_true", help="skip the matplotlib figure")
     parser.add_argument("--out", required=True, help="output directory (reused to resume)")
     parser.add_argument("--json", action="store_true", help="print results.json instead of the table")
 
 
+def add_ray_arg(parser: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]``: run the work on Ray workers (the same results and output directory as without)."""
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray (pip install 'lminvert[ray]'): no ADDRESS starts a local Ray, 'auto' joins the running "
+        "cluster (ray start --head), or HOST:PORT; each worker loads the model once",
+    )
+
+
+def executor_from_args(args: argparse.Namespace) -> str:
+    """The executor ``--ray`` names (in this process without it)."""
+    return executor_spec(getattr(args, "ray", None))
+
+
 def search_settings(args: argparse.Namespace) -> SearchSettings:
     """Validated search settings (a one-line error before any work if one is out of range)."""
-    return SearchSettings(args.threshold, args.k, getattr(args, "seed", 0), args.tile_rows, args.tile_cols)
+    block = args.block_pairs
+    if block is not None and not (block >= 0 and block == int(block)):
+        raise LminvertError("--block-pairs must be a whole number of pairs (0: one task per layer)")
+    return SearchSettings(
+        args.threshold, args.k, getattr(args, "seed", 0), args.tile_rows, args.tile_cols,
+        None if block is None else int(block),
+    )  # fmt: skip
 
 
 def print_json(obj: Any) -> None:

@@ -14,13 +14,21 @@ from ..collisions import exhaustive_test, prefixes_from_collisions
 from ..errors import LminvertError
 from ..models import DEFAULT_LAYERS
 from ..paths import check_output_dir
-from .common import Formatter, add_model_args, add_search_args, model_from_args, search_settings
+from .common import (
+    Formatter,
+    add_model_args,
+    add_search_args,
+    executor_from_args,
+    model_from_args,
+    search_settings,
+)
 from .runs import report_run
 
 EXAMPLES = """examples:
   lminvert exhaustive --prefix "The capital of France is" --layers 1,15,30 --out runs/ex1
   lminvert exhaustive --from-collisions runs/c2k --prefixes 3 --out runs/ex-closest
   lminvert exhaustive --model tiny-llama --prefix "hello" --prefix "def f(x):" --layers all --out runs/tiny
+  lminvert exhaustive --prefix "The capital of France is" --layers all --ray auto --out runs/ex-cluster
 
 A prefix run to the top layer takes |V| one-token forwards over its cache: 72 s for SmolLM2 on 2 idle CPU cores
 (317 s while sharing them with another job), plus 10-22 s of search per layer.
@@ -66,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         k=settings.k,
         tile_rows=settings.tile_rows,
         tile_cols=settings.tile_cols,
+        block_pairs=settings.block_pairs,
         batch_size=args.batch_size,
-        executor=args.executor,
+        executor=executor_from_args(args),
     )
     return report_run(results, args)

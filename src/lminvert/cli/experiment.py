@@ -15,13 +15,14 @@ from ..errors import LminvertError
 from ..experiments import EXPERIMENTS, get_experiment
 from ..experiments import run as run_experiment
 from ..paths import check_output_dir
-from .common import Formatter, add_model_args, model_from_args, print_json
+from .common import Formatter, add_model_args, add_ray_arg, executor_from_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert experiment --list
   lminvert experiment methods --quick --out runs/methods-quick
   lminvert experiment methods --model gpt2-small-random --out runs/methods-gpt2
   lminvert experiment noise --quick --model tiny-llama --out runs/noise
+  lminvert experiment methods --ray auto --out runs/methods     # units on a Ray cluster's workers
   lminvert experiment splits --size per_kind=10 --size 'kinds=["prose","chat"]' --out runs/splits
   lminvert report runs/methods-quick runs/noise --out report.html
 """
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="change one size of the chosen preset, e.g. --size prompts=3 --size length=32 (JSON values)",
     )
+    add_ray_arg(parser)
     parser.add_argument("--out", help="output directory (reused to resume)")
     parser.add_argument("--json", action="store_true", help="print results.json instead of the summary")
     parser.set_defaults(func=run)
@@ -92,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             load=lambda name: model_from_args(args, name),
             seed=args.seed,
             progress=not args.json,
+            executor=executor_from_args(args),
             **sizes,
         )
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ from ..invert import METHODS, POLICIES, invert
 from ..models.loading import DTYPES
 from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
-from .common import Formatter, add_model_args, model_from_args, print_json
+from .common import Formatter, add_model_args, add_ray_arg, executor_from_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   lminvert invert states.npy --model smollm2-135m --layer 15 --policy gradient
   lminvert invert leak.safetensors --noise 1e-3          # robustness: add relative Gaussian noise first
   lminvert invert leak-bf16.safetensors --device cuda     # dtype from the file (bfloat16 here), on a GPU
+  lminvert invert many.safetensors --together 8 --ray auto   # chunks of 8 prompts on a Ray cluster's workers
 """
 
 
@@ -70,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "be assumed)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_ray_arg(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     parser.set_defaults(func=run)
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         tolerance_scale=args.tolerance_scale,
         certify=args.certify,
         progress=not args.json,
+        executor=executor_from_args(args),
     )
     # per-token text and tolerances make the JSON self-describing for `lminvert report`
     docs = [

@@ -6,6 +6,7 @@ Run directory (everything needed to resume; nothing finished is recomputed)::
     prompts.jsonl          the distinct prompts: index, token ids, text, source; corpus.json their summary
     states/layer_LLL.npy   [N, d] float32 last-token states per layer, + states/progress.json
     search/layer_LLL.json  one layer's search summary; search/nn_LLL.npy its nearest-neighbour distances
+    search/layer_LLL.blocks/rows_A_B.npz   a layer split into row blocks: each finished block, until merged
     rounding_noise.json    stored states against the same prompts encoded again
     results.json           everything above, summarised (render results.md and the figure with lminvert.report)
 """
@@ -72,6 +73,7 @@ def find_collisions(
     batch_tokens: int = 4096,
     chunk_size: int = 512,
     executor: str | Executor | None = None,
+    block_pairs: int | None = None,
     progress: bool = True,
 ) -> CollisionResults:
     """Search ``n_prompts`` distinct prompts from ``corpus`` for collisions of their last-token states.
@@ -79,10 +81,11 @@ def find_collisions(
     For each layer: the exact minimum L2 distance over all pairs, the ``k`` closest pairs, the number of pairs
     closer than ``threshold`` and the nearest-neighbour distribution; prompts are sampled with ``seed``. Writes the run
     directory ``out`` (a new temporary directory if None; rerun with the same ``out`` to resume) with its
-    results.json; ``lminvert.report.render(results)`` adds results.md and the figure.
+    results.json; ``lminvert.report.render(results)`` adds results.md and the figure. ``block_pairs``: pairs per
+    search task (see :class:`~.runner.SearchSettings`; the result does not depend on it).
     """
     wall = time.perf_counter()
-    settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols)
+    settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols, block_pairs)
     model = require_loaded(model, "find_collisions")
     if n_prompts < 2:
         raise LminvertError("--n-prompts must be at least 2 (pairs of prompts are compared)")
@@ -109,6 +112,7 @@ def find_collisions(
         batch_tokens=batch_tokens,
         chunk_size=chunk_size,
         executor=runner.name,
+        block_pairs=block_pairs,
     )
     run = RunDirectory(out, KIND, config.to_dict(), CollisionConfig.IDENTITY)
     prompts, corpus_summary, sample_seconds = _prompts(model, config, run)
@@ -121,7 +125,7 @@ def find_collisions(
         resolved,
         len(ids),
         chunk_size,
-        fill=lambda store: fill_with_prompts(model, ids, store, resolved, batch_tokens, progress),
+        fill=lambda store: fill_with_prompts(model, ids, store, resolved, batch_tokens, progress, runner),
         rounding_noise=lambda store: prompt_rounding_noise(model, ids, store, resolved, seed=settings.seed),
         settings=settings,
         executor=runner,

@@ -49,6 +49,7 @@ class ExhaustiveConfig:
     tile_rows: int
     tile_cols: int
     executor: str = "inprocess"
+    block_pairs: int | None = None  # pairs per search task (None: automatic)
 
     IDENTITY = ("model", "weights_hash", "dtype", "prefixes", "layers", "threshold", "k", "batch_size")
 
@@ -167,15 +168,17 @@ def exhaustive_test(
     tile_rows: int = DEFAULT_TILE_ROWS,
     tile_cols: int = DEFAULT_TILE_COLS,
     executor: str | Executor | None = None,
+    block_pairs: int | None = None,
     progress: bool = True,
 ) -> ExhaustiveResults:
     """For each prefix, the exact minimum distance among all |V| one-token continuations, per layer.
 
     ``layers`` defaults to the first, middle and last block of the model. Writes the run directory ``out`` (a new
-    temporary directory if None; rerun with the same ``out`` to resume) with its results.json.
+    temporary directory if None; rerun with the same ``out`` to resume) with its results.json. ``block_pairs``:
+    pairs per search task (see :class:`~.runner.SearchSettings`; the result does not depend on it).
     """
     wall = time.perf_counter()
-    settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols)
+    settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols, block_pairs)
     model = require_loaded(model, "exhaustive_test")
     if batch_size < 1:
         raise LminvertError("--batch-size must be positive")
@@ -200,6 +203,7 @@ def exhaustive_test(
         tile_rows=tile_rows,
         tile_cols=tile_cols,
         executor=runner.name,
+        block_pairs=block_pairs,
     )
     run = RunDirectory(out, KIND, config.to_dict(), ExhaustiveConfig.IDENTITY)
     vocab = probe.vocab_size
@@ -219,7 +223,7 @@ def exhaustive_test(
                 vocab,
                 batch_size,
                 fill=lambda store, prefix=prefix, index=index: fill_with_continuations(
-                    model, prefix, store, resolved, progress=progress, desc=f"prefix {index + 1}/{len(ids)}"
+                    model, prefix, store, resolved, progress, f"prefix {index + 1}/{len(ids)}", runner
                 ),
                 rounding_noise=lambda store, prefix=prefix: continuation_rounding_noise(
                     model, prefix, store, resolved, seed=seed

@@ -34,6 +34,7 @@ class CollisionConfig:
     batch_tokens: int
     chunk_size: int
     executor: str = "inprocess"
+    block_pairs: int | None = None  # pairs per search task (None: automatic)
 
     # fields that must match for a run directory to be resumed (the rest only change how fast it goes)
     IDENTITY = ("model", "weights_hash", "dtype", "corpus", "n_prompts", "max_tokens", "min_tokens", "layers",

@@ -1,7 +1,9 @@
 """The one runner behind the collision search and the exhaustive test: states -> per-layer exact searches.
 
 Both commands do the same thing to a set of N vectors per layer: fill a resumable :class:`~.store.StateStore`,
-search each layer exactly (one :class:`~.tasks.LayerTask` per layer, mapped by an executor), estimate the
+search each layer exactly (one :class:`~.tasks.LayerTask` per layer, mapped by an executor; on workers, a
+layer's rows are split first into :class:`~.tasks.BlockTask` row blocks of about ``block_pairs`` pairs, so
+that one layer keeps many workers busy, and the layer task merges them), estimate the
 rounding noise of the stored states (a resumable step), and turn the task summaries into
 :class:`~.results.LayerResult` values. They differ only in how the store is filled and what extra each layer
 reports (tied tokens for the exhaustive test), which the caller passes in.
@@ -22,23 +24,28 @@ from ..executors import Executor
 from ..models import Layer, LoadedModel
 from ..runs import RunDirectory, run_metadata
 from .results import LayerResult, layer_result, overall_throughput
-from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
+from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS, row_blocks
 from .store import StateStore
-from .tasks import layer_tasks, run_layer_task
+from .tasks import block_tasks, layer_tasks, run_block_task, run_layer_task
 from .throughput import matmul_reference
 
 ROUNDING_NOISE = "rounding_noise.json"
+DEFAULT_BLOCK_PAIRS = 200_000_000  # pairs per search task on workers, unless set (~10 s for one core at d=576)
+MIN_BLOCK_PAIRS = 10_000_000  # smaller layers are not split unless asked (a task costs ~10 ms on Ray)
 
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """How each layer is searched: what counts as a collision, how many closest pairs to keep, tile shape."""
+    """How each layer is searched: what counts as a collision, how many closest pairs to keep, tile shape, and
+    the pairs per search task (``block_pairs``; 0: one task per layer; None: one task per layer in this
+    process, on workers enough blocks of up to ``DEFAULT_BLOCK_PAIRS`` to keep every worker busy)."""
 
     threshold: float = 1e-6
     k: int = 10
     seed: int = 0
     tile_rows: int = DEFAULT_TILE_ROWS
     tile_cols: int = DEFAULT_TILE_COLS
+    block_pairs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -47,6 +54,17 @@ class SearchSettings:
             raise LminvertError("--k must be at least 1")
         if self.tile_rows < 1 or self.tile_cols < 1:
             raise LminvertError("--tile-rows and --tile-cols must be positive")
+        if self.block_pairs is not None and self.block_pairs < 0:
+            raise LminvertError("--block-pairs must be a positive number of pairs (0: one task per layer)")
+
+    def pairs_per_block(self, executor: Executor, n: int, n_layers: int) -> int:
+        """The pairs per search task for ``n_layers`` layers of ``n`` vectors on ``executor`` (0: no split)."""
+        if self.block_pairs is not None:
+            return self.block_pairs
+        if executor.name == "inprocess":
+            return 0
+        per_worker = -(-(n * (n - 1) // 2) * n_layers // (2 * executor.workers))  # two tasks per worker at least
+        return max(MIN_BLOCK_PAIRS, min(DEFAULT_BLOCK_PAIRS, per_worker))
 
 
 @dataclass(frozen=True)
@@ -99,13 +117,20 @@ def search_states(
         tile_cols=settings.tile_cols,
         seed=settings.seed,
         progress=progress,
+        blocks=_blocks(n, settings, settings.pairs_per_block(executor, n, len(layers))),
     )
+    executor.map(run_block_task, block_tasks(tasks))  # nothing to do unless layers are split
     summaries = executor.map(run_layer_task, tasks)
     noise_file = f"{subdir}/{ROUNDING_NOISE}" if subdir else ROUNDING_NOISE
     rounding = run.step(noise_file, lambda: rounding_noise(store))
     by_layer = dict(zip(layers, summaries, strict=True))
     nn_files = {layer.name: str(Path(t.out_nn).relative_to(run.path)) for layer, t in zip(layers, tasks, strict=True)}
     return SearchedStates(store, by_layer, rounding, nn_files, encode_seconds)
+
+
+def _blocks(n: int, settings: SearchSettings, pairs_per_block: int) -> tuple[tuple[int, int], ...]:
+    blocks = row_blocks(n, settings.tile_rows, settings.tile_cols, pairs_per_block)
+    return tuple(blocks) if len(blocks) > 1 else ()
 
 
 def layer_results(

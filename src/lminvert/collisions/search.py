@@ -19,6 +19,15 @@ Algorithm (one pass over the upper triangle):
 The nearest-neighbour distance of each vector is exact (float64) whenever it is at most ``√τ`` at the end
 (those pairs were all measured); otherwise it is the float32 GEMM value, within the bound reported in the
 stats, and never below ``√τ``.
+
+Row blocks: :func:`search_block` runs the pass above over the tiles of a range of row chunks only (rows
+``[a, b)`` against every column ``j > i``), so a layer can be split into independent tasks
+(:func:`row_blocks`). :func:`merge_blocks` combines them exactly: the blocks' kept pairs are a superset of the
+global k closest (a block's τ is never below the global one), the threshold counts add up, the float32
+nearest-neighbour minima are taken elementwise. Blocks start and end on the tile-row boundaries of the whole
+search, so every tile, and every GEMM value, is the same as in one pass: the merged result equals
+:func:`pairwise_min`'s, which is itself the merge of one block. Only the work counters (pairs re-measured,
+tiles scanned) depend on the split.
 """
 
 from __future__ import annotations
@@ -27,14 +36,16 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import LminvertError
+from ..paths import atomic_file
 from . import bounds
 
 log = logging.getLogger(__name__)
@@ -77,6 +88,7 @@ class SearchStats:
     mean_norm: float  # mean norm of the centred vectors
     max_norm: float  # largest norm of the centred vectors
     offset_norm: float  # norm of the mean that was subtracted
+    n_blocks: int = 1  # row blocks the search was split into (seconds: their sum, plus the merge)
 
     @property
     def pairs_per_second(self) -> float:
@@ -242,6 +254,10 @@ class _Best:
         self.n_below += len(under)
         room = MAX_LISTED - len(self.below)
         self.below += [(float(d2[u]), int(i[u]), int(j[u])) for u in under[: max(room, 0)]]
+        self.keep(i, j, d2)
+
+    def keep(self, i: np.ndarray, j: np.ndarray, d2: np.ndarray) -> None:
+        """Add measured pairs to the kept set and drop those that cannot be among the k closest any more."""
         self.i = np.concatenate([self.i, i])
         self.j = np.concatenate([self.j, j])
         self.d2 = np.concatenate([self.d2, d2])
@@ -264,6 +280,89 @@ class _Best:
         return [Pair(int(self.i[o]), int(self.j[o]), math.sqrt(float(self.d2[o]))) for o in order]
 
 
+@dataclass(frozen=True, eq=False)
+class BlockSearch:
+    """One row block's share of a search (rows ``[a, b)`` against every column ``j > i``), ready to merge.
+
+    ``i``/``j``/``d2``: the exactly measured pairs that can be among the block's k closest (a superset of the
+    global k closest that fall in the block); ``below_*``: the pairs under the threshold in the order found
+    (the first MAX_LISTED); ``nn_sq``: the float32 GEMM minimum of every vector ``rows[0]..n-1``.
+    """
+
+    n: int
+    d: int
+    rows: tuple[int, int]
+    k: int
+    threshold: float
+    tile_rows: int
+    tile_cols: int
+    n_pairs: int
+    i: np.ndarray = field(repr=False)
+    j: np.ndarray = field(repr=False)
+    d2: np.ndarray = field(repr=False)
+    n_below: int
+    below_i: np.ndarray = field(repr=False)
+    below_j: np.ndarray = field(repr=False)
+    below_d2: np.ndarray = field(repr=False)
+    nn_sq: np.ndarray = field(repr=False)
+    n_tiles: int
+    n_tiles_scanned: int
+    n_exact: int
+    seconds: float
+    prepare_seconds: float
+    gemm_seconds: float
+    reduce_seconds: float
+    exact_seconds: float
+    max_sq_error_bound: float
+    mean_norm: float
+    max_norm: float
+    offset_norm: float
+
+    def save(self, path: str | Path) -> None:
+        """Write the block to an .npz file (atomically), for :meth:`load`."""
+        with atomic_file(path) as tmp, tmp.open("wb") as handle:
+            np.savez(handle, **{f.name: np.asarray(getattr(self, f.name)) for f in fields(self)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> BlockSearch:
+        with np.load(path, allow_pickle=False) as data:
+            values = {name: data[name] for name in data.files}
+        out: dict[str, object] = {}
+        for f in fields(cls):
+            value = values[f.name]
+            out[f.name] = value.item() if value.ndim == 0 else value
+        out["rows"] = (int(values["rows"][0]), int(values["rows"][1]))
+        return cls(**out)  # type: ignore[arg-type]
+
+
+def block_pairs(n: int, rows: tuple[int, int]) -> int:
+    """Pairs ``(i, j)``, ``j > i``, with ``i`` in ``[a, b)``."""
+    a, b = rows
+    return (b - a) * (2 * n - a - b - 1) // 2
+
+
+def row_blocks(n: int, tile_rows: int, tile_cols: int, pairs_per_block: int | None) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` that cover all N(N-1)/2 pairs, each about ``pairs_per_block`` pairs (None or 0: one).
+
+    Boundaries fall on the search's tile rows (so the blocks see exactly the tiles of one pass); a block holds
+    at least one tile row, so for small N there may be fewer blocks than asked for.
+    """
+    if n < 2:
+        raise LminvertError(f"need at least 2 vectors to compare, got {n}")
+    if pairs_per_block is not None and pairs_per_block < 0:
+        raise LminvertError("the pairs per search block must be positive (0: one block per layer)")
+    if not pairs_per_block:
+        return [(0, n - 1)]
+    step = tile_shape(n, tile_rows, tile_cols)[0]
+    blocks: list[tuple[int, int]] = []
+    start = 0
+    for _, r1 in _chunks(n - 1, step):
+        if block_pairs(n, (start, r1)) >= pairs_per_block or r1 == n - 1:
+            blocks.append((start, r1))
+            start = r1
+    return blocks
+
+
 def pairwise_min(
     x: ArrayLike,
     k: int = 10,
@@ -278,6 +377,21 @@ def pairwise_min(
     ``x`` is ``[N, d]`` (float32 or float64; numpy, memmap or torch). Exact means: equal to a float64
     brute force ``Σ_k (x_ik - x_jk)²`` over all N(N-1)/2 pairs, whatever the rounding of the float32 GEMM.
     """
+    return merge_blocks([search_block(x, k, threshold, tile_rows, tile_cols, None, progress, desc)])
+
+
+def search_block(
+    x: ArrayLike,
+    k: int = 10,
+    threshold: float = 1e-6,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+    tile_cols: int = DEFAULT_TILE_COLS,
+    rows: tuple[int, int] | None = None,
+    progress: bool = False,
+    desc: str = "pairs",
+) -> BlockSearch:
+    """The search over the pairs whose first vector is in ``rows`` = ``[a, b)`` (None: all pairs), for
+    :func:`merge_blocks`. ``a`` and ``b`` must be tile-row boundaries of the whole search (:func:`row_blocks`)."""
     n, d = _check_input(x)
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
@@ -285,17 +399,20 @@ def pairwise_min(
         raise LminvertError("k must be at least 1")
     if not threshold >= 0:
         raise LminvertError("the collision threshold must be a non-negative number")
-    rows, cols = tile_shape(n, tile_rows, tile_cols)
-    n_pairs = n * (n - 1) // 2
+    tile_r, tile_c = tile_shape(n, tile_rows, tile_cols)
+    first, last = (0, n - 1) if rows is None else (int(rows[0]), int(rows[1]))
+    if not (0 <= first < last <= n - 1 and first % tile_r == 0 and (last % tile_r == 0 or last == n - 1)):
+        raise LminvertError(f"row block [{first}, {last}) does not start and end on a tile row of {n} vectors")
+    n_pairs = block_pairs(n, (first, last))
     start = time.perf_counter()
     with ieee_float32_matmul(), torch.no_grad():
         ops = _prepare(x)
         prepared = time.perf_counter()
-        best = _Best(k, threshold, max_keep=max(4 * k, 1024))
+        best = _Best(k, threshold, max_keep=_max_keep(k))
         norm = ops.norm.numpy()
         terms = padded_width(d) - 1  # products per dot (zero padding included): the bound's d, conservatively
         nn_sq = np.full(n, np.inf, dtype=np.float32)
-        tril = np.tri(min(rows, n), dtype=bool)  # lower triangle with the diagonal: pairs j <= i
+        tril = np.tri(min(tile_r, n), dtype=bool)  # lower triangle with the diagonal: pairs j <= i
         buffers: dict[tuple[int, int], torch.Tensor] = {}
         t_gemm = t_reduce = t_exact = 0.0
         n_tiles = n_scanned = 0
@@ -303,11 +420,13 @@ def pairwise_min(
         bar = tqdm(
             total=n_pairs, desc=desc, unit="pair", unit_scale=True, disable=None if progress else True, leave=False
         )
-        for r0, r1 in _chunks(n - 1, rows):
+        for r0, r1 in _chunks(n - 1, tile_r):
+            if not first <= r0 < last:
+                continue
             row_ops = ops.P[r0:r1]
             row_norm = norm[r0:r1]
-            for c0 in range(r0, n, cols):
-                c1 = min(c0 + cols, n)
+            for c0 in range(r0, n, tile_c):
+                c1 = min(c0 + tile_c, n)
                 shape = (r1 - r0, c1 - c0)
                 tile = buffers.get(shape)
                 if tile is None:
@@ -339,19 +458,28 @@ def pairwise_min(
                 t_exact += t3 - t2
                 bar.update(valid)
         bar.close()
-        nn_distance, nn_exact = _nearest(nn_sq.astype(np.float64), best, n)
-    seconds = time.perf_counter() - start
-    closest = best.sorted_pairs()[:k]
-    stats = SearchStats(
+    below = np.array([(i, j) for _, i, j in best.below], dtype=np.int64).reshape(-1, 2)
+    return BlockSearch(
         n=n,
         d=d,
+        rows=(first, last),
+        k=k,
+        threshold=threshold,
+        tile_rows=tile_r,
+        tile_cols=tile_c,
         n_pairs=n_pairs,
-        tile_rows=rows,
-        tile_cols=cols,
+        i=best.i,
+        j=best.j,
+        d2=best.d2,
+        n_below=best.n_below,
+        below_i=below[:, 0],
+        below_j=below[:, 1],
+        below_d2=np.array([v for v, _, _ in best.below], dtype=np.float64),
+        nn_sq=nn_sq[first:],
         n_tiles=n_tiles,
         n_tiles_scanned=n_scanned,
         n_exact=best.n_exact,
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
         prepare_seconds=prepared - start,
         gemm_seconds=t_gemm,
         reduce_seconds=t_reduce,
@@ -361,10 +489,61 @@ def pairwise_min(
         max_norm=float(ops.norm.max()),
         offset_norm=ops.offset_norm,
     )
+
+
+def _max_keep(k: int) -> int:
+    return max(4 * k, 1024)
+
+
+def merge_blocks(blocks: Sequence[BlockSearch]) -> SearchResult:
+    """The search result of blocks that cover every row once (in any order): equal to one pass over all rows."""
+    if not blocks:
+        raise LminvertError("no search blocks to merge")
+    parts = sorted(blocks, key=lambda b: b.rows)
+    one = parts[0]
+    n, k, threshold = one.n, one.k, one.threshold
+    setting = (one.n, one.d, one.k, one.threshold, one.tile_rows, one.tile_cols)
+    if any((b.n, b.d, b.k, b.threshold, b.tile_rows, b.tile_cols) != setting for b in parts):
+        raise LminvertError("search blocks of different searches (vectors, k, threshold or tile) cannot be merged")
+    edges = [0] + [b for part in parts for b in part.rows] + [n - 1]
+    if edges[0::2] != edges[1::2]:
+        raise LminvertError(f"search blocks {[p.rows for p in parts]} do not cover rows [0, {n - 1}) once each")
+    start = time.perf_counter()
+    best = _Best(k, threshold, max_keep=_max_keep(k))
+    best.keep(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("i", "j", "d2")))
+    best.n_below = sum(p.n_below for p in parts)
+    best.n_exact = sum(p.n_exact for p in parts)
+    listed = (zip(p.below_d2.tolist(), p.below_i.tolist(), p.below_j.tolist(), strict=True) for p in parts)
+    best.below = [item for found in listed for item in found][:MAX_LISTED]  # in the order one pass finds them
+    nn_sq = np.full(n, np.inf, dtype=np.float32)
+    for p in parts:
+        np.minimum(nn_sq[p.rows[0] :], p.nn_sq, out=nn_sq[p.rows[0] :])
+    nn_distance, nn_exact = _nearest(nn_sq.astype(np.float64), best, n)
+    closest = best.sorted_pairs()[:k]
+    stats = SearchStats(
+        n=n,
+        d=one.d,
+        n_pairs=n * (n - 1) // 2,
+        tile_rows=one.tile_rows,
+        tile_cols=one.tile_cols,
+        n_tiles=sum(p.n_tiles for p in parts),
+        n_tiles_scanned=sum(p.n_tiles_scanned for p in parts),
+        n_exact=best.n_exact,
+        seconds=sum(p.seconds for p in parts) + time.perf_counter() - start,
+        prepare_seconds=sum(p.prepare_seconds for p in parts),
+        gemm_seconds=sum(p.gemm_seconds for p in parts),
+        reduce_seconds=sum(p.reduce_seconds for p in parts),
+        exact_seconds=sum(p.exact_seconds for p in parts),
+        max_sq_error_bound=max(p.max_sq_error_bound for p in parts),
+        mean_norm=one.mean_norm,
+        max_norm=one.max_norm,
+        offset_norm=one.offset_norm,
+        n_blocks=len(parts),
+    )
     log.info(
         "%d vectors (d=%d): min %.6g, %d below %.3g; %.3g pairs/s, %d pairs re-measured in float64",
         n,
-        d,
+        one.d,
         closest[0].distance,
         best.n_below,
         threshold,

@@ -1,12 +1,18 @@
-"""One unit of search work: the exact pairwise search of one layer's stored states, saved to disk.
+"""Units of search work: the exact pairwise search of one layer's stored states, or of a row block of it.
 
 A task is a small picklable record (paths and settings), so an executor can run it in this process or on a
 Ray worker that sees the same filesystem. A task whose outputs exist is not run again (resume).
+
+A layer is searched in one task (:func:`run_layer_task`), or, when its :class:`LayerTask` lists row
+``blocks``, in one :class:`BlockTask` per block (:func:`run_block_task`, each kept in
+``search/layer_LLL.blocks/rows_A_B.npz``) followed by the layer task, which merges them
+(:func:`~.search.merge_blocks`: the same result as one task), writes the layer's files and removes the blocks.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +22,7 @@ import numpy as np
 
 from ..models import Layer
 from ..paths import atomic_file, read_json, write_json
-from .search import pairwise_min
+from .search import BlockSearch, SearchResult, merge_blocks, pairwise_min, search_block
 from .store import StateStore
 from .summary import log_histogram, nn_spot_check, pair_sample, quantiles
 
@@ -41,6 +47,27 @@ class LayerTask:
     progress: bool = True
     desc: str = "pairs"
     pair_sample_size: int = 100_000
+    blocks: tuple[tuple[int, int], ...] = ()  # row blocks searched as BlockTasks first (empty: one task)
+
+    @property
+    def done(self) -> bool:
+        return Path(self.out_json).exists() and Path(self.out_nn).exists()
+
+    @property
+    def blocks_dir(self) -> Path:
+        return Path(self.out_json).with_suffix(".blocks")
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """Rows ``[a, b)`` of a layer's search, kept in the layer's blocks directory until the layer is merged."""
+
+    layer: LayerTask
+    rows: tuple[int, int]
+
+    @property
+    def path(self) -> Path:
+        return self.layer.blocks_dir / f"rows_{self.rows[0]}_{self.rows[1]}.npz"
 
 
 def layer_tasks(
@@ -61,23 +88,46 @@ def layer_tasks(
     ]
 
 
+def block_tasks(tasks: Sequence[LayerTask]) -> list[BlockTask]:
+    """The row blocks still to search of the layers not finished yet."""
+    return [
+        BlockTask(t, rows) for t in tasks if not t.done for rows in t.blocks if not BlockTask(t, rows).path.exists()
+    ]
+
+
+def run_block_task(task: BlockTask) -> str:
+    """Search one row block (unless it is kept already) and keep it; return its file."""
+    if not task.path.exists() and not task.layer.done:
+        _search_block(task, np.load(task.layer.states_path)).save(task.path)
+    return str(task.path)
+
+
+def _search_block(task: BlockTask, x: np.ndarray) -> BlockSearch:
+    layer = task.layer
+    desc = f"{layer.desc} rows {task.rows[0]}-{task.rows[1]}"
+    return search_block(x, layer.k, layer.threshold, layer.tile_rows, layer.tile_cols, task.rows, layer.progress, desc)
+
+
+def _search(task: LayerTask, x: np.ndarray) -> SearchResult:
+    """The layer's search: merged from its row blocks (the kept ones read back), or in one pass."""
+    if not task.blocks:
+        return pairwise_min(x, task.k, task.threshold, task.tile_rows, task.tile_cols, task.progress, task.desc)
+    parts = []
+    for rows in task.blocks:
+        block = BlockTask(task, rows)
+        parts.append(BlockSearch.load(block.path) if block.path.exists() else _search_block(block, x))
+    return merge_blocks(parts)
+
+
 def run_layer_task(task: LayerTask) -> dict[str, Any]:
     """Run (or load, if done before) one layer's search; return its JSON summary."""
     out_json, out_nn = Path(task.out_json), Path(task.out_nn)
-    if out_json.exists() and out_nn.exists():
+    if task.done:
         log.info("layer %d: search already done, loading %s", task.layer, out_json)
         return read_json(out_json)
     x = np.load(task.states_path)
     n, d = x.shape
-    result = pairwise_min(
-        x,
-        k=task.k,
-        threshold=task.threshold,
-        tile_rows=task.tile_rows,
-        tile_cols=task.tile_cols,
-        progress=task.progress,
-        desc=task.desc,
-    )
+    result = _search(task, x)
     stats = result.stats
     summary = {
         "layer": task.layer,
@@ -109,6 +159,7 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
             "n_tiles_scanned": stats.n_tiles_scanned,
             "tile_rows": stats.tile_rows,
             "tile_cols": stats.tile_cols,
+            "blocks": stats.n_blocks,
             "max_sq_error_bound": stats.max_sq_error_bound,
             "mean_norm": stats.mean_norm,
             "max_norm": stats.max_norm,
@@ -118,4 +169,5 @@ def run_layer_task(task: LayerTask) -> dict[str, Any]:
     with atomic_file(out_nn) as tmp, tmp.open("wb") as handle:
         np.save(handle, result.nn_distance)
     write_json(out_json, summary)
+    shutil.rmtree(task.blocks_dir, ignore_errors=True)  # merged: the layer's files hold everything now
     return summary

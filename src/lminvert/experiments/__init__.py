@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LminvertError
+from ..executors import Executor
 from ..models import LoadedModel
 from .base import Context, Experiment, FigureSpec, Series, Summary, Table, Unit
 from .inversion import Depth, Noise, Splits
@@ -39,12 +40,14 @@ def run(
     load: Callable[[str], LoadedModel] | None = None,
     seed: int = 0,
     progress: bool = True,
+    executor: str | Executor | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Run experiment ``name`` into ``out`` (resumed if it holds the same run) and write its report files.
 
     ``load`` turns model names into loaded models (default: ``lminvert.load_model`` in float32 on the CPU);
-    ``overrides`` change single sizes (e.g. ``prompts=3``). Returns the results document.
+    ``overrides`` change single sizes (e.g. ``prompts=3``); ``executor`` runs the units (default: in this
+    process; ``"ray"``, ``"ray:auto"``: on Ray workers). Returns the results document.
     """
     from ..models import load_model
     from ..report.experiments import render_experiment
@@ -62,6 +65,7 @@ def run(
         seed=seed,
         overrides=overrides,
         progress=progress,
+        executor=executor,
     )
     render_experiment(doc, out)
     return doc

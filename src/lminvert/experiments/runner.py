@@ -17,17 +17,18 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..errors import LminvertError
+from ..executors import Executor, get_executor
 from ..models import LoadedModel
-from ..paths import check_output_dir
+from ..paths import check_output_dir, read_json
 from ..runs import RunDirectory, run_metadata, versions
-from .base import Context, Experiment
+from .base import Context, Experiment, Unit
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,54 @@ def _unit_file(key: str) -> str:
     if not key or any(c in key for c in "/\\ ") or key.startswith("."):
         raise ValueError(f"unit key {key!r} is not a plain file name")
     return f"units/{key}.json"
+
+
+@dataclass(frozen=True)
+class _UnitSetup:
+    """A worker's context for the units: the run's own in this process, a copy with its own models elsewhere."""
+
+    experiment: Experiment
+    ctx: Context
+    load: Callable[[str], LoadedModel]
+
+    @property
+    def key(self) -> str:
+        return f"experiment:{self.experiment.name}:{self.ctx.directory}"
+
+    def here(self) -> tuple[Experiment, Context, dict[str, LoadedModel]]:
+        return self.experiment, self.ctx, {}
+
+    def make(self) -> tuple[Experiment, Context, dict[str, LoadedModel]]:
+        loaded: dict[str, LoadedModel] = {}
+
+        def load_once(name: str) -> LoadedModel:
+            if name not in loaded:
+                loaded[name] = self.load(name)
+            return loaded[name]
+
+        ctx = self.ctx
+        copy = Context(ctx.name, ctx.quick, ctx.seed, ctx.size, ctx.models, ctx.directory, load_once)
+        return self.experiment, copy, loaded
+
+    def __getstate__(self) -> dict[str, Any]:
+        ctx = self.ctx  # without the models this process loaded and the values its units shared
+        plain = Context(ctx.name, ctx.quick, ctx.seed, ctx.size, ctx.models, ctx.directory, _unset)
+        return {**self.__dict__, "ctx": plain}
+
+
+def _unset(name: str) -> LoadedModel:
+    raise RuntimeError("a shipped context loads models through its setup")
+
+
+def _run_unit(
+    state: tuple[Experiment, Context, dict[str, LoadedModel]], unit: Unit
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One unit's rows and seconds, and the models a worker loaded for it (described)."""
+    experiment, ctx, loaded = state
+    began = time.perf_counter()
+    produced = experiment.run_unit(ctx, unit)
+    done = {"unit": unit.key, "seconds": time.perf_counter() - began, "rows": produced}
+    return done, {name: m.describe() for name, m in loaded.items()}
 
 
 def run_experiment(
@@ -51,11 +100,13 @@ def run_experiment(
     overrides: Mapping[str, Any] | None = None,
     progress: bool = True,
     kind: str = KIND,
+    executor: str | Executor | None = None,
 ) -> dict[str, Any]:
     """Run ``experiment`` into ``out`` (created or resumed) and return its results document.
 
     ``load(name)`` turns a model name into a :class:`LoadedModel` (the CLI passes ``lminvert.load_model`` with
-    the user's dtype and device); each model is loaded at most once per run.
+    the user's dtype and device); each model is loaded at most once per run (per worker where ``executor``
+    sends the units to other processes; ``load`` must then be picklable). Each unit is kept as it finishes.
     """
     out = check_output_dir(out)
     size = experiment.size(quick, overrides)
@@ -76,29 +127,29 @@ def run_experiment(
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise ValueError(f"{experiment.name}: unit keys are not unique")
+    todo = [unit for unit in units if not (run / _unit_file(unit.key)).exists()]
+    resumed = len(units) - len(todo)
+    infos: dict[str, dict[str, Any]] = {}  # models loaded by workers in other processes
+    bar = tqdm(total=len(units), initial=resumed, desc=experiment.name, unit="unit", disable=not progress, leave=False)
+    runner = get_executor(executor)
+    setup = _UnitSetup(experiment, ctx, load)
+    for index, (done, described) in runner.map_with(setup, _run_unit, todo):
+        run.step(_unit_file(todo[index].key), lambda done=done: done)
+        infos.update(described)
+        bar.set_postfix_str(todo[index].label[:40])
+        bar.update(1)
+    bar.close()
     rows: list[dict[str, Any]] = []
     unit_seconds: dict[str, float] = {}
-    resumed = 0
-    bar = tqdm(units, desc=experiment.name, unit="unit", disable=not progress, leave=False)
-    for unit in bar:
-        bar.set_postfix_str(unit.label[:40])
-        path = run / _unit_file(unit.key)
-        if path.exists():
-            resumed += 1
-
-        def compute(unit=unit) -> dict[str, Any]:
-            began = time.perf_counter()
-            produced = experiment.run_unit(ctx, unit)
-            return {"unit": unit.key, "seconds": time.perf_counter() - began, "rows": produced}
-
-        done = run.step(_unit_file(unit.key), compute)
+    for unit in units:
+        done = read_json(run / _unit_file(unit.key))
         unit_seconds[unit.key] = done["seconds"]
         rows.extend({"unit": unit.key, **row} for row in done["rows"])
-    bar.close()
     if not rows:
         raise LminvertError(f"experiment {experiment.name} produced no rows (is the size too small?)")
     summary = experiment.summarise(ctx, rows)
-    main = loaded.get(models[0]) if models else None
+    infos.update({name: m.describe() for name, m in loaded.items()})
+    main = infos.get(models[0], {}) if models else {}
     doc = {
         "kind": kind,
         "experiment": experiment.name,
@@ -111,9 +162,9 @@ def run_experiment(
         "units_seconds": unit_seconds,
         "units_resumed": resumed,
         "compute_seconds": sum(unit_seconds.values()),
-        **run_metadata(main.describe() if main is not None else {}, seed),
+        **run_metadata(main, seed),
         "versions": versions(),
-        "models_info": {name: m.describe() for name, m in loaded.items()},
+        "models_info": infos,
         "summary": asdict(summary),
         "rows": rows,
     }

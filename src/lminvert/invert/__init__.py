@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import LminvertError
-from ..models import LayerSpec, LoadedModel
+from ..executors import Executor, ModelSetup, get_executor
+from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_compatible
 from ..models.loading import require_loaded
 from ..models.probe import has_hooks
@@ -39,6 +43,7 @@ def invert(
     tolerance_scale: float = 1.0,
     certify: bool | None = None,
     progress: bool = False,
+    executor: str | Executor | None = None,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -48,7 +53,9 @@ def invert(
     verification step (``together=1``: one prompt at a time; the recovered ids are the same). ``noise`` adds
     relative Gaussian noise of that level to the states first (for robustness studies) and widens the acceptance
     tolerance to match; ``tolerance_scale`` multiplies the measured acceptance radii (e.g. for states computed on
-    other hardware, whose rounding the calibration on this one did not see).
+    other hardware, whose rounding the calibration on this one did not see). ``executor`` runs the chunks of
+    ``together`` prompts (default: in this process; ``"ray"``, ``"ray:auto"``: on Ray workers, each loading the
+    model once; see :func:`lminvert.executors.get_executor`).
 
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
@@ -92,27 +99,48 @@ def invert(
     ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
     clean = list(states.states)
     observed = [add_noise(c, noise, generator) if noise > 0 else c for c in clean]
+    chunks = [slice(first, first + together) for first in range(0, len(observed), together)]
+    tasks = [(observed[c], clean[c] if noise > 0 else None) for c in chunks]
     bar = tqdm(total=sum(states.lengths), desc="inverting", unit="tok", disable=not progress, leave=False)
+    live = [0]  # positions reported since the last finished chunk (only where the chunks run in this process)
 
     def on_position(prompt: int, position: int, result: PositionResult) -> None:
+        live[0] += 1
         bar.update(1)
 
-    results: list[InversionResult] = []
+    runner = get_executor(executor)
+    fn = _InvertChunk(resolved, config, ties, on_position)
+    results: list[list[InversionResult]] = [[] for _ in chunks]
     try:
-        for first in range(0, len(observed), together):
-            chunk = slice(first, first + together)
-            results += invert_prompts(
-                model,
-                observed[chunk],
-                resolved,
-                config,
-                clean_states=clean[chunk] if noise > 0 else None,
-                on_position=on_position,
-                ties=ties,
-            )
+        for index, chunk_results in runner.map_with(ModelSetup.of(model), fn, tasks):
+            results[index] = chunk_results
+            bar.update(sum(len(r.token_ids) for r in chunk_results) - live[0])
+            live[0] = 0
     finally:
         bar.close()
-    return results
+    return [r for chunk_results in results for r in chunk_results]
+
+
+@dataclass(frozen=True)
+class _InvertChunk:
+    """Up to ``together`` prompts inverted at once, wherever the executor runs them (``on_position`` is a
+    progress callback into this process: dropped when the task is sent to another one)."""
+
+    layer: Layer
+    config: InvertConfig
+    ties: dict[int, tuple[int, ...]]
+    on_position: Callable[[int, int, PositionResult], None] | None = field(default=None, compare=False)
+
+    def __call__(
+        self, model: LoadedModel, task: tuple[list[torch.Tensor], list[torch.Tensor] | None]
+    ) -> list[InversionResult]:
+        observed, clean = task
+        return invert_prompts(
+            model, observed, self.layer, self.config, clean_states=clean, on_position=self.on_position, ties=self.ties
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "on_position": None}
 
 
 __all__ = [

@@ -66,6 +66,7 @@ class LoadedModel:
     weights_hash: str
     spec: ModelSpec | None = None
     memo: dict = field(default_factory=dict, repr=False)  # derived data (tables) of these weights, this object only
+    device_asked: str = field(default="", compare=False)  # load_model's device argument ("auto": resolved here)
 
     @classmethod
     def wrap(cls, name: str, model: PreTrainedModel, tokenizer: object | None = None) -> LoadedModel:
@@ -196,7 +197,9 @@ def load_model(
         digest = sources.weights_hash(model)
     model = model.to(device=target, dtype=DTYPES[dtype]).eval()
     model.requires_grad_(False)
-    loaded = LoadedModel(name=label, model=model, tokenizer=tokenizer, weights_hash=digest, spec=spec)
+    loaded = LoadedModel(
+        name=label, model=model, tokenizer=tokenizer, weights_hash=digest, spec=spec, device_asked=str(device).lower()
+    )
     log.info(
         "loaded %s (%s on %s, %d layers, d=%d)", name, dtype, target, loaded.probe.n_layers, loaded.probe.hidden_size
     )
