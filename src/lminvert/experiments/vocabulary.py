@@ -102,6 +102,18 @@ class Vocabulary(Experiment):
                 [100 * statistics.fmean(r["explored"] for r in pr) for pr in points.values()],
             )
         by_layer["paper"] = Series("paper (SIPIT, 4-bit Mistral / Llama)", [32000, 128256], [0.19, 0.21])
+        random_rows = [r for r in rows if r["random"]]
+        trend = ""
+        if len({r["vocab_size"] for r in random_rows}) > 1:
+            means = [
+                statistics.fmean(r["candidates_per_position"] for r in pr)
+                for pr in group(random_rows, "vocab_size").values()
+            ]
+            trend = (
+                f" On the random models the candidates verified per position stay between {min(means):.0f} and "
+                f"{max(means):.0f} from the smallest vocabulary to the largest, so the explored fraction falls as "
+                "1/|V| (the paper's fraction is flat: its candidate count grows with the vocabulary)."
+            )
         table = Table(
             "Explored vocabulary per position",
             ["model", "vocabulary", "layer", *inversion_columns()],
@@ -110,7 +122,7 @@ class Vocabulary(Experiment):
                 "Random models (Llama architecture, d=128, 4 layers, no training) are inverted on random token ids: "
                 "they have no language, so the next-token prior cannot help them. The paper's models are 7-8B "
                 "parameters, quantised to 4 bits, on natural prompts; layer names here are per model (middle and -1 "
-                "differ in depth between models)."
+                "differ in depth between models)." + trend
             ),
         )
         figure = FigureSpec(
