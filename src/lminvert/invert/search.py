@@ -18,7 +18,9 @@ Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and d
    out first, the closest is kept and the position flagged uncertain. Tokens with a tied twin (identical input
    vectors) are not searched past: no state can separate them, and the engine flags them. Two other contenders
    that both reproduce the observation to float32's resolution (a collision: a model that is not injective)
-   make the position ambiguous at once: nothing can be decisively closer than an exact match.
+   make the position ambiguous at once: nothing can be decisively closer than an exact match. Every position
+   after an ambiguous one is reported uncertain as well: it was found given a guess (on a model that is not
+   injective, a wrong prefix can be continued by tokens whose states match exactly).
 
 This matters in half precision, where the radius (several 1e-2 of the state's norm) is wider than the gaps between
 tokens at attention-sink positions: there the right token's state is reproduced to ~0 and the others lie ~1e-3 of
@@ -98,6 +100,9 @@ class PromptSearch:
         self.generator = generator
         self.clean = clean
         self.positions: list[PositionResult] = []
+        # a position decided by a guess among several matching tokens (or, where injectivity is not assumed, with no
+        # match at all): every later position is found given that guess, so it is reported uncertain too
+        self.guessed = False
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
         self.chosen: int | None = None
@@ -240,7 +245,7 @@ class PromptSearch:
             margin=float(others.min()) if others.numel() else float("inf"),
             tolerance=self.radius,
             candidates_checked=ctx.checked,
-            uncertain=self.chosen is None or self.ambiguous or bool(tied),
+            uncertain=self.chosen is None or self.ambiguous or bool(tied) or self.guessed,
             noise_norm=noise_norm,
             certified_radius=certified,
             certified_exact=ctx.checked >= self.settings.vocab,
@@ -251,6 +256,7 @@ class PromptSearch:
             **self.clock.seconds,
         )
         self.positions.append(result)
+        self.guessed = self.guessed or self.ambiguous or (self.chosen is None and self.settings.exhaustive)
         self.elapsed += self.clock.total
         self.ctx = None
         return result
