@@ -62,7 +62,7 @@ class Break(Experiment):
         "first_token_bases": 20,
         "first_token_variants": 4,
         "tied_bases": 8,
-        "invert_prompts": 2,
+        "invert_prompts": 1,  # certifying a hooked construction costs |V| verifications per position
         "bruteforce": [],
     }
     full_size = {
