@@ -22,6 +22,27 @@ FAMILIES = [  # every causal-LM family lminvert is tested on: parity with transf
 ]
 
 
+def small_vocab_llama():
+    """A random Llama with a 300-token vocabulary (no tokenizer), tokens 5 and 9 sharing an embedding row."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[9] = model.get_input_embeddings().weight[5]
+    return model
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import lminvert

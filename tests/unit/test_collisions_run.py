@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lminvert
 from lminvert.cli.demo import demo_collisions
@@ -21,6 +20,8 @@ from lminvert.collisions.store import StateStore
 from lminvert.errors import LminvertError
 from lminvert.executors import get_executor
 from lminvert.models import LoadedModel
+
+from ..conftest import small_vocab_llama
 
 WORDS = [" cat", " dog", " cow", " pig", " hen", " fox", " owl", " bee"]
 
@@ -179,19 +180,7 @@ def test_a_run_of_another_kind_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def small_vocab() -> LoadedModel:
     """A random Llama with a 300-token vocabulary (no tokenizer), tokens 5 and 9 sharing an embedding row."""
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight[9] = model.get_input_embeddings().weight[5]
+    model = small_vocab_llama()
     return LoadedModel.wrap("small-vocab", model)
 
 

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import lminvert
 from lminvert import experiments
@@ -24,6 +22,8 @@ from lminvert.collisions.store import StateStore
 from lminvert.errors import LminvertError
 from lminvert.executors import ModelSetup, get_executor, ordered
 from lminvert.models.loading import resolve_device
+
+from ..conftest import small_vocab_llama
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'lminvert[ray]' (make test installs it)")
 
@@ -52,19 +52,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     """A random Llama with a 300-token vocabulary, saved to a directory (workers load it from there)."""
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight[9] = model.get_input_embeddings().weight[5]
+    model = small_vocab_llama()
     directory = tmp_path_factory.mktemp("small-vocab")
     model.save_pretrained(directory)
     return lminvert.load_model(str(directory))
