@@ -47,7 +47,9 @@ def main() -> int:
     ap.add_argument("--layers", default="1,15,30")
     ap.add_argument("--per-kind", type=int, default=2, help="prompts per kind (prose, code, random) + 1 personal")
     ap.add_argument("--length", type=int, default=20)
-    ap.add_argument("--policies", default="linear,gradient")
+    ap.add_argument(
+        "--policies", default="linear,gradient", help="comma-separated; NAME@K: candidate batches K times a CPU's"
+    )
     ap.add_argument("--bruteforce", type=int, default=1, help="prompts per layer checked by the brute-force oracle")
     ap.add_argument("--bruteforce-positions", type=int, default=4, help="positions of those prompts (cost: |V| each)")
     ap.add_argument("--baseline", type=int, default=1, help="prompts for the sequential baseline (at the middle layer)")
@@ -115,7 +117,7 @@ def main() -> int:
             for i in range(len(prompts)):  # each prompt in every dtype back to back: load changes hit all alike
                 for dtype, m in models.items():
                     one = encoded[dtype].with_meta(states=encoded[dtype].states[i : i + 1])
-                    per_dtype[dtype] += invert(m, one, method="sipit", policy=policy, seed=args.seed)
+                    per_dtype[dtype] += invert(m, one, method="sipit", seed=args.seed, **_policy(policy))
             for dtype in models:
                 results = per_dtype[dtype]
                 rows = _summarise(results, prompts)
@@ -214,7 +216,7 @@ def _long_prompt(model, layer, args) -> dict:
     rows = {}
     for n in (args.length, args.long):
         ids = list(long.ids[:n])
-        (r,) = invert(model, encode(model, [ids], layer), policy=args.policies.split(",")[0], seed=args.seed)
+        (r,) = invert(model, encode(model, [ids], layer), seed=args.seed, **_policy(args.policies.split(",")[0]))
         rows[n] = {"exact": r.token_ids == ids, "seconds": r.seconds, "time_split": r.time_split,
                    "mean_candidates": sum(r.candidates_checked) / n}  # fmt: skip
     ratio = rows[args.long]["seconds"] / rows[args.length]["seconds"]
@@ -247,6 +249,12 @@ def _verification_cost(models, layer, ids, batch=64, reps=5) -> dict:
     return out
 
 
+def _policy(spec: str) -> dict:
+    """``linear`` or ``linear@16`` (candidate batches 16x a CPU's, whatever the device) as invert() arguments."""
+    name, _, scale = spec.partition("@")
+    return {"policy": name, "batch_scale": int(scale) if scale else None}
+
+
 def _together(model, layer, args) -> dict:
     """N prompts inverted together (one verification forward per step across prompts) against one at a time."""
     n = args.together
@@ -256,7 +264,7 @@ def _together(model, layer, args) -> dict:
     timed = {}
     for label, together in (("one at a time", 1), (f"{n} together", n)):
         start = time.perf_counter()
-        results = invert(model, states, policy=policy, seed=args.seed, together=together)
+        results = invert(model, states, seed=args.seed, together=together, **_policy(policy))
         seconds = time.perf_counter() - start
         timed[label] = (seconds, results)
     (one_s, one), (all_s, many) = timed.values()

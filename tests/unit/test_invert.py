@@ -186,22 +186,28 @@ def test_tied_tokens_are_flagged():
     assert result.to_json()["tied_alternatives"] == {1: [other]}
 
 
-@pytest.mark.parametrize("layer", [1, 2, "final"])
-def test_next_token_prior_is_the_models_own_ranking(layer):
-    """Below the last block the model runs over the recovered prefix; at L and final the observed states suffice."""
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("layer", [0, 1, 2, "final"])
+def test_next_token_prior_is_the_models_own_ranking(family, layer):
+    """The blocks above the observed layer, run on the observed states, give the model's own next-token order at
+    every position: what a forward over the true prompt gives."""
     from lminvert.invert.proposal import NextTokenPrior
 
-    model = lminvert.load_model("tiny-llama")
-    ids = [17, 4021, 33000, 17, 5]
-    states = encode(model, [ids], layer).states[0]
-    prior = NextTokenPrior(model, model.probe.layer(layer), [states], depth=50)
-    assert prior.direct == (layer != 1) and prior.order(0) is None
+    model = lminvert.load_model(family)
+    prompts = [[17, 4021, 3300, 17, 5], [9, 8]]  # two lengths: the shorter is right-padded in the batch
+    states = encode(model, prompts, layer).states
+    prior = NextTokenPrior(model, model.probe.layer(layer), states, depth=50)
     with torch.no_grad():
-        logits = model.model(torch.tensor([ids])).logits[0]
-    for t in range(1, len(ids)):
-        prior.advance([ids[t - 1]])
-        expected = logits[t - 1].topk(50).indices
-        assert torch.equal(prior.order(t)[:10], expected[:10]), t
+        expected = [model.model(torch.tensor([ids])).logits[0].topk(50).indices for ids in prompts]
+    assert prior.orders(0) is None
+    for t in range(1, len(prompts[0])):
+        if t == len(prompts[1]):
+            prior.select([0])  # as the engine does: the short prompt is done
+        alive = [i for i, ids in enumerate(prompts) if len(ids) > t]
+        orders = prior.orders(t)
+        assert orders.shape == (len(alive), 50)
+        for row, i in enumerate(alive):
+            assert torch.equal(orders[row][:10], expected[i][t - 1][:10]), (i, t)
 
 
 def test_time_split_is_reported():
@@ -211,3 +217,16 @@ def test_time_split_is_reported():
     assert set(split) == {"ranking", "verification", "extension"} and all(v >= 0 for v in split.values())
     assert split["verification"] > 0 and sum(split.values()) <= result.seconds
     assert result.to_json()["time_split"].keys() == split.keys()
+
+
+def test_batch_scale_changes_speed_not_the_answer():
+    """GPU-sized candidate batches (16x a CPU's, the CUDA default) give the same ids and flags, in fewer rounds."""
+    model = lminvert.load_model("tiny-llama")
+    ids = [[17, 4021, 3300, 17, 5, 912, 64], [3, 2, 1]]
+    states = encode(model, ids, -1)
+    small = invert(model, states, batch_scale=1)
+    large = invert(model, states, batch_scale=16)
+    assert [r.token_ids for r in small] == [r.token_ids for r in large] == ids
+    assert [r.uncertain_positions for r in large] == [[], []]
+    with pytest.raises(lminvert.LminvertError, match="batch_scale"):
+        invert(model, states, batch_scale=0)

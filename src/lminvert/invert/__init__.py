@@ -44,6 +44,7 @@ def invert(
     certify: bool | None = None,
     progress: bool = False,
     executor: str | Executor | None = None,
+    batch_scale: int | None = None,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -55,7 +56,9 @@ def invert(
     tolerance to match; ``tolerance_scale`` multiplies the measured acceptance radii (e.g. for states computed on
     other hardware, whose rounding the calibration on this one did not see). ``executor`` runs the chunks of
     ``together`` prompts (default: in this process; ``"ray"``, ``"ray:auto"``: on Ray workers, each loading the
-    model once; see :func:`lminvert.executors.get_executor`).
+    model once; see :func:`lminvert.executors.get_executor`). ``batch_scale``: candidate batches this many times
+    a CPU's (default by device: 16 on CUDA, where a verification forward costs about the same for 1 or 1,024
+    candidates; see :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer.
 
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
@@ -70,6 +73,8 @@ def invert(
         raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
     if together < 1:
         raise LminvertError("together must be at least 1 (prompts inverted at once)")
+    if batch_scale is not None and batch_scale < 1:
+        raise LminvertError("batch_scale must be at least 1 (candidate batches relative to a CPU's)")
     if not tolerance_scale > 0:
         raise LminvertError("tolerance_scale must be positive (1 = the measured radii)")
     if isinstance(states, torch.Tensor):
@@ -94,6 +99,7 @@ def invert(
         noise=noise,
         seed=seed,
         progress=progress,
+        batch_scale=batch_scale,
     )
     generator = torch.Generator().manual_seed(seed + 1)
     ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}

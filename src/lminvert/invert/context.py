@@ -12,6 +12,16 @@ import torch
 
 from ..models import LayerProbe, Prefix
 
+BATCH_SCALE = {"cpu": 1, "cuda": 16, "mps": 4}  # verification batch sizes relative to a CPU's (see batch_scale)
+
+
+def batch_scale(device: torch.device) -> int:
+    """How much larger a policy's candidate batches are on ``device`` than on a CPU. A CPU's verification cost grows
+    with the batch, so small batches that stop at the first match are cheapest there; a GPU's is latency-bound (one
+    forward of 1 or 1,024 candidates costs about the same), so it pays to verify more candidates per sequential
+    round: on CUDA the first batch of a position holds the top 256 of the ranking instead of 16."""
+    return BATCH_SCALE.get(device.type, 1)
+
 
 def wide_dtype(device: torch.device) -> torch.dtype:
     """The most precise float dtype on ``device`` (float64; float32 on MPS)."""
@@ -30,6 +40,7 @@ class PositionContext:
     position: int
     generator: torch.Generator  # CPU: the same random draws on every device
     next_tokens: torch.Tensor | None = None  # the model's own next-token order after the recovered prefix, if asked
+    scale: int = 1  # candidate batches are this many times a CPU's (:func:`batch_scale`)
     seen: torch.Tensor = field(init=False)  # [V] bool: already verified
     ids: list[torch.Tensor] = field(default_factory=list)  # verified ids, per batch
     states: list[torch.Tensor] = field(default_factory=list)  # their verified states (float32), per batch

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, Prefix
+from .context import batch_scale
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
 from .results import InversionResult, PositionResult
@@ -57,6 +58,7 @@ class InvertConfig:
     noise: float = 0.0  # relative Gaussian noise level the states carry (widens the acceptance tolerance)
     seed: int = 0
     progress: bool = False
+    batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
 
 
 def _make_policy(config: InvertConfig) -> Policy:
@@ -119,6 +121,7 @@ def invert_prompts(
         noise=config.noise,
         table=table,
         ties=ties or {},
+        scale=config.batch_scale or batch_scale(device),
     )
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)
@@ -135,9 +138,11 @@ def invert_prompts(
     for search in searches:
         search.policy.prepare(model, layer, first_table=table is not None)
         search.policy.begin_prompt(search.targets)
-    prior = None
+    prior, prior_share = None, 0.0
     if not exhaustive and any(search.policy.uses_next_tokens for search in searches):
+        prior_share = time.perf_counter()
         prior = NextTokenPrior(model, layer, [search.targets for search in searches])
+        prior_share = (time.perf_counter() - prior_share) / len(searches)  # ranking, counted at position 0
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
     prefix = probe.prefixes([[]] * len(live), layer)
     t = 0
@@ -148,7 +153,7 @@ def invert_prompts(
         shared = (time.perf_counter() - shared) / len(group)
         for row, search in enumerate(group):
             search.begin(t, probe, prefix, row, None if orders is None else orders[row])
-            search.clock.add("ranking", shared)
+            search.clock.add("ranking", shared + (prior_share if t == 0 else 0.0))
         _search_position(probe, prefix, layer, group)
         tokens = [search.decide() for search in group]
         keep = [row for row, search in enumerate(group) if search.length > t + 1]
@@ -160,12 +165,7 @@ def invert_prompts(
             for row in keep:
                 group[row].clock.add("extension", shared)
             if prior is not None:
-                shared = time.perf_counter()
                 prior.select(keep)
-                prior.advance([tokens[row] for row in keep])
-                shared = (time.perf_counter() - shared) / len(keep)
-                for row in keep:
-                    group[row].clock.add("ranking", shared)
         for i, search in zip(live, group, strict=True):
             result = search.finish()
             if on_position is not None:

@@ -103,7 +103,7 @@ class TablePolicy(Policy):
             target = ctx.target.float()
             self._order = (self.table.square().sum(1) - 2.0 * (self.table @ target)).argsort()
         assert self._order is not None
-        size = min(self.batch, self.first * 4 ** len(ctx.ids))
+        size = min(self.batch, self.first * 4 ** len(ctx.ids)) * ctx.scale
         return ctx.unseen(self._order, size)
 
 
@@ -280,25 +280,26 @@ class LinearPolicy(Policy):
             self._fitted_on = 0
             self._lm_order = ctx.next_tokens if self.lm_prior else None
             if self._J is None:
-                return _remaining(ctx, ctx.generator, self.explore_first)
+                return _remaining(ctx, ctx.generator, self.explore_first * ctx.scale)
             # the prior's likely tokens (as many as it has earned in this prompt), random entries for the rest:
             # both anchor the offset; with an unhelpful prior (random token ids) this is the secant policy's start
-            likely = round(self.explore * self._lm_share) if self._lm_order is not None else 0
+            explore = self.explore * ctx.scale
+            likely = round(explore * self._lm_share) if self._lm_order is not None else 0
             picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
-            if len(picks) < self.explore:
-                extra = _remaining(ctx, ctx.generator, self.explore)
-                picks = torch.cat([picks, extra[~torch.isin(extra, picks)][: self.explore - len(picks)]])
+            if len(picks) < explore:
+                extra = _remaining(ctx, ctx.generator, explore)
+                picks = torch.cat([picks, extra[~torch.isin(extra, picks)][: explore - len(picks)]])
             return picks
         if self._J is None or (rounds >= 2 and ctx.checked >= 2 * self._fitted_on):
             self._fit(ctx)  # refit whenever this position's data has doubled
-        size = min(self.batch, self.first * self.growth ** (rounds - 1))
+        size = min(self.batch, self.first * self.growth ** (rounds - 1)) * ctx.scale
         picks = ctx.unseen(self._ranking(ctx), size)
         lm_size = round(size * self._lm_share)
         if self._lm_order is not None and lm_size > 0:
             picks = torch.cat([picks, ctx.unseen(self._lm_order, lm_size)]).unique()
         if rounds >= 2 and ctx.checked < self.explore_max:
             # the ranking missed: add unbiased samples (as many as we have) so the next fit is local
-            extra = max(self.explore, min(ctx.checked, self.explore_max - ctx.checked))
+            extra = max(self.explore * ctx.scale, min(ctx.checked, self.explore_max - ctx.checked))
             picks = torch.cat([picks, _remaining(ctx, ctx.generator, extra)]).unique()
         return picks
 

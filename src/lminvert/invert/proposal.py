@@ -1,10 +1,11 @@
-"""The model's own next-token ranking after the recovered prefix: a proposal model that costs nothing extra.
+"""The model's own next-token ranking at every position, read from the observed states: a free proposal model.
 
-At position ``t`` the prefix ``s_0..s_{t-1}`` is already recovered, so the inverted model itself says which tokens
-are likely next (the idea of "Hidden No More": rank candidates with a language model). Where the states are the
-last block's (layer ``L``) or the final norm's, the logits come straight from the observed state of position
-``t - 1``: no forward at all. At other layers the full model runs over the recovered prefix, one token per
-position, with its own KV cache: one batched forward per position for all the prompts inverted together.
+The idea of "Hidden No More" is to rank candidates with a language model. Here the inverted model is that language
+model, and it needs no recovered prefix: the observed layer-``l`` states *are* what the model computed at layer
+``l`` for the secret prompt, so running the blocks above ``l`` on them (one forward per batch of prompts, before
+the search starts: :meth:`LayerProbe.final_from`) gives the model's own next-token distribution at every
+position. At the last block or the final norm no block runs at all. Noise or half precision in the observed states
+only perturbs the order.
 
 The ranking only orders candidates: every candidate is still verified, so a poor prior (random token ids) costs
 time, never exactness. Logits are ranked in float32 whatever the model's precision.
@@ -18,45 +19,40 @@ import torch
 
 from ..models import Layer, LoadedModel
 
+TOKENS = 8192  # positions x prompts per forward of the upper blocks (bounds its activations)
+
 
 class NextTokenPrior:
-    """Next-token orders for the positions of N prompts advanced together, fed the recovered tokens."""
+    """Next-token orders ``[depth]`` at every position of N prompts (position ``t``: what the model predicts after
+    the states of positions ``0..t-1``), computed once from their observed states."""
 
     def __init__(self, model: LoadedModel, layer: Layer, observed: Sequence[torch.Tensor], depth: int = 2048) -> None:
-        self.probe = model.probe
-        self.layer = layer
-        self.observed = list(observed)  # per prompt [T_i, d]
-        self.rows = list(range(len(self.observed)))  # which prompts are still being advanced
-        self.depth = min(depth, self.probe.vocab_size)
-        self.direct = layer.is_final or int(layer) == self.probe.n_layers
-        self._full = None if self.direct else self.probe.prefixes([[]] * len(self.observed), self.probe.layer(-1))
-        self._last: torch.Tensor | None = None  # [rows, d] states of the last recovered tokens (not direct)
+        probe = model.probe
+        self.depth = min(depth, probe.vocab_size)
+        self.rows = list(range(len(observed)))  # which prompts are still being inverted
+        self._orders: list[torch.Tensor] = []  # per prompt [T_i - 1, depth]: the order for positions 1..T_i-1
+        per_batch = max(1, TOKENS // max(1, max(len(s) for s in observed)))
+        for first in range(0, len(observed), per_batch):
+            group = list(observed[first : first + per_batch])
+            longest = max(len(s) for s in group)
+            padded = torch.zeros(len(group), longest, probe.hidden_size, device=probe.device)
+            for i, s in enumerate(group):  # right-padded: causal attention keeps the real positions as they are
+                padded[i, : len(s)] = s.to(device=probe.device, dtype=torch.float32)
+            last = probe.final_from(padded, layer)
+            for i, s in enumerate(group):
+                logits = probe.next_token_logits(last[i, : len(s) - 1], normed=True)
+                self._orders.append(logits.float().topk(self.depth, dim=-1).indices)
 
     def orders(self, position: int) -> torch.Tensor | None:
-        """``[rows, depth]``: the most likely next tokens of each prompt still advanced (most likely first), on the
-        model's device; None at position 0."""
+        """``[rows, depth]``: the most likely tokens at ``position`` of each prompt still inverted (most likely
+        first), on the model's device; None at position 0."""
         if position == 0:
             return None
-        if self.direct:
-            state = torch.stack([self.observed[i][position - 1] for i in self.rows])
-            logits = self.probe.next_token_logits(state, normed=self.layer.is_final)
-        else:
-            assert self._last is not None, "advance() the prior with each recovered token"
-            logits = self.probe.next_token_logits(self._last)
-        return logits.float().topk(self.depth, dim=-1).indices
+        return torch.stack([self._orders[i][position - 1] for i in self.rows])
 
     def select(self, keep: Sequence[int]) -> None:
-        """Only prompts ``keep`` (indices into the current rows) are advanced from now on."""
+        """Only prompts ``keep`` (indices into the current rows) are inverted from now on."""
         self.rows = [self.rows[k] for k in keep]
-        if self._full is not None:
-            self._full = self.probe.select(self._full, keep)
-            if self._last is not None:
-                self._last = self._last[torch.as_tensor(list(keep), device=self._last.device)]
-
-    def advance(self, token_ids: Sequence[int]) -> None:
-        """Each prompt's recovered prefix grew by its token (one forward for all of them)."""
-        if self._full is not None:
-            self._full, self._last = self.probe.advance_rows(self._full, token_ids)
 
     def order(self, position: int) -> torch.Tensor | None:
         """The order of a single prompt (one row)."""

@@ -81,6 +81,7 @@ class Settings:
     noise: float
     table: torch.Tensor | None  # first-position table (position 0), if used
     ties: dict[int, tuple[int, ...]]
+    scale: int = 1  # candidate batch sizes relative to a CPU's
 
 
 class PromptSearch:
@@ -119,7 +120,9 @@ class PromptSearch:
         self.radius = calibration.radius(target) + noise
         self.confirm_radius = calibration.confirm_radius(target) + noise
         self.resolution = FLOOR * norm(target)
-        self.ctx = PositionContext(probe, prefix, row, target, self.radius, t, self.generator, next_tokens)
+        self.ctx = PositionContext(
+            probe, prefix, row, target, self.radius, t, self.generator, next_tokens, scale=self.settings.scale
+        )
         table = self.settings.table
         self.active = TablePolicy(table) if (t == 0 and table is not None) else self.policy
         self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state

@@ -388,6 +388,41 @@ class LayerProbe:
             prefix.cache.batch_select_indices(torch.tensor(list(keep), dtype=torch.long, device=self.device))
         return Prefix([prefix.rows[i] for i in keep], prefix.layer, prefix.cache)
 
+    def final_from(self, states: torch.Tensor, layer: LayerSpec) -> torch.Tensor:
+        """The last hidden state (what the LM head reads) ``[B, T, d]`` of sequences whose layer-``layer``
+        states are ``states`` ``[B, T, d]``: the blocks above ``layer`` run on the given states (one forward;
+        attention is causal, so right-padding a batch leaves the real positions as they are). Below ``layer`` the
+        forward runs on placeholder tokens whose states are then replaced by ``states`` (a forward hook), so every
+        family's own positions, masks and caches apply. Given a prompt's observed states, this is what the model
+        computed above the observer: its next-token distribution at every position, without the prompt."""
+        resolved = self.layer(layer)
+        states = states.to(device=self.device, dtype=self.dtype)
+        if states.dim() == 2:
+            states = states[None]
+        if resolved.is_final:
+            return states
+        if int(resolved) == self.n_layers:
+            return states if self.final_norm is None else self.final_norm(states)
+
+        def pre_hook(module, args, kw):
+            if args:
+                return (states, *args[1:]), kw
+            return args, {**kw, "hidden_states": states}
+
+        def hook(module, args, output):
+            return (states, *output[1:]) if isinstance(output, tuple) else states
+
+        if int(resolved) == 0:
+            handle = self.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+        else:
+            handle = self.blocks[int(resolved) - 1].register_forward_hook(hook)
+        placeholder = torch.zeros(states.shape[:2], dtype=torch.long, device=self.device)
+        try:
+            with torch.no_grad():
+                return self.base(input_ids=placeholder, use_cache=False).last_hidden_state
+        finally:
+            handle.remove()
+
     def next_token_logits(self, state: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """The model's next-token logits from states ``[..., d]`` after the last block (``normed``: after the
         final norm already). Output soft-capping, where a model has it, is left out: it does not change the order."""
