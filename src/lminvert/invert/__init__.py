@@ -57,8 +57,9 @@ def invert(
     other hardware, whose rounding the calibration on this one did not see). ``executor`` runs the chunks of
     ``together`` prompts (default: in this process; ``"ray"``, ``"ray:auto"``: on Ray workers, each loading the
     model once; see :func:`lminvert.executors.get_executor`). ``batch_scale``: candidate batches this many times
-    a CPU's (default by device: 16 on CUDA, where a verification forward costs about the same for 1 or 1,024
-    candidates; see :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer.
+    a CPU's (default by device and by how many prompts are inverted together: 16 on CUDA for one prompt, where a
+    verification forward costs about the same for 1 or 1,024 candidates; see
+    :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer.
 
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,

@@ -15,12 +15,14 @@ from ..models import LayerProbe, Prefix
 BATCH_SCALE = {"cpu": 1, "cuda": 16, "mps": 4}  # verification batch sizes relative to a CPU's (see batch_scale)
 
 
-def batch_scale(device: torch.device) -> int:
-    """How much larger a policy's candidate batches are on ``device`` than on a CPU. A CPU's verification cost grows
-    with the batch, so small batches that stop at the first match are cheapest there; a GPU's is latency-bound (one
-    forward of 1 or 1,024 candidates costs about the same), so it pays to verify more candidates per sequential
-    round: on CUDA the first batch of a position holds the top 256 of the ranking instead of 16."""
-    return BATCH_SCALE.get(device.type, 1)
+def batch_scale(device: torch.device, prompts: int = 1) -> int:
+    """How much larger each prompt's candidate batches are on ``device`` than on a CPU, with ``prompts`` inverted
+    together. A CPU's verification cost grows with the batch, so small batches that stop at the first match are
+    cheapest there; a GPU's is latency-bound (one forward of 1 or 1,024 candidates costs about the same), so it
+    pays to verify more candidates per sequential round: on CUDA one prompt's first batch at a position holds the
+    top 256 of its ranking instead of 16. Prompts inverted together already fill the forward, so the scale shrinks
+    with their number (16 prompts or more: a CPU's batches)."""
+    return max(1, BATCH_SCALE.get(device.type, 1) // max(1, prompts))
 
 
 def wide_dtype(device: torch.device) -> torch.dtype:

@@ -121,7 +121,7 @@ def invert_prompts(
         noise=config.noise,
         table=table,
         ties=ties or {},
-        scale=config.batch_scale or batch_scale(device),
+        scale=config.batch_scale or batch_scale(device, len(states)),
     )
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)
