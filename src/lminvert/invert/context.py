@@ -41,7 +41,7 @@ class PositionContext:
     tolerance: float  # acceptance: a candidate whose verified state lies within this L2 distance of the target
     position: int
     generator: torch.Generator  # CPU: the same random draws on every device
-    next_tokens: torch.Tensor | None = None  # the model's own next-token order after the recovered prefix, if asked
+    next_tokens: torch.Tensor | None = None  # the model's own next-token order at this position, if asked
     scale: int = 1  # candidate batches are this many times a CPU's (:func:`batch_scale`)
     seen: torch.Tensor = field(init=False)  # [V] bool: already verified
     ids: list[torch.Tensor] = field(default_factory=list)  # verified ids, per batch

@@ -10,8 +10,8 @@ Prompts advance in lockstep, so all prefixes have the same length and share one 
 that finished position t waits (costing nothing) for the others. One prompt is the special case N = 1. If
 nothing passes within the budget, the closest verified candidate is kept and the position is marked uncertain.
 
-Shared work (a verification forward serving several prompts, the prefix extension, the next-token prior) is
-split evenly among the prompts it served in each prompt's time split, so the prompts' seconds add up to the
+Shared work (a verification forward serving several prompts, the prefix extension, the next-token prior: one
+forward of the upper blocks before position 0, counted as position 0's ranking) is split evenly among the prompts it served in each prompt's time split, so the prompts' seconds add up to the
 wall time.
 """
 

@@ -183,8 +183,8 @@ class LinearPolicy(Policy):
     * ``outlier`` - states with a norm above ``outlier`` times the target's (attention sinks) are left out;
     * ``fresh`` - with this many pairs at the current position, fit on them alone (no memory, no prior);
     * ``explore_max`` - random samples stop being added once this many candidates were verified;
-    * ``lm_prior`` - also rank by the model's own next-token distribution after the recovered prefix
-      (:mod:`.proposal`, given by the engine as ``ctx.next_tokens``): the first batch of a position is its most
+    * ``lm_prior`` - also rank by the model's own next-token distribution at the position, read from the observed
+      states (:mod:`.proposal`, given by the engine as ``ctx.next_tokens``): the first batch of a position is its most
       likely tokens, and every later batch adds as many from that order as from the linear ranking, scaled by how
       often the prior ranked the recovered token in its top ``4 * first`` at the previous positions (random token
       ids: soon none).
