@@ -11,8 +11,8 @@ that finished position t waits (costing nothing) for the others. One prompt is t
 nothing passes within the budget, the closest verified candidate is kept and the position is marked uncertain.
 
 Shared work (a verification forward serving several prompts, the prefix extension, the next-token prior: one
-forward of the upper blocks before position 0, counted as position 0's ranking) is split evenly among the prompts it served in each prompt's time split, so the prompts' seconds add up to the
-wall time.
+forward of the upper blocks before position 0, counted as position 0's ranking) is split evenly among the prompts
+it served in each prompt's time split, so the prompts' seconds add up to the wall time.
 """
 
 from __future__ import annotations
