@@ -20,6 +20,25 @@ def score(truth: Sequence[int], found: Sequence[int], uncertain: Sequence[int] =
     }
 
 
+def result_row(ids: Sequence[int], r: lminvert.InversionResult) -> Row:
+    """One inverted prompt as a row: its score against ``ids``, time, candidates and time split."""
+    split = r.time_split
+    return {
+        **score(ids, r.token_ids, r.uncertain_positions),
+        "layer": r.layer,
+        "length": len(ids),
+        "seconds": r.seconds,
+        "candidates_per_position": sum(r.candidates_checked) / len(ids),
+        "max_candidates": max(r.candidates_checked),
+        "explored": r.explored_fraction,
+        "vocab_size": r.vocab_size,
+        "uncertain": len(r.uncertain_positions),
+        "complete": True,
+        "ranking_seconds": split["ranking"],
+        "verification_seconds": split["verification"],
+    }
+
+
 def inversion_row(
     model: lminvert.LoadedModel,
     ids: Sequence[int],
@@ -37,21 +56,7 @@ def inversion_row(
     (r,) = lminvert.invert(
         model, states, method=method, policy=policy, noise=noise, seed=seed, max_candidates=max_candidates
     )
-    row: Row = score(ids, r.token_ids, r.uncertain_positions)
-    split = r.time_split
-    row.update(
-        layer=layer.name,
-        length=len(ids),
-        seconds=r.seconds,
-        candidates_per_position=sum(r.candidates_checked) / len(ids),
-        max_candidates=max(r.candidates_checked),
-        explored=r.explored_fraction,
-        vocab_size=r.vocab_size,
-        uncertain=len(r.uncertain_positions),
-        complete=True,
-        ranking_seconds=split["ranking"],
-        verification_seconds=split["verification"],
-    )
+    row = result_row(ids, r)
     if noise > 0:
         row["positions"] = [
             {

@@ -15,7 +15,7 @@ from lminvert.models.quantize import SCHEMES, library_version, quantize, quantiz
 
 from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group
 from .inversion import inversion_cells, inversion_columns
-from .measure import score
+from .measure import result_row
 from .prompts import evaluation_prompts
 
 FLOAT = "float32"
@@ -181,20 +181,13 @@ class Quantization(Experiment):
             first_table=s["first_table"],
             max_candidates=s["max_candidates"],
         )
-        row: Row = {"prompt": i, "kind": prompt.kind, **score(ids, r.token_ids, r.uncertain_positions)}
-        row.update(
-            layer=layer.name,
-            length=len(ids),
-            seconds=r.seconds,
-            candidates_per_position=sum(r.candidates_checked) / len(ids),
-            max_candidates=max(r.candidates_checked),
-            explored=r.explored_fraction,
-            vocab_size=r.vocab_size,
-            uncertain=len(r.uncertain_positions),
-            state_shift=float((states.states[0].double() - reference).norm() / reference.norm()),
-            threads=torch.get_num_threads(),
-        )
-        return row
+        return {
+            "prompt": i,
+            "kind": prompt.kind,
+            **result_row(ids, r),
+            "state_shift": float((states.states[0].double() - reference).norm() / reference.norm()),
+            "threads": torch.get_num_threads(),
+        }
 
     def summarise(self, ctx: Context, rows: Sequence[Row]) -> Summary:
         tables, figures = [], []
