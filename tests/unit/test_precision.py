@@ -71,6 +71,29 @@ def test_measure_is_what_calibrate_caches(models):
     assert again.cached == pytest.approx(cached.cached) and again.plain == pytest.approx(cached.plain)
 
 
+def test_calibration_sees_the_batch_sizes_of_a_scaled_device(models, monkeypatch):
+    """Where policies verify 16x larger batches (a GPU), the calibration measures a batch that large too, and is
+    cached apart from the CPU-sized one."""
+    from lminvert.invert import context, tolerance
+
+    model = models["float32"]
+    layer = model.probe.layer(1)
+    small = calibrate(model, layer)
+    assert tolerance._batch_shapes(model.probe.device) == (7, 31, 127, 0)
+    monkeypatch.setitem(context.BATCH_SCALE, "cpu", 16)
+    assert max(tolerance._batch_shapes(model.probe.device)) == 1023
+    large = calibrate(model, layer)  # measured with the large batch, kept apart from the CPU-sized measurement
+    assert large.samples == small.samples and large.cached > 0
+    kinds = {key[0] for key in model.memo if key[1] == int(layer)}
+    assert {"calibration", "calibration-b1024"} <= kinds
+    sizes = []
+    real = tolerance.measure
+    spy = lambda *a, **k: sizes.append(tolerance._batch_shapes(model.probe.device)) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(tolerance, "measure", spy)
+    measured = tolerance.measure(model, layer, tolerance.calibration_prompts(model))
+    assert sizes == [(7, 31, 127, 0, 1023)] and measured.cached == pytest.approx(large.cached)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_half_precision_inversion_is_exact_on_every_family(name, dtype):

@@ -9,7 +9,8 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
 
 * ``cached`` - the largest relative disagreement ``||v - h|| / ||h||`` between the engine's verification ``v`` of
   the true token (all calibration prompts advanced together over one batched prefix cache, the true token among
-  1..255 random candidates, so that several batch shapes are seen) and the plain forward's state ``h``;
+  0 to 127 random candidates per prompt, so that several batch shapes are seen; on a GPU, where batches are 16x
+  larger, also among 1,023) and the plain forward's state ``h``;
 * ``plain`` - the same for the confirmation forward: prefix + candidate, uncached, several rows at once (what the
   observer computed, recomputed);
 * ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate.
@@ -29,6 +30,7 @@ import torch
 
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
+from .context import batch_scale
 from .tables import cached
 
 SAFETY = 4.0
@@ -90,12 +92,20 @@ def calibration_prompts(model: LoadedModel, n: int = 3, length: int = 12, seed: 
     return rows + natural
 
 
+def _batch_shapes(device: torch.device) -> tuple[int, ...]:
+    """Other candidates per prompt at successive calibration positions: several batch shapes, and on a device
+    whose policies verify larger batches (:func:`.context.batch_scale`) one as large as those (kernels can round
+    differently past some batch size)."""
+    large = (64 * batch_scale(device) - 1,) if batch_scale(device) > 1 else ()
+    return (7, 31, 127, 0, *large)
+
+
 def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: int = 0) -> Calibration:
     """Measure the disagreements on ``prompts`` (equal lengths), exactly as the engine verifies and confirms."""
     probe = model.probe
     reference = [p[layer] for p in prompt_states(model, prompts, [layer], progress=False)]
     gen = torch.Generator().manual_seed(seed)
-    sizes = (7, 31, 127, 0)  # other candidates per prompt: several batch shapes
+    sizes = _batch_shapes(probe.device)
     cached_rel, plain_rel, gap_rel = [], [], []
     prefix = probe.prefixes([[]] * len(prompts), layer)
     for t in range(len(prompts[0])):
@@ -136,7 +146,9 @@ def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
         found = measure(model, layer, calibration_prompts(model))
         return torch.tensor([found.cached, found.plain, found.gap, found.samples], dtype=torch.float64)
 
-    values = cached(model, layer, "calibration", build, per_device=True).tolist()
+    largest = max(_batch_shapes(model.probe.device))
+    kind = "calibration" if largest < 1000 else f"calibration-b{largest + 1}"  # measured with other batch shapes
+    values = cached(model, layer, kind, build, per_device=True).tolist()
     return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
 
 
