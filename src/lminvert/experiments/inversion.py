@@ -49,7 +49,10 @@ class Depth(Experiment):
     paper = "SIPIT's time rises only slightly with depth (GPT-2 small; the paper gives no per-layer numbers)."
     quick_size = {"every": 15, "per_kind": 1, "length": 8, "kinds": ["prose"]}
     full_size = {"every": 1, "per_kind": 1, "length": 20, "kinds": ["prose", "code"]}
-    full_duration = "about 15 minutes on SmolLM2 (30 layers x 2 prompts; the last layers cost the most)"
+    full_duration = (
+        "about 2 hours on SmolLM2 (30 layers x 2 prompts, and a 2-6 minute first-position table per layer not yet "
+        "cached); `--size every=3` (11 layers) took 40 minutes on 1 thread"
+    )
 
     def units(self, ctx: Context) -> list[Unit]:
         units = []
@@ -128,7 +131,7 @@ class Splits(Experiment):
     )
     quick_size = {"per_kind": 1, "length": 8, "layer": "middle", "kinds": ["prose", "code", "random", "chat"]}
     full_size = {"per_kind": 5, "length": 20, "layer": "middle", "kinds": ["prose", "code", "random", "chat"]}
-    full_duration = "about 5 minutes on SmolLM2 (20 prompts at the middle layer)"
+    full_duration = "about 10 minutes on SmolLM2 (20 prompts at the middle layer)"
 
     def units(self, ctx: Context) -> list[Unit]:
         s = ctx.size

@@ -62,7 +62,7 @@ class Methods(Experiment):
         "hardprompts_prompts": 2,
         "hardprompts_steps": 200,
     }
-    full_duration = "about 30 minutes (SmolLM2 and gpt2-small-random; brute force, baseline and HardPrompts dominate)"
+    full_duration = "about 35 minutes (SmolLM2 and gpt2-small-random; brute force, baseline and HardPrompts dominate)"
 
     def units(self, ctx: Context) -> list[Unit]:
         s = ctx.size

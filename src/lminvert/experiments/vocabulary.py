@@ -52,7 +52,7 @@ class Vocabulary(Experiment):
         "length": 20,
         "layers": ["1", "middle", "-1"],
     }
-    full_duration = "about 15 minutes (6 random models, SmolLM2, and Gemma-3-270m when installed)"
+    full_duration = "about 8 minutes for 6 random models and SmolLM2; Gemma-3-270m, when installed, adds its own"
 
     def _available(self, name: str) -> bool:
         if name == "gemma3-270m":
