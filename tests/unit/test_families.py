@@ -35,6 +35,25 @@ def test_invert_encode_roundtrip_on_every_family(family, ids, layer):
     assert result.uncertain_positions == []
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_upper_blocks_run_on_given_states_reproduce_the_last_hidden_state(name):
+    """The next-token prior's forward (probe.final_from): the blocks above layer l, run on the observed layer-l
+    states of a batch of prompts (one right-padded), give what transformers' own forward gives at its last layer."""
+    model = lminvert.load_model(name)
+    probe = model.probe
+    prompts = [[17, 4021, 3300, 17, 5, 912], [9, 8, 7]]
+    with torch.no_grad():
+        ref = [model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0] for ids in prompts]
+    for layer in [0, 1, probe.n_layers - 1, probe.n_layers]:
+        states = encode(model, prompts, layer).states
+        padded = torch.zeros(2, 6, probe.hidden_size)
+        for i, s in enumerate(states):
+            padded[i, : len(s)] = s
+        out = probe.final_from(padded, layer)
+        for i, ids in enumerate(prompts):
+            torch.testing.assert_close(out[i, : len(ids)], ref[i], rtol=1e-4, atol=1e-4, msg=f"{name} layer {layer}")
+
+
 def _tiny_gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
     with torch.random.fork_rng(devices=[]):
