@@ -202,7 +202,10 @@ class Noise(Experiment):
         "kinds": ["prose", "code"],
         "max_candidates": 4096,
     }
-    full_duration = "about 15 minutes on SmolLM2 (6 levels x 4 prompts; high noise verifies more candidates)"
+    full_duration = (
+        "about 85 minutes on SmolLM2 on one shared thread (6 levels x 4 prompts; the first four levels take 8 minutes, "
+        "at 3e-2 and 1e-1 positions verify up to the 4,096-candidate cap)"
+    )
 
     def units(self, ctx: Context) -> list[Unit]:
         s = ctx.size
