@@ -91,7 +91,7 @@ def test_calibration_sees_the_batch_sizes_of_a_scaled_device(models, monkeypatch
     spy = lambda *a, **k: sizes.append(tolerance._batch_shapes(model.probe.device)) or real(*a, **k)  # noqa: E731
     monkeypatch.setattr(tolerance, "measure", spy)
     measured = tolerance.measure(model, layer, tolerance.calibration_prompts(model))
-    assert sizes == [(7, 31, 127, 0, 1023)] and measured.cached == pytest.approx(large.cached)
+    assert sizes == [(7, 31, 127, 0, 1023)] and measured.samples == large.samples
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -197,3 +197,27 @@ def test_a_hooked_model_keeps_its_tables_and_radii_off_the_disk(tmp_path, monkey
     ids = [5, 900, 31000]
     (result,) = invert(model, encode(model, [ids], layer))
     assert result.token_ids == ids and result.uncertain_positions == []
+
+
+@pytest.mark.parametrize("gap", [0.05, 1e-12])
+def test_a_radius_wider_than_the_gap_needs_a_decisive_match(models, monkeypatch, gap):
+    """Where the measured radii are wider than the smallest gap between tokens' states (half precision at deep
+    layers), the first match inside the ball is not taken on trust: every acceptance is confirmed by the plain
+    forward, and one that does not reproduce the observation within half the gap is flagged (with every position
+    after it). The exact reproduction of the true token passes a realistic gap; an impossible gap flags all."""
+    from lminvert.invert import engine
+    from lminvert.invert.tolerance import Calibration
+
+    model = models["float32"]
+    wide = Calibration(cached=0.3, plain=0.3, gap=gap, samples=1)
+    monkeypatch.setattr(engine, "calibrate", lambda model, layer: wide)
+    ids = IDS[:5]
+    (result,) = invert(model, encode(model, [ids], 2))
+    assert result.token_ids == ids
+    assert all(p.confirmed >= 1 for p in result.positions)  # no acceptance without the plain forward
+    if gap > 1e-6:
+        assert result.uncertain_positions == []
+    else:  # only a bit-exact reproduction (plain distance 0, e.g. position 0 alone) passes; the rest are flagged
+        first = result.uncertain_positions[0]
+        assert result.uncertain_positions == list(range(first, len(ids))) and first <= 1
+        assert all(p.plain_distance == 0 for p in result.positions[:first])

@@ -120,6 +120,9 @@ class PromptSearch:
         self.radius = calibration.radius(target) + noise
         self.confirm_radius = calibration.confirm_radius(target) + noise
         self.resolution = FLOOR * norm(target)
+        # the smallest gap between two tokens' states the calibration saw (relative to the state's norm): where a
+        # radius is wider, a match inside it does not rule out a token not verified yet (half precision, deep layers)
+        self.gap = calibration.gap * norm(target)
         self.ctx = PositionContext(
             probe, prefix, row, target, self.radius, t, self.generator, next_tokens, scale=self.settings.scale
         )
@@ -127,6 +130,7 @@ class PromptSearch:
         self.active = TablePolicy(table) if (t == 0 and table is not None) else self.policy
         self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state
         self.chosen, self.ambiguous, self.exhausted = None, False, False
+        self.unseparated = False  # accepted in a regime where the ball can hold other tokens, without a decisive match
         self.to_confirm = []
         self.clock = Clock()
 
@@ -180,8 +184,8 @@ class PromptSearch:
         contenders = self._contenders()
         if not contenders:
             return
-        if len(contenders) == 1 and contenders[0][1] <= self.radius / 2 and not self.plain:
-            self.chosen = contenders[0][0]
+        if len(contenders) == 1 and contenders[0][1] <= self.radius / 2 and not self.plain and self.radius < self.gap:
+            self.chosen = contenders[0][0]  # the ball cannot hold two tokens' states: the first match is the one
             return
         if self._collision(contenders):
             return
@@ -195,6 +199,9 @@ class PromptSearch:
         twins = set(self.settings.ties.get(best, ()))
         if not rivals or set(rivals) <= twins:  # separated (tied twins are flagged by the engine, not searched)
             self.chosen = best
+            # where the plain radius is wider than the gap between tokens, a token not verified yet could match as
+            # well as this one unless this one reproduces the observation within half that gap (Theorem 3.2's Δ/2)
+            self.unseparated = self.confirm_radius >= self.gap and self.plain[best] > self.gap / 2
         elif self.exhausted:  # still ambiguous with the budget spent: keep the closest, flag it
             self.chosen, self.ambiguous = best, True
         # else: ambiguous so far; the search goes on (a candidate not yet verified may be decisively closer)
@@ -248,7 +255,7 @@ class PromptSearch:
             margin=float(others.min()) if others.numel() else float("inf"),
             tolerance=self.radius,
             candidates_checked=ctx.checked,
-            uncertain=self.chosen is None or self.ambiguous or bool(tied) or self.guessed,
+            uncertain=self.chosen is None or self.ambiguous or self.unseparated or bool(tied) or self.guessed,
             noise_norm=noise_norm,
             certified_radius=certified,
             certified_exact=ctx.checked >= self.settings.vocab,
@@ -259,7 +266,9 @@ class PromptSearch:
             **self.clock.seconds,
         )
         self.positions.append(result)
-        self.guessed = self.guessed or self.ambiguous or (self.chosen is None and self.settings.exhaustive)
+        self.guessed = (
+            self.guessed or self.ambiguous or self.unseparated or (self.chosen is None and self.settings.exhaustive)
+        )
         self.elapsed += self.clock.total
         self.ctx = None
         return result
