@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from lminvert.errors import LminvertError
 from lminvert.experiments.base import Context, Experiment, Summary, Table, Unit
 from lminvert.experiments.runner import run_experiment
 from lminvert.invert.hardprompts import hard_prompts
+from lminvert.report import write_report
 from lminvert.report.html import build_report
 
 TINY = ("tiny-llama",)
@@ -179,6 +181,10 @@ def test_vocabulary_and_layers_quick_on_tiny_models(tmp_path):
         if spec["kind"] == "file":
             assert (tmp_path / "l" / spec["path"]).exists()
     assert "0.001" in (tmp_path / "l" / "results.md").read_text()  # the paper's Llama-3.1-8B minimum at layer 1
+    # on a markdown page the collision run's and the exhaustive run's figures (same file name) stay apart
+    page = write_report([tmp_path / "l"], tmp_path / "page.md")
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text())
+    assert len(images) == len(set(images)) >= 3 and all((tmp_path / image).is_file() for image in images)
 
 
 def _inversion_json(tmp_path: Path) -> Path:

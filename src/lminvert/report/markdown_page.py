@@ -40,7 +40,10 @@ def _section(run: RunSection, page_dir: Path) -> str:
         found = run.path / source
         if "://" in source or not found.is_file():
             return match.group(0)
-        destination = target / Path(source).name
+        # one flat name per figure: runs hold figures of the same name in different folders (a collision run's
+        # and an exhaustive run's nn_distances.png), so the folders go into the name
+        parts = [p for p in Path(source).parts if p not in (".", "..")]
+        destination = target / "-".join(parts[1:] if parts[0] == "figures" else parts)
         destination.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(found, destination)
         return f"![{alt}]({destination.relative_to(page_dir).as_posix()})"
