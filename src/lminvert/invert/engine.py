@@ -140,9 +140,9 @@ def invert_prompts(
         search.policy.begin_prompt(search.targets)
     prior, prior_share = None, 0.0
     if not exhaustive and any(search.policy.uses_next_tokens for search in searches):
-        prior_share = time.perf_counter()
+        start_prior = time.perf_counter()
         prior = NextTokenPrior(model, layer, [search.targets for search in searches])
-        prior_share = (time.perf_counter() - prior_share) / len(searches)  # ranking, counted at position 0
+        prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
     prefix = probe.prefixes([[]] * len(live), layer)
     t = 0

@@ -92,12 +92,17 @@ def calibration_prompts(model: LoadedModel, n: int = 3, length: int = 12, seed: 
     return rows + natural
 
 
+SHAPES = (7, 31, 127, 0)  # other candidates per prompt at successive calibration positions: several batch shapes
+
+
+def _large_shapes(device: torch.device) -> tuple[int, ...]:
+    """On a device whose policies verify larger batches (:func:`.context.batch_scale`), one batch shape as large as
+    those (kernels can round differently past some batch size); none on a CPU."""
+    return (64 * batch_scale(device) - 1,) if batch_scale(device) > 1 else ()
+
+
 def _batch_shapes(device: torch.device) -> tuple[int, ...]:
-    """Other candidates per prompt at successive calibration positions: several batch shapes, and on a device
-    whose policies verify larger batches (:func:`.context.batch_scale`) one as large as those (kernels can round
-    differently past some batch size)."""
-    large = (64 * batch_scale(device) - 1,) if batch_scale(device) > 1 else ()
-    return (7, 31, 127, 0, *large)
+    return (*SHAPES, *_large_shapes(device))
 
 
 def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: int = 0) -> Calibration:
@@ -146,8 +151,7 @@ def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
         found = measure(model, layer, calibration_prompts(model))
         return torch.tensor([found.cached, found.plain, found.gap, found.samples], dtype=torch.float64)
 
-    largest = max(_batch_shapes(model.probe.device))
-    kind = "calibration" if largest < 1000 else f"calibration-b{largest + 1}"  # measured with other batch shapes
+    kind = "calibration" + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
     values = cached(model, layer, kind, build, per_device=True).tolist()
     return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
 
