@@ -3,9 +3,10 @@
 Work runs on a fixed pool of actors (``workers`` of them, ``cpus_per_worker`` CPUs and, where the cluster has
 GPUs, one GPU each). An actor makes each :class:`~.executors.WorkerSetup` once (a model is loaded once per
 worker) and keeps it for every later task. Ray's :class:`~ray.util.ActorPool` hands tasks to idle actors and
-yields results as they finish. A worker process that dies is restarted by Ray and its task retried
-(``max_restarts`` / ``max_task_retries``); a failure of the task itself (an error in lminvert) is not retried
-and is raised here.
+yields results as they finish. A worker process that dies is restarted by Ray (always: deaths are counted per
+task, not over the worker's life, so a long run survives any number of spread-out failures) and its task
+retried up to ``retries`` times (``max_task_retries``); a failure of the task itself (an error in lminvert) is
+not retried and is raised here.
 
 This module imports Ray: :func:`lminvert.executors.get_executor` imports it only when Ray is asked for.
 """
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-RETRIES = 3  # restarts of a dead worker, and retries of the task it was running
+RETRIES = 3  # retries of a task whose worker died running it (the worker itself is always restarted)
 
 
 class Worker:
@@ -131,7 +132,7 @@ class RayExecutor:
             actor = ray.remote(Worker).options(
                 num_cpus=self.cpus_per_worker,
                 num_gpus=self.gpus_per_worker,
-                max_restarts=self.retries,
+                max_restarts=-1,  # a worker's deaths are limited per task (below), not over its life
                 max_task_retries=self.retries,
             )
             self._actors = [actor.remote(int(self.cpus_per_worker)) for _ in range(self.workers)]

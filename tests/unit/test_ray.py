@@ -221,6 +221,26 @@ def test_an_interrupted_ray_run_resumes_in_process(tiny, on_ray, tmp_path):
     assert StateStore(tmp_path / "run" / "states", 48, 64, [1, 2], 16).complete
 
 
+class AlwaysDies:
+    """A task function that kills its worker process every time it runs."""
+
+    def __call__(self, state: Any, task: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_worker_deaths_are_limited_per_task_not_over_the_pool_life(cluster, tmp_path):
+    single = RayExecutor(workers=1, cpus_per_worker=0, retries=1)  # one actor: every death is its own
+    try:
+        for call in range(single.retries + 2):  # more deaths in all than one task may retry
+            killer = DiesOnce(lambda state, task: task * 10, tmp_path / f"killed-{call}")
+            assert ordered(single.map_with(None, killer, [call]), 1) == [call * 10]
+        assert len(list(tmp_path.glob("killed-*"))) == single.retries + 2
+        with pytest.raises(LminvertError, match=r"a Ray worker died 2 times running the same task .* rerun"):
+            list(single.map_with(None, AlwaysDies(), [0]))
+    finally:
+        single.close()
+
+
 def test_device_auto_is_resolved_by_each_worker(tiny, on_ray):
     setup = ModelSetup.of(tiny)
     assert setup.device == "auto" and ModelSetup.of(lminvert.load_model("tiny-llama")).device == "cpu"
