@@ -31,3 +31,23 @@ def test_half_precision_smollm2_is_exact(dtype, smollm2):
         assert all(p.margin > 2 * p.tolerance for p in r.positions[1:])  # position 0: the sink (confirmed)
     with pytest.raises(LminvertError, match=f"--dtype {dtype}"):
         invert(smollm2, states)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dtype):
+    """The plain forward that confirms a candidate is shaped like the observer's (the whole observed length): on the
+    same device and dtype it recomputes each true token's state exactly, which is what makes a half-precision match
+    decisive where the acceptance radius is wider than the gaps between tokens."""
+    from lminvert.invert.engine import _plain_states
+
+    model = lminvert.load_model("smollm2-135m", dtype=dtype)
+    probe = model.probe
+    text = model.tokenize("The quick brown fox jumps over the lazy dog near the river bank today.")[:12]
+    layer = probe.layer(LAYER)
+    (observed,) = encode(model, [text], LAYER).states
+    prefix = probe.prefixes([[]], layer)
+    for t, token in enumerate(text):
+        again = _plain_states(probe, layer, prefix, [(0, [token, (token + 1) % probe.vocab_size])], len(text))
+        assert torch.equal(again[0], observed[t])
+        assert not torch.equal(again[1], observed[t])
+        prefix, _ = probe.advance_rows(prefix, [token])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -199,12 +200,14 @@ def test_a_hooked_model_keeps_its_tables_and_radii_off_the_disk(tmp_path, monkey
     assert result.token_ids == ids and result.uncertain_positions == []
 
 
-@pytest.mark.parametrize("gap", [0.05, 1e-12])
-def test_a_radius_wider_than_the_gap_needs_a_decisive_match(models, monkeypatch, gap):
+@pytest.mark.parametrize(("gap", "perturbed"), [(0.05, False), (1e-12, False), (1e-12, True)])
+def test_a_radius_wider_than_the_gap_needs_a_decisive_match(models, monkeypatch, gap, perturbed):
     """Where the measured radii are wider than the smallest gap between tokens' states (half precision at deep
     layers), the first match inside the ball is not taken on trust: every acceptance is confirmed by the plain
     forward, and one that does not reproduce the observation within half the gap is flagged (with every position
-    after it). The exact reproduction of the true token passes a realistic gap; an impossible gap flags all."""
+    after it). The plain forward is shaped like the observer's, so it reproduces the true token's state bit for bit
+    (passes even an impossible gap); states it cannot reproduce exactly (perturbed by 1e-5 of their norm) are
+    flagged under that gap, from the first position on."""
     from lminvert.invert import engine
     from lminvert.invert.tolerance import Calibration
 
@@ -212,12 +215,18 @@ def test_a_radius_wider_than_the_gap_needs_a_decisive_match(models, monkeypatch,
     wide = Calibration(cached=0.3, plain=0.3, gap=gap, samples=1)
     monkeypatch.setattr(engine, "calibrate", lambda model, layer: wide)
     ids = IDS[:5]
-    (result,) = invert(model, encode(model, [ids], 2))
+    states = encode(model, [ids], 2)
+    if perturbed:
+        gen = torch.Generator().manual_seed(0)
+        h = states.states[0]
+        push = F.normalize(torch.randn(h.shape, generator=gen), dim=-1)
+        states = dataclasses.replace(states, states=(h + 1e-5 * h.norm(dim=-1, keepdim=True) * push,))
+    (result,) = invert(model, states)
     assert result.token_ids == ids
     assert all(p.confirmed >= 1 for p in result.positions)  # no acceptance without the plain forward
-    if gap > 1e-6:
+    if not perturbed:
         assert result.uncertain_positions == []
-    else:  # only a bit-exact reproduction (plain distance 0, e.g. position 0 alone) passes; the rest are flagged
-        first = result.uncertain_positions[0]
-        assert result.uncertain_positions == list(range(first, len(ids))) and first <= 1
-        assert all(p.plain_distance == 0 for p in result.positions[:first])
+        assert all(p.plain_distance == 0 for p in result.positions)
+    else:
+        assert result.uncertain_positions == list(range(len(ids)))
+        assert all(p.plain_distance > 0 for p in result.positions)

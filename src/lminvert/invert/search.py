@@ -9,12 +9,13 @@ Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and d
    plain forward has ruled out;
 2. a single contender in the inner half of the ball is accepted;
 3. otherwise (several contenders, or the only one near the edge) the contenders are *confirmed*: their states are
-   recomputed the way the observer computed them (a plain uncached forward of prefix + candidate, same dtype) and
-   compared again. Those outside the plain radius are ruled out (the search goes on if none is left). Of the
-   rest, the closest is accepted when every other lies more than ``SEPARATION`` times farther (plus float32's
-   resolution): rounding noise is not aligned with the difference between two tokens' states, so a wrong state
-   cannot come much nearer to the observation than the noise on the right one. Otherwise the position is still
-   ambiguous and the search goes on (a candidate not verified yet may be decisively closer); if the budget runs
+   recomputed the way the observer computed them (a plain uncached forward of prefix + candidate, same dtype, filled to
+   the observed length so that the kernels see the observer's shapes: on the same device this reproduces the true
+   token's observed state bit for bit) and compared again. Those outside the plain radius are ruled out (the search goes
+   on if none is left). Of the rest, the closest is accepted when every other lies more than ``SEPARATION`` times
+   farther (plus float32's resolution): rounding noise is not aligned with the difference between two tokens' states, so
+   a wrong state cannot come much nearer to the observation than the noise on the right one. Otherwise the position is
+   still ambiguous and the search goes on (a candidate not verified yet may be decisively closer); if the budget runs
    out first, the closest is kept and the position flagged uncertain. Tokens with a tied twin (identical input
    vectors) are not searched past: no state can separate them, and the engine flags them. Two other contenders
    that both reproduce the observation to float32's resolution (a collision: a model that is not injective)
@@ -23,9 +24,12 @@ Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and d
    injective, a wrong prefix can be continued by tokens whose states match exactly).
 
 This matters in half precision, where the radius (several 1e-2 of the state's norm) is wider than the gaps between
-tokens at attention-sink positions: there the right token's state is reproduced to ~0 and the others lie ~1e-3 of
-the (huge) norm away. A position whose budget runs out without an accepted candidate keeps its closest candidate
-(by the plain distance where one was measured) and is flagged uncertain: never a wrong answer given as certain.
+tokens (at attention-sink positions ~1e-3 of the huge norm; at deep layers a few 1e-2): there a candidate is accepted
+only if it reproduces the observation within half the smallest gap (Theorem 3.2's Δ/2), which the observer-shaped plain
+forward does for the right token (distance 0); one that does not is flagged uncertain, with every position after it (the
+observer's shapes or kernels could not be reproduced: states from another device or batch layout). A position whose
+budget runs out without an accepted candidate keeps its closest candidate (by the plain distance where one was measured)
+and is flagged uncertain: never a wrong answer given as certain.
 """
 
 from __future__ import annotations

@@ -11,14 +11,16 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
   the true token (all calibration prompts advanced together over one batched prefix cache, the true token among
   0 to 127 random candidates per prompt, so that several batch shapes are seen; on a GPU, where batches are 16x
   larger, also among 1,023) and the plain forward's state ``h``;
-* ``plain`` - the same for the confirmation forward: prefix + candidate, uncached, several rows at once (what the
-  observer computed, recomputed);
+* ``plain`` - the same for a plain forward of prefix + candidate, uncached, several rows at once, *not* shaped like
+  the observer's (length t + 1). The engine confirms at the observer's shape, which on the same device reproduces
+  the observation exactly; the radius measured here covers observers whose shapes or kernels it cannot reproduce
+  (states from another machine, or encoded in a padded batch);
 * ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate.
 
-The radius of a test is ``SAFETY * max(measured, FLOOR) * ||h||`` (+ the noise bound when noise was added):
-``SAFETY = 4`` covers the tail beyond the sample maximum; ``FLOOR`` (float32's eps) keeps a bit-exact measurement
-from giving a zero radius. ``gap`` is reported, not used: in half precision it is smaller than the radius (at
-attention-sink positions), which is why acceptance there rests on confirmation (:mod:`lminvert.invert.search`).
+The radius of a test is ``SAFETY * max(measured, FLOOR) * ||h||`` (+ the noise bound when noise was added): ``SAFETY =
+4`` covers the tail beyond the sample maximum; ``FLOOR`` (float32's eps) keeps a bit-exact measurement from giving a
+zero radius. ``gap`` decides how acceptance works: where the radius is narrower, a single match in the inner half of the
+ball is the token; where it is wider (half precision), acceptance rests on confirmation (:mod:`lminvert.invert.search`).
 """
 
 from __future__ import annotations
