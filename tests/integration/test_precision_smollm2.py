@@ -51,3 +51,14 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
         assert torch.equal(again[0], observed[t])
         assert not torch.equal(again[1], observed[t])
         prefix, _ = probe.advance_rows(prefix, [token])
+
+
+def test_encoded_states_are_what_each_prompt_gives_alone():
+    """Prompts of different lengths encoded together: each prompt's bfloat16 states equal its states encoded alone
+    (a padded batch would round differently, and the inversion could not reproduce the observation exactly)."""
+    model = lminvert.load_model("smollm2-135m", dtype="bfloat16")
+    short = model.tokenize("The quick brown fox jumps over the lazy dog.")
+    long = model.tokenize("Contact Jane Doe at jane.doe@example.com about invoice 4471 before Friday, please.")
+    together = encode(model, [long, short, short[:4], long], LAYER).states
+    for ids, state in zip([long, short, short[:4], long], together, strict=True):
+        assert torch.equal(state, encode(model, [ids], LAYER).states[0])
