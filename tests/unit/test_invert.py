@@ -230,3 +230,25 @@ def test_batch_scale_changes_speed_not_the_answer():
     assert [r.uncertain_positions for r in large] == [[], []]
     with pytest.raises(lminvert.LminvertError, match="batch_scale"):
         invert(model, states, batch_scale=0)
+
+
+def test_tied_groups_are_exactly_equal_rows():
+    """Tied groups from the bucketed hash equal those of sorting whole rows: rows that agree on every hashed entry but
+    differ elsewhere are not tied, -0.0 and 0.0 are the same input, a group of three is one group."""
+    from types import SimpleNamespace
+
+    from lminvert.models import ties
+
+    gen = torch.Generator().manual_seed(0)
+    matrix = torch.randn(300, 200, generator=gen)
+    matrix[7] = matrix[3]
+    matrix[250] = matrix[3]
+    matrix[11] = matrix[5]
+    matrix[11, 1] = matrix[5, 1] + 1.0  # column 1 is not hashed (64 of 200): same bucket, different rows
+    matrix[20] = 0.0
+    matrix[21] = 0.0
+    matrix[21, 0] = -0.0
+    model = SimpleNamespace(probe=SimpleNamespace(vocab_matrix=lambda: matrix))
+    _, inverse, counts = torch.unique(matrix + 0.0, dim=0, return_inverse=True, return_counts=True)
+    expected = sorted(sorted((inverse == g).nonzero().flatten().tolist()) for g in (counts > 1).nonzero().flatten())
+    assert ties.tied_token_groups(model) == expected == [[3, 7, 250], [20, 21]]

@@ -16,19 +16,34 @@ import torch
 
 from .loading import LoadedModel
 
+HASHED = 64  # entries of each row that go into its bucket's hash (whole rows decide the groups)
+
 
 def tied_token_groups(model: LoadedModel) -> list[list[int]]:
-    """Groups (sorted, size >= 2) of token ids whose input vectors ``probe.vocab_matrix()`` rows are identical."""
+    """Groups (sorted, size >= 2) of token ids whose input vectors ``probe.vocab_matrix()`` rows are identical.
+
+    Rows are first bucketed by an exact integer hash of the bits of ``HASHED`` of their entries (a wrapping sum of
+    the float32 bit patterns times random 64-bit weights: identical rows hash alike), then every bucket of two or
+    more is split by exact comparison of whole rows, so a shared hash never ties two different rows. Much faster
+    than sorting the whole matrix (``torch.unique(dim=0)``): it runs on every inversion."""
     with torch.no_grad():
-        matrix = model.probe.vocab_matrix().detach().float().cpu()
-    _, inverse, counts = torch.unique(matrix, dim=0, return_inverse=True, return_counts=True)
-    tied = (counts > 1).nonzero().flatten()
-    if tied.numel() == 0:
-        return []
-    groups: dict[int, list[int]] = {int(g): [] for g in tied}
-    for token in torch.isin(inverse, tied).nonzero().flatten().tolist():
-        groups[int(inverse[token])].append(token)
-    return sorted(sorted(g) for g in groups.values())
+        matrix = model.probe.vocab_matrix().detach()
+    columns = torch.linspace(0, matrix.shape[1] - 1, min(HASHED, matrix.shape[1])).long().unique()
+    sample = matrix[:, columns.to(matrix.device)].float().cpu() + 0.0  # -0.0 -> 0.0: equal as inputs
+    bits = sample.contiguous().view(torch.int32).to(torch.int64)
+    weights = torch.randint(-(2**62), 2**62, (len(columns),), generator=torch.Generator().manual_seed(0))
+    keys = (bits * weights).sum(dim=1)  # int64 arithmetic wraps: exact and order-independent
+    _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    groups: list[list[int]] = []
+    for bucket in (counts > 1).nonzero().flatten().tolist():
+        rest = (inverse == bucket).nonzero().flatten().tolist()
+        rows = {t: matrix[t].float().cpu() + 0.0 for t in rest}
+        while len(rest) > 1:  # split the bucket into groups of exactly equal rows
+            same = [t for t in rest if torch.equal(rows[t], rows[rest[0]])]
+            if len(same) > 1:
+                groups.append(sorted(same))
+            rest = [t for t in rest if t not in same]
+    return sorted(groups)
 
 
 def representatives(groups: Sequence[Sequence[int]]) -> dict[int, int]:
