@@ -16,7 +16,7 @@ from lminvert.errors import LminvertError
 from lminvert.forward import encode
 from lminvert.invert import invert
 from lminvert.invert.tables import first_position_table
-from lminvert.invert.tolerance import FLOOR, SAFETY, calibrate, calibration_prompts, measure
+from lminvert.invert.tolerance import FLOOR, KIND, SAFETY, calibrate, calibration_prompts, measure
 from lminvert.models.halfmath import HalfAsFloat32
 
 from ..conftest import FAMILIES
@@ -86,7 +86,7 @@ def test_calibration_sees_the_batch_sizes_of_a_scaled_device(models, monkeypatch
     large = calibrate(model, layer)  # measured with the large batch, kept apart from the CPU-sized measurement
     assert large.samples == small.samples and large.cached > 0
     kinds = {key[0] for key in model.memo if key[1] == int(layer)}
-    assert {"calibration", "calibration-b1024"} <= kinds
+    assert {tolerance.KIND, f"{tolerance.KIND}-b1024"} <= kinds
     sizes = []
     real = tolerance.measure
     spy = lambda *a, **k: sizes.append(tolerance._batch_shapes(model.probe.device)) or real(*a, **k)  # noqa: E731
@@ -181,7 +181,7 @@ def test_tables_written_by_one_object_are_read_by_another_and_dtypes_keep_their_
     calibrate(writer, layer)
     names = sorted(p.name for p in (cache / "tables").iterdir())
     assert any("float32-layer1.safetensors" in n for n in names) and any("bfloat16-layer1." in n for n in names)
-    assert any(n.endswith("float32-layer1-calibration-cpu.safetensors") for n in names)  # per device type
+    assert any(n.endswith(f"float32-layer1-{KIND}-cpu.safetensors") for n in names)  # per device type
 
 
 def test_a_hooked_model_keeps_its_tables_and_radii_off_the_disk(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, Prefix
+from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
 from .context import batch_scale
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
@@ -160,7 +160,7 @@ def invert_prompts(
         if keep:
             shared = time.perf_counter()
             prefix = probe.select(prefix, keep)
-            prefix, _ = probe.advance_rows(prefix, [tokens[row] for row in keep])
+            prefix = _advance(probe, prefix, [tokens[row] for row in keep], [group[row] for row in keep])
             shared = (time.perf_counter() - shared) / len(keep)
             for row in keep:
                 group[row].clock.add("extension", shared)
@@ -193,16 +193,43 @@ def invert_prompts(
     ]
 
 
-def _verify(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Verified:
+    """A verification's states ``[B, d]`` (float32) and the keys and values its forwards computed, by first row."""
+
+    states: torch.Tensor
+    chunks: tuple[tuple[int, NewKeys | None], ...]
+
+    def keys(self, index: Sequence[int]) -> list[NewKeys | None]:
+        """The keys and values of rows ``index`` of the batch, one row each (None where none were computed)."""
+        out: list[NewKeys | None] = []
+        for i in index:
+            start, new = next(chunk for chunk in reversed(self.chunks) if chunk[0] <= i)
+            out.append(None if new is None else new.take(torch.tensor([i - start], device=new.layers[0][0].device)))
+        return out
+
+
+def _verify(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Tensor | None) -> Verified:
     """Verified states (float32) of candidates ``ids`` (on prefix rows ``rows``), in as few forwards as memory allows:
     each forward copies its rows' prefix keys and values, so rows x prefix length stays under ``POSITIONS``."""
     step = max(1, POSITIONS // (prefix.length + 1))
+    states, chunks = [], []
     with torch.no_grad():
-        parts = [
-            probe.continuation(prefix, token_ids=ids[i : i + step], rows=None if rows is None else rows[i : i + step])
-            for i in range(0, len(ids), step)
-        ]
-    return torch.cat(parts).float()
+        for i in range(0, len(ids), step):
+            part = None if rows is None else rows[i : i + step]
+            out, new = probe.continuation(prefix, token_ids=ids[i : i + step], rows=part, keys=True)
+            states.append(out)
+            chunks.append((i, new))
+    return Verified(torch.cat(states).float(), tuple(chunks))
+
+
+def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: list[PromptSearch]) -> Prefix:
+    """The prefix grown by each row's decided token: from the keys and values its verification computed when every
+    row has them (no forward), else by one forward (position 0, or a token decided outside the ball)."""
+    kept = [search.keys.get(token) for search, token in zip(searches, tokens, strict=True)]
+    if prefix.cache is not None and all(k is not None for k in kept):
+        return probe.advance_from(prefix, tokens, NewKeys.stack([k for k in kept if k is not None]))
+    return probe.advance_rows(prefix, tokens)[0]
 
 
 def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: list[PromptSearch]) -> None:
@@ -222,12 +249,16 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
             if prefix.size > 1:
                 rows = torch.cat([torch.full((len(p[1]),), p[0], device=ids.device) for p in proposals])
             start = time.perf_counter()
-            states = _verify(probe, prefix, ids, rows)
+            verified = _verify(probe, prefix, ids, rows)
             share = (time.perf_counter() - start) / len(proposals)
-            for (row, mine), part in zip(proposals, states.split([len(p[1]) for p in proposals]), strict=True):
+            offset = 0
+            for (row, mine), part in zip(proposals, verified.states.split([len(p[1]) for p in proposals]), strict=True):
                 with group[row].clock("verification"):
                     group[row].record(mine, part)
+                    inside = group[row].inside_last()  # this batch's rows inside the ball: keep their keys
+                    group[row].keep_keys(mine[inside], verified.keys([offset + i for i in inside]))
                 group[row].clock.add("verification", share)
+                offset += len(mine)
         confirming = [row for row in pending if group[row].to_confirm]
         for length in sorted({group[row].length for row in confirming}):  # one plain forward per observed length
             rows_of = [row for row in confirming if group[row].length == length]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import LayerProbe, Prefix
+from ..models import LayerProbe, NewKeys, Prefix
 from .context import PositionContext, wide_dtype
 from .policies import Policy, SweepPolicy, TablePolicy
 from .results import PositionResult
@@ -49,6 +49,7 @@ from .tolerance import FLOOR, Calibration, noise_tolerance, norm
 
 SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
 MAX_CONFIRM = 16  # contenders re-measured by the plain forward per round (closest first)
+KEEP_KEYS = 16  # candidates inside the ball per batch whose keys and values are kept for the prefix
 SEPARATION = 8.0  # the accepted candidate's plain distance, times this, must stay below every other contender's
 
 
@@ -136,6 +137,7 @@ class PromptSearch:
         self.chosen, self.ambiguous, self.exhausted = None, False, False
         self.unseparated = False  # accepted in a regime where the ball can hold other tokens, without a decisive match
         self.to_confirm = []
+        self.keys: dict[int, NewKeys] = {}  # keys and values of candidates verified inside the ball (for the prefix)
         self.clock = Clock()
 
     @property
@@ -166,6 +168,21 @@ class PromptSearch:
         self.ctx.record(ids, states, self.ctx.distances(states))
         if not self.settings.exhaustive:
             self._examine()
+
+    def inside_last(self) -> list[int]:
+        """Indices, in the batch recorded last, of the (at most ``KEEP_KEYS`` closest) candidates inside the ball."""
+        assert self.ctx is not None
+        dists = self.ctx.dists[-1]
+        inside = (dists <= self.radius).nonzero().flatten()
+        if len(inside) > KEEP_KEYS:
+            inside = inside[dists[inside].argsort()[:KEEP_KEYS]]
+        return inside.tolist()
+
+    def keep_keys(self, ids: torch.Tensor, keys: list[NewKeys | None]) -> None:
+        """Keep the keys and values of candidates ``ids``: the decided one's extend the prefix without a forward."""
+        for token, new in zip(ids.tolist(), keys, strict=True):
+            if new is not None:
+                self.keys[token] = new
 
     def confirm(self, ids: list[int], states: torch.Tensor) -> None:
         """Plain-forward states ``[k, d]`` of the contenders ``ids`` asked for in :attr:`to_confirm`."""
@@ -274,5 +291,5 @@ class PromptSearch:
             self.guessed or self.ambiguous or self.unseparated or (self.chosen is None and self.settings.exhaustive)
         )
         self.elapsed += self.clock.total
-        self.ctx = None
+        self.ctx, self.keys = None, {}
         return result

@@ -36,6 +36,8 @@ from .context import batch_scale
 from .tables import cached
 
 SAFETY = 4.0
+KIND = "calibration2"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
+# verification's own keys and values, as the engine grows them)
 FLOOR = float(torch.finfo(torch.float32).eps)
 
 
@@ -121,8 +123,8 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
         ids = torch.cat([true[:, None], others], dim=1)  # [N, 1 + k]
         rows = torch.arange(len(prompts))[:, None].expand_as(ids)
         with torch.no_grad():
-            states = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1)).float().cpu()
-        states = states.reshape(*ids.shape, -1)
+            states, new = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1), keys=True)
+        states = states.float().cpu().reshape(*ids.shape, -1)
         extra = torch.randint(0, probe.vocab_size, (len(prompts),), generator=gen).tolist()  # a second row each
         plain_ids = torch.tensor([[*p[:t], x] for p, e in zip(prompts, extra, strict=True) for x in (p[t], e)])
         plain = probe.states(plain_ids, [layer])[layer][:, -1].float().cpu().reshape(len(prompts), 2, -1)[:, 0]
@@ -137,7 +139,11 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
             if differs.any():
                 gap_rel.append(float(dist[differs].min()))
             plain_rel.append(float((plain[i].double() - h).norm()) / norm)
-        prefix, _ = probe.advance_rows(prefix, true.tolist())
+        if new is None:  # an empty prefix: the first token's keys by a forward, as the engine does
+            prefix, _ = probe.advance_rows(prefix, true.tolist())
+        else:  # the true tokens' keys and values from this verification, as the engine grows its prefix
+            first = torch.arange(len(prompts), device=new.layers[0][0].device) * ids.shape[1]
+            prefix = probe.advance_from(prefix, true.tolist(), new.take(first))
     return Calibration(
         cached=max(cached_rel, default=0.0),
         plain=max(plain_rel, default=0.0),
@@ -153,7 +159,7 @@ def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
         found = measure(model, layer, calibration_prompts(model))
         return torch.tensor([found.cached, found.plain, found.gap, found.samples], dtype=torch.float64)
 
-    kind = "calibration" + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
+    kind = KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
     values = cached(model, layer, kind, build, per_device=True).tolist()
     return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
 

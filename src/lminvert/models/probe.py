@@ -112,6 +112,7 @@ class _FrozenPrefixLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         assert self.keys is not None and self.values is not None
+        self.new = (key_states, value_states)  # the continuations' own keys and values (see NewKeys)
         batch = key_states.shape[0]
         keys = torch.cat([self._past(self.keys, batch), key_states], dim=-2)
         values = torch.cat([self._past(self.values, batch), value_states], dim=-2)
@@ -125,6 +126,29 @@ class _FrozenPrefixLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.inner.get_max_length()
+
+
+@dataclass(frozen=True)
+class NewKeys:
+    """The keys and values a batch of one-token continuations computed in each cached block (``[B, heads, 1,
+    head_dim]`` per block, blocks ``1..top``): :meth:`LayerProbe.advance_from` grows a prefix by one chosen
+    continuation per row from them, instead of a forward that would recompute them."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def take(self, index: torch.Tensor) -> NewKeys:
+        """Rows ``index`` (copies: the batch they came from can be freed)."""
+        return NewKeys(tuple((k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers))
+
+    @staticmethod
+    def stack(parts: Sequence[NewKeys]) -> NewKeys:
+        """Rows of several :class:`NewKeys`, in order."""
+        return NewKeys(
+            tuple(
+                (torch.cat([p.layers[i][0] for p in parts]), torch.cat([p.layers[i][1] for p in parts]))
+                for i in range(len(parts[0].layers))
+            )
+        )
 
 
 @dataclass
@@ -380,6 +404,19 @@ class LayerProbe:
         rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
         return Prefix(rows, prefix.layer, cache), out[top][:, -1]
 
+    def advance_from(self, prefix: Prefix, token_ids: Sequence[int], new: NewKeys) -> Prefix:
+        """Every row grows by its token, whose keys and values ``new`` (one row per prefix row) a verification
+        forward (:meth:`continuation` with ``keys=True``) already computed: no forward runs. The cache is taken
+        over. Needs a non-empty prefix (an empty one has no cache to verify against: use :meth:`advance_rows`)."""
+        if prefix.cache is None:
+            raise ValueError("an empty prefix grows by advance_rows (its first token was verified without a cache)")
+        if len(token_ids) != prefix.size or new.layers[0][0].shape[0] != prefix.size:
+            raise ValueError(f"one token and one row of keys per prefix row ({prefix.size})")
+        for block, (keys, values) in enumerate(new.layers):
+            prefix.cache.update(keys, values, block)
+        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
+        return Prefix(rows, prefix.layer, prefix.cache)
+
     def select(self, prefix: Prefix, keep: Sequence[int]) -> Prefix:
         """Only rows ``keep`` of the prefix (its cache is taken over)."""
         if list(keep) == list(range(prefix.size)):
@@ -447,14 +484,17 @@ class LayerProbe:
         embeds: torch.Tensor | None = None,
         layers: Sequence[LayerSpec] | None = None,
         rows: torch.Tensor | None = None,
-    ) -> torch.Tensor | dict[Layer, torch.Tensor]:
+        keys: bool = False,
+    ) -> torch.Tensor | dict[Layer, torch.Tensor] | tuple[torch.Tensor, NewKeys | None]:
         """States at position ``prefix.length`` for B one-token continuations, in one batched forward.
 
         Give either ``token_ids`` ``[B]`` or continuous input vectors ``embeds`` ``[B, d]`` (in the space of
         the embedding module's output; gradients flow through them if they require grad). Returns ``[B, d]``
         at ``prefix.layer``, or a dict when ``layers`` (each <= prefix.layer) is given. A prefix of several rows
         needs ``rows`` ``[B]``: the prefix row each continuation extends (so several prompts' candidates share
-        one forward).
+        one forward). ``keys=True`` (with ``token_ids``, no ``layers``): returns ``(states, NewKeys)``, the
+        continuations' keys and values in every cached block (None for an empty prefix or where no block ran, at
+        layer 0), for :meth:`advance_from`.
         """
         if (token_ids is None) == (embeds is None):
             raise ValueError("give exactly one of token_ids or embeds")
@@ -465,14 +505,21 @@ class LayerProbe:
             embeds = self.embed(token_ids.reshape(-1))
         assert embeds is not None
         kwargs: dict = {"inputs_embeds": embeds[:, None, :].to(self.dtype), "use_cache": prefix.cache is not None}
+        views: list[_FrozenPrefixLayer] = []
         if prefix.cache is not None:
             index = None if rows is None else rows.to(self.device)
-            view = Cache(layers=[_FrozenPrefixLayer(layer, index) for layer in prefix.cache.layers])
-            kwargs["past_key_values"] = view
+            views = [_FrozenPrefixLayer(layer, index) for layer in prefix.cache.layers]
+            kwargs["past_key_values"] = Cache(layers=views)
         wanted = [prefix.layer] if layers is None else self.layers(layers)
         if max(wanted) > prefix.layer and prefix.cache is not None:
             raise ValueError("continuation layers must not exceed the prefix's layer")
         with torch.set_grad_enabled(embeds.requires_grad), self._cached_math():
             out = self._forward(wanted, **kwargs)
         out = {layer: state[:, 0, :] for layer, state in out.items()}
+        if keys:
+            if layers is not None:
+                raise ValueError("keys=True returns the states at the prefix's layer only")
+            computed = [view.new for view in views[: prefix.layer.top_block] if hasattr(view, "new")]
+            complete = bool(views) and len(computed) == prefix.layer.top_block  # layer 0: no block runs
+            return out[prefix.layer], (NewKeys(tuple(computed)) if complete else None)
         return out[prefix.layer] if layers is None else out
