@@ -61,6 +61,37 @@ def _tiny_gpt2() -> GPT2LMHeadModel:
         return GPT2LMHeadModel(config).eval()
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_prefix_grown_from_the_verification_keys_equals_one_grown_by_a_forward(name):
+    """advance_from (the engine's prefix growth: the decided candidate's keys and values, kept from its verification
+    forward) continues exactly like advance_rows (one more forward), on two prefix rows, at the first and last block,
+    over a prefix longer than the tiny Mistral's and Gemma-2's sliding windows (4 tokens)."""
+    model = lminvert.load_model(name)
+    probe = model.probe
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, VOCAB, (2, 9), generator=gen).tolist()
+    for layer in (probe.layer(1), probe.layer(-1)):
+        grown = probe.prefixes(rows, layer)
+        kept = probe.prefixes(rows, layer)
+        candidates = torch.randint(0, VOCAB, (6,), generator=gen)
+        which = torch.tensor([0, 0, 0, 1, 1, 1])
+        states, new = probe.continuation(kept, token_ids=candidates, rows=which, keys=True)
+        chosen = torch.tensor([2, 4])  # one candidate per row
+        tokens = candidates[chosen].tolist()
+        kept = probe.advance_from(kept, tokens, new.take(chosen))
+        grown, state = probe.advance_rows(grown, tokens)
+        assert kept.rows == grown.rows
+        torch.testing.assert_close(states[chosen], state, rtol=1e-5, atol=1e-5)
+        after = torch.randint(0, VOCAB, (4,), generator=gen)
+        on = torch.tensor([0, 1, 0, 1])
+        torch.testing.assert_close(
+            probe.continuation(kept, token_ids=after, rows=on),
+            probe.continuation(grown, token_ids=after, rows=on),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
 def test_blocks_that_cannot_be_found_are_named():
     model = _tiny_gpt2()
     model.config.n_layer = 3  # no list of 3 blocks anywhere
