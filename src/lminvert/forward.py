@@ -51,7 +51,7 @@ def token_ids_of(model: LoadedModel, prompts: Sequence[Prompt], max_tokens: int 
 def length_batches(ids: Sequence[Sequence[int]], batch_tokens: int, same_length: bool = False) -> list[list[int]]:
     """Indices of ``ids`` sorted by length (then index), split into batches of at most ``batch_tokens`` padded
     tokens (a prompt longer than that gets a batch of its own); ``same_length``: only prompts of one length share a
-    batch (nothing padded)."""
+    batch (nothing padded); ``batch_tokens=0``: one prompt per batch."""
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
     batches: list[list[int]] = []
     current: list[int] = []
@@ -104,9 +104,11 @@ def prompt_states(
 ) -> list[dict[Layer, torch.Tensor]]:
     """Per prompt, ``{layer: [T_i, d]}`` float32 states of every position.
 
-    Only prompts of one length run together (never padded): each prompt's states are what it gives alone, so the
-    inversion's recomputation (a forward of the same length) reproduces them bit for bit. A padded batch rounds
-    differently in half precision (SmolLM2, bfloat16, layer 6: up to 6e-4 of the norm)."""
+    Only prompts of one length run together (never padded: a padded batch rounds differently in half precision,
+    SmolLM2, bfloat16, layer 6: up to 6e-4 of the norm). ``batch_tokens=0``: one prompt per forward, so that each
+    prompt's states are exactly what it gives alone, which the inversion's recomputation (one sequence of the same
+    length per forward) reproduces bit for bit; several sequences in one forward can differ in the last bits
+    (float32, two threads, on this project's CPU). :func:`encode` does that."""
     resolved = model.probe.layers(layers)
     results: list[dict[Layer, torch.Tensor]] = [{} for _ in ids]
     for rows, out in _batched(model, ids, resolved, batch_tokens, progress, same_length=True):
@@ -175,7 +177,7 @@ def encode(
     model = require_loaded(model, "encode")
     resolved = model.probe.layer(layer)
     ids = token_ids_of(model, prompts, max_tokens)
-    per_prompt = prompt_states(model, ids, [resolved], progress=progress)
+    per_prompt = prompt_states(model, ids, [resolved], batch_tokens=0, progress=progress)  # each prompt alone
     return HiddenStates(
         states=tuple(p[resolved] for p in per_prompt),
         model=model.name,

@@ -230,3 +230,49 @@ def test_a_radius_wider_than_the_gap_needs_a_decisive_match(models, monkeypatch,
     else:
         assert result.uncertain_positions == list(range(len(ids)))
         assert all(p.plain_distance > 0 for p in result.positions)
+
+
+class _WrongFirst:
+    """A policy that proposes a wrong token first at every position after the first, then the right one."""
+
+    name = "wrong-first"
+    uses_first_table = uses_next_tokens = uses_reading = False
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def prepare(self, model, layer, first_table=True) -> None: ...
+    def begin_prompt(self, states) -> None: ...
+    def end_position(self, ctx) -> None: ...
+    def accepted(self, position, token_id) -> None: ...
+
+    def propose(self, ctx):
+        right = self.ids[ctx.position]
+        order = [right] if ctx.position == 0 else [(right + 1) % ctx.probe.vocab_size, right]
+        return torch.tensor(order[len(ctx.ids) :][:1], dtype=torch.long) if len(ctx.ids) < len(order) else None
+
+
+@pytest.mark.parametrize("reproduced", [True, False])
+def test_a_match_that_is_not_decisive_sends_the_search_on_where_the_observer_is_reproduced(
+    models, monkeypatch, reproduced
+):
+    """A radius wider than everything (every candidate a contender) and a policy that proposes a wrong token first:
+    where earlier positions were reproduced bit for bit, the wrong token's inexact reproduction does not end the
+    search, the right one (verified next) is found and nothing is flagged. Where the observation is not reproduced
+    (perturbed states by 1e-3), the first contender is kept and flagged, with every position after it: never
+    certain."""
+    from lminvert.invert import engine
+    from lminvert.invert.tolerance import Calibration
+
+    model = models["float32"]
+    monkeypatch.setattr(engine, "calibrate", lambda model, layer: Calibration(10.0, 10.0, 0.05, 1))
+    ids = IDS[:4]
+    states = encode(model, [ids], 2).states[0]
+    if not reproduced:
+        states = states * (1 + 1e-3)
+    result = engine.invert_prompt(model, states, model.probe.layer(2), policy=_WrongFirst(ids))
+    if reproduced:
+        assert result.token_ids == ids and result.uncertain_positions == []
+    else:  # position 0 is within half the gap (1e-3 of the norm): certain; the wrong token at 1 ends its search
+        assert result.token_ids[0] == ids[0] and result.token_ids[1] != ids[1]
+        assert result.uncertain_positions == list(range(1, len(ids)))

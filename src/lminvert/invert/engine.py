@@ -28,6 +28,7 @@ from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
 from .context import batch_scale
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
+from .reading import reading_map
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
 from .tables import first_position_table
@@ -113,6 +114,8 @@ def invert_prompts(
     if config.first_table and policies[0].uses_first_table and not exhaustive:
         table = first_position_table(model, layer, progress=config.progress)
     calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
+    wants_prior = not exhaustive and any(policy.uses_next_tokens for policy in policies)
+    reading = reading_map(model, layer) if wants_prior and any(p.uses_reading for p in policies) else None
     settings = Settings(
         calibration=calibration,
         budget=vocab if config.max_candidates is None or config.certify else max(1, min(vocab, config.max_candidates)),
@@ -139,9 +142,9 @@ def invert_prompts(
         search.policy.prepare(model, layer, first_table=table is not None)
         search.policy.begin_prompt(search.targets)
     prior, prior_share = None, 0.0
-    if not exhaustive and any(search.policy.uses_next_tokens for search in searches):
+    if wants_prior:
         start_prior = time.perf_counter()
-        prior = NextTokenPrior(model, layer, [search.targets for search in searches])
+        prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
     prefix = probe.prefixes([[]] * len(live), layer)
@@ -260,7 +263,7 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
                 group[row].clock.add("verification", share)
                 offset += len(mine)
         confirming = [row for row in pending if group[row].to_confirm]
-        for length in sorted({group[row].length for row in confirming}):  # one plain forward per observed length
+        for length in sorted({group[row].length for row in confirming}):  # shaped like each observed length
             rows_of = [row for row in confirming if group[row].length == length]
             start = time.perf_counter()
             plain = _plain_states(probe, layer, prefix, [(row, group[row].to_confirm) for row in rows_of], length)
@@ -277,10 +280,11 @@ def _plain_states(
     probe: LayerProbe, layer: Layer, prefix: Prefix, asked: list[tuple[int, list[int]]], length: int
 ) -> torch.Tensor:
     """States ``[k, d]`` (float32) at the current position of prefix + each candidate, by a plain forward shaped
-    like the observer's: the whole observed length, the positions after this one filled with the candidate (the
-    model is causal: they cannot change this position's state, but the kernels' shapes then equal the observer's,
-    which on the same device and dtype reproduces the observed state bit for bit - measured on the CPU in bfloat16,
-    where an unpadded forward disagrees by up to 4e-2 of the norm)."""
+    like the observer's: one sequence per forward, the whole observed length, the positions after this one filled
+    with the candidate (the model is causal: they cannot change this position's state, but the kernels' shapes then
+    equal the observer's). On the same device, dtype and threads this reproduces the observed state bit for bit;
+    measured on the CPU: an unpadded forward disagrees by up to 4e-2 of the norm in bfloat16, and two sequences in
+    one forward can differ in the last bits in float32 with two threads."""
     t = prefix.length
-    sequences = [[*prefix.rows[row], c] + [c] * (length - t - 1) for row, ids in asked for c in ids]
-    return probe.states(torch.tensor(sequences), [layer])[layer][:, t].float()
+    rows = [[*prefix.rows[row], c] + [c] * (length - t - 1) for row, ids in asked for c in ids]
+    return torch.cat([probe.states(torch.tensor([seq]), [layer])[layer][:, t].float() for seq in rows])

@@ -28,6 +28,8 @@ from .tables import position1_projection
 
 log = logging.getLogger(__name__)
 
+TRUSTED = 0.75  # the proposal's recent hit rate above which a position's first batch is its top ``trusted`` alone
+
 
 class Policy:
     """Base class: subclasses implement :meth:`propose`; :meth:`begin` / :meth:`end` are optional hooks.
@@ -38,6 +40,7 @@ class Policy:
     name = "base"
     uses_first_table = False
     uses_next_tokens = False  # the engine then fills ``ctx.next_tokens`` (the model's own next-token order)
+    uses_reading = False  # ... interleaved with the reading map's order (:mod:`.reading`)
 
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         """Called once before inverting with ``model`` at ``layer`` (load cached priors here); ``first_table``:
@@ -187,7 +190,9 @@ class LinearPolicy(Policy):
       states (:mod:`.proposal`, given by the engine as ``ctx.next_tokens``): the first batch of a position is its most
       likely tokens, and every later batch adds as many from that order as from the linear ranking, scaled by how
       often the prior ranked the recovered token in its top ``4 * first`` at the previous positions (random token
-      ids: soon none).
+      ids: soon none);
+    * ``reading`` - interleave that order with the reading map's (:mod:`.reading`: the token read linearly from the
+      position's own observed state, a map learnt offline per layer and cached).
 
     The whole ranking runs in float32 on the model's device whatever the model's precision (the fits in float64):
     a half-precision model only verifies candidates in its own dtype.
@@ -210,10 +215,13 @@ class LinearPolicy(Policy):
         fresh: int = 512,
         explore_max: int = 4096,
         lm_prior: bool = True,
+        reading: bool = True,
+        trusted: int = 8,
     ) -> None:
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
-        self.fresh, self.explore_max, self.lm_prior = fresh, explore_max, lm_prior
+        self.fresh, self.explore_max, self.lm_prior, self.reading = fresh, explore_max, lm_prior, reading
+        self.trusted = trusted
         self._lm_order: torch.Tensor | None = None
         self._lm_share = 1.0  # recent success of the next-token prior in this prompt (1: always right)
         self._fitted_on = 0  # samples of the current position used by the last fit
@@ -226,6 +234,10 @@ class LinearPolicy(Policy):
     @property
     def uses_next_tokens(self) -> bool:  # type: ignore[override]
         return self.lm_prior
+
+    @property
+    def uses_reading(self) -> bool:  # type: ignore[override]
+        return self.lm_prior and self.reading
 
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         self._prior = None
@@ -284,6 +296,8 @@ class LinearPolicy(Policy):
             # the prior's likely tokens (as many as it has earned in this prompt), random entries for the rest:
             # both anchor the offset; with an unhelpful prior (random token ids) this is the secant policy's start
             explore = self.explore * ctx.scale
+            if self._lm_order is not None and self._lm_share >= TRUSTED:  # it keeps hitting: its top few alone
+                explore = self.trusted * ctx.scale
             likely = round(explore * self._lm_share) if self._lm_order is not None else 0
             picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
             if len(picks) < explore:

@@ -18,15 +18,38 @@ from collections.abc import Sequence
 import torch
 
 from ..models import Layer, LoadedModel
+from .reading import reading_orders
 
 TOKENS = 8192  # positions x prompts per forward of the upper blocks (bounds its activations)
+
+
+def interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of two orders ``[T, k]`` merged alternately (a's first, b's first, a's second, ...), each id kept at its
+    first place only, cut to ``k`` per row."""
+    if a.shape[0] == 0:
+        return a
+    both = torch.stack([a, b], dim=-1).reshape(a.shape[0], -1)
+    order = both.argsort(dim=1, stable=True)  # equal ids: the earliest place first
+    ranked = both.gather(1, order)
+    repeated = torch.zeros_like(ranked, dtype=torch.bool)
+    repeated[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
+    later = torch.zeros_like(repeated).scatter(1, order, repeated)  # back to merged places
+    first = ~later & ((~later).cumsum(dim=1) <= a.shape[1])
+    return both[first].reshape(a.shape[0], a.shape[1])
 
 
 class NextTokenPrior:
     """Next-token orders ``[depth]`` at every position of N prompts (position ``t``: what the model predicts after
     the states of positions ``0..t-1``), computed once from their observed states."""
 
-    def __init__(self, model: LoadedModel, layer: Layer, observed: Sequence[torch.Tensor], depth: int = 2048) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        layer: Layer,
+        observed: Sequence[torch.Tensor],
+        depth: int = 2048,
+        reading: torch.Tensor | None = None,
+    ) -> None:
         probe = model.probe
         self.depth = min(depth, probe.vocab_size)
         self.rows = list(range(len(observed)))  # which prompts are still being inverted
@@ -41,7 +64,11 @@ class NextTokenPrior:
             last = probe.final_from(padded, layer)
             for i, s in enumerate(group):
                 logits = probe.next_token_logits(last[i, : len(s) - 1], normed=True)
-                self._orders.append(logits.float().topk(self.depth, dim=-1).indices)
+                order = logits.float().topk(self.depth, dim=-1).indices
+                if reading is not None:  # what the position's own state reads as, interleaved
+                    read = reading_orders(model, reading, s.to(probe.device), self.depth)[1:]
+                    order = interleave(order, read.to(order.device))
+                self._orders.append(order)
 
     def orders(self, position: int) -> torch.Tensor | None:
         """``[rows, depth]``: the most likely tokens at ``position`` of each prompt still inverted (most likely

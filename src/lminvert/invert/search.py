@@ -48,6 +48,7 @@ from .results import PositionResult
 from .tolerance import FLOOR, Calibration, noise_tolerance, norm
 
 SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
+SEARCH_ON = 4096  # candidates a position may verify looking for a decisive match where the observer is reproduced
 MAX_CONFIRM = 16  # contenders re-measured by the plain forward per round (closest first)
 KEEP_KEYS = 16  # candidates inside the ball per batch whose keys and values are kept for the prefix
 SEPARATION = 8.0  # the accepted candidate's plain distance, times this, must stay below every other contender's
@@ -109,6 +110,10 @@ class PromptSearch:
         # a position decided by a guess among several matching tokens (or, where injectivity is not assumed, with no
         # match at all): every later position is found given that guess, so it is reported uncertain too
         self.guessed = False
+        # a position of this prompt was confirmed by a bit-exact reproduction: the observer's shapes and kernels are
+        # reproduced here, so a contender that does not reproduce the observation within half the gap is most likely
+        # wrong, and the search goes on (up to SEARCH_ON candidates) for one that does
+        self.reproduced = False
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
         self.chosen: int | None = None
@@ -136,6 +141,7 @@ class PromptSearch:
         self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state
         self.chosen, self.ambiguous, self.exhausted = None, False, False
         self.unseparated = False  # accepted in a regime where the ball can hold other tokens, without a decisive match
+        self.searching_on = False  # a separated contender exists, not decisive: looking for a decisive one
         self.to_confirm = []
         self.keys: dict[int, NewKeys] = {}  # keys and values of candidates verified inside the ball (for the prefix)
         self.clock = Clock()
@@ -149,6 +155,10 @@ class PromptSearch:
         ctx = self.ctx
         assert ctx is not None
         ids = None
+        if self.searching_on and ctx.checked >= SEARCH_ON:  # no decisive match so far: take the closest, flagged
+            self.exhausted = True
+            self._examine()
+            return None
         if ctx.checked < self.settings.budget:
             with self.clock("ranking"):
                 ids = self.active.propose(ctx)
@@ -219,10 +229,13 @@ class PromptSearch:
         rivals = [i for i, _ in contenders if i != best and self.plain[i] <= bound]
         twins = set(self.settings.ties.get(best, ()))
         if not rivals or set(rivals) <= twins:  # separated (tied twins are flagged by the engine, not searched)
-            self.chosen = best
             # where the plain radius is wider than the gap between tokens, a token not verified yet could match as
             # well as this one unless this one reproduces the observation within half that gap (Theorem 3.2's Δ/2)
-            self.unseparated = self.confirm_radius >= self.gap and self.plain[best] > self.gap / 2
+            undecided = self.confirm_radius >= self.gap and self.plain[best] > self.gap / 2
+            if undecided and self.reproduced and not self.exhausted and self.ctx.checked < SEARCH_ON:
+                self.searching_on = True
+                return
+            self.chosen, self.unseparated = best, undecided
         elif self.exhausted:  # still ambiguous with the budget spent: keep the closest, flag it
             self.chosen, self.ambiguous = best, True
         # else: ambiguous so far; the search goes on (a candidate not yet verified may be decisively closer)
@@ -290,6 +303,7 @@ class PromptSearch:
         self.guessed = (
             self.guessed or self.ambiguous or self.unseparated or (self.chosen is None and self.settings.exhaustive)
         )
+        self.reproduced = self.reproduced or self.plain.get(token) == 0.0
         self.elapsed += self.clock.total
         self.ctx, self.keys = None, {}
         return result

@@ -1,0 +1,78 @@
+"""A reading map: each position's token read linearly from its own observed state (and the one before), learnt offline.
+
+The next-token prior (:mod:`.proposal`) predicts position ``t`` from the states before it; it cannot see the token
+itself. The state at ``t`` does: the residual stream keeps a linear trace of its input token at every layer (what
+the linear policy's secant fit exploits, one position at a time, after verifying candidates). A ridge regression
+from ``[h_t / ||h_t||, h_{t-1} / ||h_{t-1}||, 1]`` to the input vector ``e_{x_t}`` (the previous state carries the
+context the offset depends on), fitted once per model and layer on sampled text and random token ids and cached
+like the first-position table, ranks the vocabulary at every position before anything is verified: by the
+distance of each input vector to the map's prediction. It is a proposal, not a decision: every candidate is still
+verified, so a poor reading (random token ids, where it is weak) costs time, never exactness.
+
+On SmolLM2 (4 held-out prompts of each kind, 20 tokens): the true token is the map's first guess at 29 of 38 prose
+positions at layer 15 and 20 of 38 at layer 30; 4 and 1 of 38 for random token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..corpora import sample_prompts
+from ..errors import LminvertError
+from ..forward import prompt_states
+from ..models import Layer, LoadedModel
+from .secant import fit_secant_map
+from .tables import cached
+
+log = logging.getLogger(__name__)
+
+TEXT_PROMPTS = 200  # sampled text windows (mixed code and prose) the map is fitted on
+RANDOM_PROMPTS = 100  # random-id prompts beside them
+LENGTH = 24  # tokens per training prompt
+RIDGE = 1e-6  # relative to the features' energy
+SEED = 123  # the training prompts' draw (the evaluation prompts use seed 0)
+
+
+def features(states: torch.Tensor) -> torch.Tensor:
+    """``[T, 2d + 1]``: each position's unit state, the previous position's (zeros before the first), and a 1."""
+    unit = states.double() / states.double().norm(dim=1, keepdim=True).clamp_min(1e-30)
+    previous = torch.cat([torch.zeros_like(unit[:1]), unit[:-1]])
+    return torch.cat([unit, previous, torch.ones_like(unit[:, :1])], dim=1)
+
+
+def training_prompts(model: LoadedModel) -> list[list[int]]:
+    """Text windows (when the model has a tokenizer) and random token ids, ``LENGTH`` tokens each."""
+    gen = torch.Generator().manual_seed(SEED)
+    prompts = torch.randint(0, model.probe.vocab_size, (RANDOM_PROMPTS, LENGTH), generator=gen).tolist()
+    if model.tokenizer is not None:
+        try:
+            text, _ = sample_prompts(model.tokenizer, "mixed", TEXT_PROMPTS, max_tokens=LENGTH, seed=SEED)
+            prompts += [list(p.ids) for p in text if max(p.ids) < model.probe.vocab_size]
+        except LminvertError as exc:  # a tokenizer the corpora cannot serve: random ids alone
+            log.info("reading map without text (%s)", exc)
+    return prompts
+
+
+def reading_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
+    """``W`` ``[2d + 1, d]`` (float32, on the model's device): built once per model, dtype and layer, cached."""
+
+    def build() -> torch.Tensor:
+        prompts = training_prompts(model)
+        states = prompt_states(model, prompts, [layer], progress=False)
+        x = torch.cat([features(s[layer])[1:] for s in states])  # position 0 is the first-position table's
+        vocab = model.probe.vocab_matrix(torch.float32).cpu().double()
+        y = torch.cat([vocab[torch.tensor(p[1:])] for p in prompts])
+        return fit_secant_map(x, y, ridge=RIDGE).float()
+
+    return cached(model, layer, "reading-map", build)
+
+
+def reading_orders(model: LoadedModel, weights: torch.Tensor, states: torch.Tensor, depth: int) -> torch.Tensor:
+    """``[T, depth]``: at every position of one prompt, the ``depth`` tokens whose input vectors lie nearest the
+    map's prediction from the observed ``states`` ``[T, d]`` (nearest first)."""
+    vocab = model.probe.vocab_matrix(torch.float32)
+    predicted = features(states.to(vocab.device)).float() @ weights
+    score = vocab.square().sum(1)[None] - 2.0 * predicted @ vocab.T  # ||e_v - p||^2 - ||p||^2
+    return score.topk(depth, dim=1, largest=False).indices
