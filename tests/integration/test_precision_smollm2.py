@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -47,7 +49,8 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
     (observed,) = encode(model, [text], LAYER).states
     prefix = probe.prefixes([[]], layer)
     for t, token in enumerate(text):
-        again = _plain_states(probe, layer, prefix, [(0, [token, (token + 1) % probe.vocab_size])], len(text))
+        asked = SimpleNamespace(to_confirm=[token, (token + 1) % probe.vocab_size], length=len(text))
+        again = _plain_states(probe, layer, prefix, 0, asked)
         assert torch.equal(again[0], observed[t])
         assert not torch.equal(again[1], observed[t])
         prefix, _ = probe.advance_rows(prefix, [token])

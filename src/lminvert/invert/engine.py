@@ -262,29 +262,20 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
                     group[row].keep_keys(mine[inside], verified.keys([offset + i for i in inside]))
                 group[row].clock.add("verification", share)
                 offset += len(mine)
-        confirming = [row for row in pending if group[row].to_confirm]
-        for length in sorted({group[row].length for row in confirming}):  # shaped like each observed length
-            rows_of = [row for row in confirming if group[row].length == length]
-            start = time.perf_counter()
-            plain = _plain_states(probe, layer, prefix, [(row, group[row].to_confirm) for row in rows_of], length)
-            share = (time.perf_counter() - start) / len(rows_of)
-            sizes = [len(group[row].to_confirm) for row in rows_of]
-            for row, part in zip(rows_of, plain.split(sizes), strict=True):
-                with group[row].clock("verification"):
-                    group[row].confirm(list(group[row].to_confirm), part)
-                group[row].clock.add("verification", share)
+        for row in [row for row in pending if group[row].to_confirm]:  # plain forwards, shaped like each observation
+            search = group[row]
+            with search.clock("verification"):
+                search.confirm(list(search.to_confirm), _plain_states(probe, layer, prefix, row, search))
         pending = [row for row in pending if not group[row].done]
 
 
-def _plain_states(
-    probe: LayerProbe, layer: Layer, prefix: Prefix, asked: list[tuple[int, list[int]]], length: int
-) -> torch.Tensor:
-    """States ``[k, d]`` (float32) at the current position of prefix + each candidate, by a plain forward shaped
-    like the observer's: one sequence per forward, the whole observed length, the positions after this one filled
-    with the candidate (the model is causal: they cannot change this position's state, but the kernels' shapes then
-    equal the observer's). On the same device, dtype and threads this reproduces the observed state bit for bit;
-    measured on the CPU: an unpadded forward disagrees by up to 4e-2 of the norm in bfloat16, and two sequences in
-    one forward can differ in the last bits in float32 with two threads."""
+def _plain_states(probe: LayerProbe, layer: Layer, prefix: Prefix, row: int, search: PromptSearch) -> torch.Tensor:
+    """States ``[k, d]`` (float32) at the current position of prefix row ``row`` + each contender ``search`` asks
+    to confirm, by plain forwards shaped like the observer's: one sequence per forward, the whole observed length,
+    the positions after this one filled with the candidate (the model is causal: they cannot change this position's
+    state, but the kernels' shapes then equal the observer's). On the same device, dtype and threads this reproduces
+    the observed state bit for bit; measured on the CPU: an unpadded forward disagrees by up to 4e-2 of the norm in
+    bfloat16, and two sequences in one forward can differ in the last bits in float32 with two threads."""
     t = prefix.length
-    rows = [[*prefix.rows[row], c] + [c] * (length - t - 1) for row, ids in asked for c in ids]
+    rows = [[*prefix.rows[row], c] + [c] * (search.length - t - 1) for c in search.to_confirm]
     return torch.cat([probe.states(torch.tensor([seq]), [layer])[layer][:, t].float() for seq in rows])
