@@ -282,3 +282,47 @@ def test_the_reading_map_reads_tokens_from_their_own_states():
         for t, token in enumerate(prompt)
     )
     assert hits >= len(ids) * 12 // 2
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"norm_refresh": 1}, {"norm_refresh": 1000}, {"explore_max": 4096}, {"trusted": 1}],
+    ids=["norms-every-fit", "norms-stale", "random-samples-after-a-miss", "trusted-one"],
+)
+def test_ranking_settings_change_speed_never_the_answer(settings, monkeypatch):
+    """Stale row norms in the secant ranking, random samples after a miss, a one-candidate first batch: the order of
+    verification changes, the recovered ids and flags do not (every candidate is verified)."""
+    import importlib
+
+    policies = importlib.import_module("lminvert.invert.policies")
+
+    class Variant(policies.LinearPolicy):
+        def __init__(self, **kw):
+            super().__init__(**{**settings, **kw})
+
+    model = lminvert.load_model("tiny-llama")
+    ids = [[17, 4021, 3300, 17, 5, 912, 64, 64, 7, 30000], [3, 2, 1, 48000]]
+    states = encode(model, ids, 2)
+    default = invert(model, states)
+    monkeypatch.setitem(policies.POLICIES, "linear", Variant)
+    varied = invert(model, states)
+    assert [r.token_ids for r in default] == [r.token_ids for r in varied] == ids
+    assert [r.uncertain_positions for r in varied] == [[], []]
+
+
+def test_a_trusted_first_batch_is_sized_by_the_last_ranks():
+    from lminvert.invert.policies import RECENT, LinearPolicy
+
+    policy = LinearPolicy(trusted=8)
+    assert policy._trusted_size() == 8  # no history yet
+    order = torch.arange(100)
+    for token in [0, 1, 0][:RECENT]:  # the recovered tokens were the proposal's 1st, 2nd, 1st
+        policy._lm_order = order
+        policy.accepted(1, token)
+    assert policy._trusted_size() == 2
+    policy._lm_order = order
+    policy.accepted(1, 5)  # a 6th: the next power of two above it
+    assert policy._trusted_size() == 8
+    policy._lm_order = order
+    policy.accepted(1, 99)  # not in the top 4 * first: the cap
+    assert policy._trusted_size() == 8
