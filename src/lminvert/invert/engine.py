@@ -31,7 +31,7 @@ from .proposal import NextTokenPrior
 from .reading import reading_map
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
-from .tables import first_position_table
+from .tables import first_position_table, squared_norms
 from .tolerance import calibrate
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ def invert_prompts(
         table=table,
         ties=ties or {},
         scale=config.batch_scale or batch_scale(device, len(states)),
+        table_norms=None if table is None else squared_norms(model, f"table-{layer.name}", table),
     )
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)

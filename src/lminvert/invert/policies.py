@@ -98,14 +98,17 @@ class TablePolicy(Policy):
 
     name = "table"
 
-    def __init__(self, table: torch.Tensor, first: int = 8, batch: int = 1024) -> None:
+    def __init__(
+        self, table: torch.Tensor, first: int = 8, batch: int = 1024, norms: torch.Tensor | None = None
+    ) -> None:
         self.table, self.first, self.batch = table, first, batch
+        self.norms = norms if norms is not None else table.square().sum(1)  # give them when the table is reused
         self._order: torch.Tensor | None = None
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         if not ctx.ids:  # squared distances by one matrix-vector product (torch.cdist is far slower on a CPU)
             target = ctx.target.float()
-            self._order = (self.table.square().sum(1) - 2.0 * (self.table @ target)).argsort()
+            self._order = (self.norms - 2.0 * (self.table @ target)).argsort()
         assert self._order is not None
         size = min(self.batch, self.first * 4 ** len(ctx.ids)) * ctx.scale
         return ctx.unseen(self._order, size)

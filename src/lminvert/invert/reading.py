@@ -24,7 +24,7 @@ from ..errors import LminvertError
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .secant import fit_secant_map
-from .tables import cached
+from .tables import cached, squared_norms
 
 log = logging.getLogger(__name__)
 
@@ -74,5 +74,5 @@ def reading_orders(model: LoadedModel, weights: torch.Tensor, states: torch.Tens
     map's prediction from the observed ``states`` ``[T, d]`` (nearest first)."""
     vocab = model.probe.vocab_matrix(torch.float32)
     predicted = features(states.to(vocab.device)).float() @ weights
-    score = vocab.square().sum(1)[None] - 2.0 * predicted @ vocab.T  # ||e_v - p||^2 - ||p||^2
+    score = squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted @ vocab.T  # ||e_v - p||^2 - ||p||^2
     return score.topk(depth, dim=1, largest=False).indices

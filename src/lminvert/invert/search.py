@@ -88,6 +88,7 @@ class Settings:
     table: torch.Tensor | None  # first-position table (position 0), if used
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
+    table_norms: torch.Tensor | None = None  # the table's squared row norms (computed once per loaded model)
 
 
 class PromptSearch:
@@ -137,7 +138,8 @@ class PromptSearch:
             probe, prefix, row, target, self.radius, t, self.generator, next_tokens, scale=self.settings.scale
         )
         table = self.settings.table
-        self.active = TablePolicy(table) if (t == 0 and table is not None) else self.policy
+        first = t == 0 and table is not None
+        self.active = TablePolicy(table, norms=self.settings.table_norms) if first else self.policy
         self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state
         self.chosen, self.ambiguous, self.exhausted = None, False, False
         self.unseparated = False  # accepted in a regime where the ball can hold other tokens, without a decisive match
