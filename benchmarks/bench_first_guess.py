@@ -29,7 +29,7 @@ def main() -> None:
         for i, (p, states) in enumerate(zip(prompts, observed, strict=True)):
             read = reading_orders(model, weights, states, 1)[1:, 0].tolist()
             for t in range(1, len(p.ids)):
-                guess, seen = int(prior._orders[i][t - 1, 0]), read[t - 1]
+                guess, seen = int(prior.orders(t)[i, 0]), read[t - 1]
                 row = counts.setdefault(p.kind, [0, 0, 0, 0])
                 row[0] += 1
                 row[1] += guess == p.ids[t]

@@ -242,7 +242,7 @@ class LinearPolicy(Policy):
         self._J: torch.Tensor | None = None
         self._P_sq: torch.Tensor | None = None  # squared row norms of vocab @ J  [V]
         self._fits = 0  # fits since the norms were last computed
-        self._prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (J, P, P_sq), set by prepare()
+        self._prior: tuple[torch.Tensor, torch.Tensor] | None = None  # (J, P_sq) at position 1, set by prepare()
 
     @property
     def uses_next_tokens(self) -> bool:  # type: ignore[override]
@@ -260,7 +260,7 @@ class LinearPolicy(Policy):
     def begin_prompt(self, states: torch.Tensor) -> None:
         self._pool, self._J, self._P_sq, self._fits = [], None, None, 0
         if self._prior is not None:
-            self._J, _, self._P_sq = self._prior
+            self._J, self._P_sq = self._prior
         self._lm_share = 1.0
         self._recent = []
 

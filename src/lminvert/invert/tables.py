@@ -107,12 +107,11 @@ def second_position_map(
     return cached(model, layer, "position1-map", build)
 
 
-def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(J, E @ J, row norms²)`` of the position-1 map: the linear policy's starting ranking, computed once per
-    loaded model and layer (|V|·d² flops) and kept in memory."""
+def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(J, ||e_v J||² for every v)`` of the position-1 map: the linear policy's starting ranking, computed once
+    per loaded model and layer (|V|·d² flops) and kept in memory (the ranking needs only the norms and ``J``)."""
     key = ("position1-projection", int(layer), model.dtype)
     if key not in model.memo:
         jac = second_position_map(model, layer)
-        proj = model.probe.vocab_matrix(torch.float32) @ jac.float()
-        model.memo[key] = (jac, proj, proj.square().sum(1))
+        model.memo[key] = (jac, (model.probe.vocab_matrix(torch.float32) @ jac.float()).square().sum(1))
     return model.memo[key]
