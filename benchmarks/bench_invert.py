@@ -7,7 +7,10 @@
 Prints one table per layer and writes everything to --out (JSON). Figures are measured here, not asserted.
 Columns: exact prompts; median and mean seconds per prompt; max/med: the slowest prompt over the median; med c/p and
 mean c/p: candidates verified per position; explored: mean share of the vocabulary; wrong: positions recovered
-wrong without an uncertain flag (must be 0); % r/v/e/o: time in ranking / verification / prefix extension / other.
+wrong without an uncertain flag (must be 0); med fwd: median forwards per prompt (verification, confirmation, prefix
+extension: on a GPU the sequential rounds that set the time); spec: share of positions decided from a chain of first
+guesses (speculative verification); % r/v/e/o: time in ranking / verification / prefix extension / other.
+A policy ``linear-`` is ``linear`` without speculation, ``linear@16`` with candidate batches 16x a CPU's.
 
     python benchmarks/bench_invert.py --layers 0,3,6,9,12,15,18,21,24,27,30 --bruteforce 0 --baseline 0   # depth
     python benchmarks/bench_invert.py --layers 15 --long 500 --bruteforce 0 --baseline 0   # cost against length
@@ -109,7 +112,8 @@ def main() -> int:
             entry["verification_ms"] = _verification_cost(models, layer, list(prompts[0].ids))
         print(
             f"  {'method':<18} {'exact':>7} {'median s':>9} {'mean s':>8} {'max/med':>7} {'med c/p':>8} "
-            f"{'mean c/p':>9} {'explored':>9} {'wrong':>5} {'unc':>4} {'conf/p':>6} {'% r/v/e/o':>12}  by kind"
+            f"{'mean c/p':>9} {'explored':>9} {'wrong':>5} {'unc':>4} {'conf/p':>6} {'med fwd':>7} {'spec':>5} "
+            f"{'% r/v/e/o':>12}  by kind"
         )
         encoded = {dtype: encode(m, [list(p.ids) for p in prompts], layer) for dtype, m in models.items()}
         for policy in args.policies.split(","):
@@ -250,9 +254,10 @@ def _verification_cost(models, layer, ids, batch=64, reps=5) -> dict:
 
 
 def _policy(spec: str) -> dict:
-    """``linear`` or ``linear@16`` (candidate batches 16x a CPU's, whatever the device) as invert() arguments."""
+    """``linear``, ``linear@16`` (candidate batches 16x a CPU's, whatever the device) or ``linear-`` (no speculative
+    verification) as invert() arguments."""
     name, _, scale = spec.partition("@")
-    return {"policy": name, "batch_scale": int(scale) if scale else None}
+    return {"policy": name.rstrip("-"), "batch_scale": int(scale) if scale else None, "speculate": name[-1:] != "-"}
 
 
 def _together(model, layer, args) -> dict:
@@ -319,6 +324,9 @@ def _summarise(results, prompts) -> dict:
         "explored_fraction": statistics.mean(cands) / vocab,
         "uncertain_positions": sum(len(r.uncertain_positions) for r in results),
         "confirmed_per_position": statistics.mean(p.confirmed for r in results for p in r.positions),
+        "median_forwards": statistics.median(r.forwards for r in results),
+        "forwards": [r.forwards for r in results],
+        "speculated_fraction": statistics.mean(p.speculated for r in results for p in r.positions),
         "by_kind": {
             k: {
                 "exact": sum(o for o, _, _ in v),
@@ -343,7 +351,8 @@ def _print_row(name: str, rows: dict) -> None:
         f"{rows['max_over_median_seconds']:>6.1f}x {rows['median_candidates_per_position']:>8.0f} "
         f"{rows['mean_candidates_per_position']:>9.1f} {100 * rows['explored_fraction']:>8.3f}% "
         f"{rows['wrong_but_confident_positions']:>5} {rows['uncertain_positions']:>4} "
-        f"{rows['confirmed_per_position']:>6.2f} {split:>12}  {kinds}"
+        f"{rows['confirmed_per_position']:>6.2f} {rows['median_forwards']:>7.0f} "
+        f"{100 * rows['speculated_fraction']:>4.0f}% {split:>12}  {kinds}"
     )
 
 

@@ -45,6 +45,7 @@ def invert(
     progress: bool = False,
     executor: str | Executor | None = None,
     batch_scale: int | None = None,
+    speculate: bool = True,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -59,7 +60,9 @@ def invert(
     model once; see :func:`lminvert.executors.get_executor`). ``batch_scale``: candidate batches this many times
     a CPU's (default by device and by how many prompts are inverted together: 16 on CUDA for one prompt, where a
     verification forward costs about the same for 1 or 1,024 candidates; see
-    :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer.
+    :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer. ``speculate``: verify the
+    next positions' first guesses in the same forward as a position's first candidates
+    (:mod:`lminvert.invert.speculation`); speed only, never the answer.
 
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
@@ -101,6 +104,7 @@ def invert(
         seed=seed,
         progress=progress,
         batch_scale=batch_scale,
+        speculate=speculate,
     )
     generator = torch.Generator().manual_seed(seed + 1)
     ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}

@@ -47,6 +47,7 @@ class PositionContext:
     ids: list[torch.Tensor] = field(default_factory=list)  # verified ids, per batch
     states: list[torch.Tensor] = field(default_factory=list)  # their verified states (float32), per batch
     dists: list[torch.Tensor] = field(default_factory=list)  # their distances to target (wide dtype), per batch
+    given: int = 0  # batches recorded that no policy proposed (a chain's state: :mod:`.speculation`)
     best_id: int = -1
     best_dist: float = float("inf")
     best_state: torch.Tensor | None = None
@@ -61,6 +62,11 @@ class PositionContext:
     @property
     def checked(self) -> int:
         return int(sum(len(i) for i in self.ids))
+
+    @property
+    def rounds(self) -> int:
+        """Batches the policy proposed at this position so far."""
+        return len(self.ids) - self.given
 
     @property
     def accepted(self) -> bool:
@@ -79,7 +85,9 @@ class PositionContext:
         wide = wide_dtype(self.device)
         return (states.to(wide) - self.target.to(wide)).norm(dim=1)
 
-    def record(self, ids: torch.Tensor, states: torch.Tensor, dists: torch.Tensor) -> None:
+    def record(self, ids: torch.Tensor, states: torch.Tensor, dists: torch.Tensor, given: bool = False) -> None:
+        """Verified ``ids``: their states and distances (``given``: not proposed by the policy)."""
+        self.given += given
         self.seen[ids] = True
         self.ids.append(ids)
         self.states.append(states)

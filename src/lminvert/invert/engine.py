@@ -31,6 +31,7 @@ from .proposal import NextTokenPrior
 from .reading import reading_map
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
+from .speculation import Speculator
 from .tables import first_position_table, squared_norms
 from .tolerance import calibrate
 
@@ -59,6 +60,7 @@ class InvertConfig:
     noise: float = 0.0  # relative Gaussian noise level the states carry (widens the acceptance tolerance)
     seed: int = 0
     progress: bool = False
+    speculate: bool = True  # verify the next positions' first guesses in chains (:mod:`.speculation`; speed only)
     batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
 
 
@@ -147,6 +149,9 @@ def invert_prompts(
         start_prior = time.perf_counter()
         prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
+        if config.speculate:
+            for i, search in enumerate(searches):
+                search.speculator = Speculator(prior.firsts(i), settings.scale)
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
     prefix = probe.prefixes([[]] * len(live), layer)
     t = 0
@@ -164,10 +169,11 @@ def invert_prompts(
         if keep:
             shared = time.perf_counter()
             prefix = probe.select(prefix, keep)
-            prefix = _advance(probe, prefix, [tokens[row] for row in keep], [group[row] for row in keep])
+            prefix, forward = _advance(probe, prefix, [tokens[row] for row in keep], [group[row] for row in keep])
             shared = (time.perf_counter() - shared) / len(keep)
             for row in keep:
                 group[row].clock.add("extension", shared)
+                group[row].clock.forwards += forward
             if prior is not None:
                 prior.select(keep)
         for i, search in zip(live, group, strict=True):
@@ -227,17 +233,101 @@ def _verify(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Te
     return Verified(torch.cat(states).float(), tuple(chunks))
 
 
-def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: list[PromptSearch]) -> Prefix:
+def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: list[PromptSearch]) -> tuple[Prefix, bool]:
     """The prefix grown by each row's decided token: from the keys and values its verification computed when every
-    row has them (no forward), else by one forward (position 0, or a token decided outside the ball)."""
+    row has them (no forward), else by one forward (position 0, or a token decided outside the ball); and whether a
+    forward ran."""
     kept = [search.keys.get(token) for search, token in zip(searches, tokens, strict=True)]
     if prefix.cache is not None and all(k is not None for k in kept):
-        return probe.advance_from(prefix, tokens, NewKeys.stack([k for k in kept if k is not None]))
-    return probe.advance_rows(prefix, tokens)[0]
+        return probe.advance_from(prefix, tokens, NewKeys.stack([k for k in kept if k is not None])), False
+    return probe.advance_rows(prefix, tokens)[0], True
+
+
+def _given(search: PromptSearch) -> None:
+    """Record the state a chain verified for the search's position earlier (:mod:`.speculation`), if any."""
+    if search.speculator is None or (entry := search.speculator.take()) is None:
+        return
+    token, state, keys = entry
+    with search.clock("verification"):
+        ids = torch.tensor([token], device=state.device)
+        search.record(ids, state[None], given=True)
+        if search.inside_last():
+            search.keep_keys(ids, [keys])
+
+
+def _tail(search: PromptSearch, ids: torch.Tensor) -> list[int] | None:
+    """The guesses that should follow each candidate of the search's first batch ``ids`` in a chain, or None."""
+    ctx = search.ctx
+    if search.speculator is None or ctx is None or ctx.rounds > 0:
+        return None
+    return search.speculator.tail(ctx.position, search.length, len(ids))
+
+
+def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], proposals: list) -> None:
+    """Verify the proposed batches ``(row, ids)`` of every prompt: one-token continuations in one batched forward,
+    first batches with chains after them (:mod:`.speculation`) in another; record them, keep the keys of candidates
+    inside the ball."""
+    chained = [(row, ids, tail) for row, ids in proposals if (tail := _tail(group[row], ids)) is not None]
+    longest = 1 + max((len(tail) for _, _, tail in chained), default=0)
+    if sum(len(ids) for _, ids, _ in chained) * (prefix.length + longest) > POSITIONS:  # too many copied keys
+        chained = []
+    plain = [(row, ids) for row, ids in proposals if row not in {c[0] for c in chained}]
+    if plain:
+        ids = torch.cat([p[1] for p in plain])
+        rows = None
+        if prefix.size > 1:
+            rows = torch.cat([torch.full((len(p[1]),), p[0], device=ids.device) for p in plain])
+        start = time.perf_counter()
+        verified = _verify(probe, prefix, ids, rows)
+        share = (time.perf_counter() - start) / len(plain)
+        offset = 0
+        for (row, mine), part in zip(plain, verified.states.split([len(p[1]) for p in plain]), strict=True):
+            with group[row].clock("verification"):
+                group[row].record(mine, part)
+                inside = group[row].inside_last()  # this batch's rows inside the ball: keep their keys
+                group[row].keep_keys(mine[inside], verified.keys([offset + i for i in inside]))
+            group[row].clock.add("verification", share)
+            group[row].clock.forwards += len(verified.chunks)
+            offset += len(mine)
+    if chained:
+        _verify_chains(probe, prefix, group, chained)
+
+
+def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], chained: list) -> None:
+    """First batches ``(row, ids, tail)``, every candidate followed by its prompt's ``tail``, in one forward (tails
+    shorter than the longest are padded with their last token, whose states are not read)."""
+    size = 1 + max(len(tail) for _, _, tail in chained)
+    chains = [[token, *tail, *tail[-1:] * (size - 1 - len(tail))] for _, ids, tail in chained for token in ids.tolist()]
+    rows = None
+    if prefix.size > 1:
+        rows = torch.cat([torch.full((len(ids),), row, device=probe.device) for row, ids, _ in chained])
+    start = time.perf_counter()
+    states, new = probe.chains(prefix, torch.tensor(chains, device=probe.device), rows)
+    states = states.float()
+    share = (time.perf_counter() - start) / len(chained)
+    offset = 0
+    for row, ids, tail in chained:
+        search = group[row]
+        assert search.speculator is not None
+        mine = range(offset, offset + len(ids))
+        keys = [None] * len(ids) if new is None else [new.take(torch.tensor([i], device=probe.device)) for i in mine]
+        per = [[None if k is None else k.at(j) for j in range(1 + len(tail))] for k in keys]
+        with search.clock("verification"):
+            search.record(ids, states[offset : offset + len(ids), 0])
+            inside = search.inside_last()
+            search.keep_keys(ids[inside], [per[i][0] for i in inside])
+            search.speculator.store(
+                ids.tolist(), tail, states[offset : offset + len(ids), 1 : 1 + len(tail)], [p[1:] for p in per]
+            )
+        search.clock.add("verification", share)
+        search.clock.forwards += 1
+        offset += len(ids)
 
 
 def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: list[PromptSearch]) -> None:
     """Verify and confirm candidates of every prompt in ``group`` at the current position until all are decided."""
+    for search in group:
+        _given(search)
     pending = list(range(len(group)))  # rows still searching
     while pending:
         proposals = []
@@ -248,23 +338,10 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
                 if ids is not None:
                     proposals.append((row, ids))
         if proposals:
-            ids = torch.cat([p[1] for p in proposals])
-            rows = None
-            if prefix.size > 1:
-                rows = torch.cat([torch.full((len(p[1]),), p[0], device=ids.device) for p in proposals])
-            start = time.perf_counter()
-            verified = _verify(probe, prefix, ids, rows)
-            share = (time.perf_counter() - start) / len(proposals)
-            offset = 0
-            for (row, mine), part in zip(proposals, verified.states.split([len(p[1]) for p in proposals]), strict=True):
-                with group[row].clock("verification"):
-                    group[row].record(mine, part)
-                    inside = group[row].inside_last()  # this batch's rows inside the ball: keep their keys
-                    group[row].keep_keys(mine[inside], verified.keys([offset + i for i in inside]))
-                group[row].clock.add("verification", share)
-                offset += len(mine)
+            _verify_proposals(probe, prefix, group, proposals)
         for row in [row for row in pending if group[row].to_confirm]:  # plain forwards, shaped like each observation
             search = group[row]
+            search.clock.forwards += len(search.to_confirm)
             with search.clock("verification"):
                 search.confirm(list(search.to_confirm), _plain_states(probe, layer, prefix, row, search))
         pending = [row for row in pending if not group[row].done]

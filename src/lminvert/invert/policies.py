@@ -89,7 +89,7 @@ class RandomPolicy(Policy):
         self.batch, self.first = batch, first
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
-        size = min(self.batch, self.first * 2 ** len(ctx.ids))
+        size = min(self.batch, self.first * 2**ctx.rounds)
         return _remaining(ctx, ctx.generator, size)
 
 
@@ -106,11 +106,11 @@ class TablePolicy(Policy):
         self._order: torch.Tensor | None = None
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
-        if not ctx.ids:  # squared distances by one matrix-vector product (torch.cdist is far slower on a CPU)
+        if not ctx.rounds:  # squared distances by one matrix-vector product (torch.cdist is far slower on a CPU)
             target = ctx.target.float()
             self._order = (self.norms - 2.0 * (self.table @ target)).argsort()
         assert self._order is not None
-        size = min(self.batch, self.first * 4 ** len(ctx.ids)) * ctx.scale
+        size = min(self.batch, self.first * 4**ctx.rounds) * ctx.scale
         return ctx.unseen(self._order, size)
 
 
@@ -146,7 +146,7 @@ class GradientPolicy(Policy):
         self._opt = torch.optim.Adam([self._x], lr=self.lr)
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
-        rounds = len(ctx.ids)
+        rounds = ctx.rounds
         if rounds >= self.max_rounds:
             return _remaining(ctx, ctx.generator, self.batch)
         if rounds == 0:
@@ -305,7 +305,7 @@ class LinearPolicy(Policy):
         return score.argsort()
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
-        rounds = len(ctx.ids)
+        rounds = ctx.rounds
         if rounds == 0:
             self._fitted_on = 0
             self._lm_order = ctx.next_tokens if self.lm_prior else None
@@ -345,6 +345,8 @@ class LinearPolicy(Policy):
 
     def end_position(self, ctx: PositionContext) -> None:
         self._pool = [*self._pool, self._centred(ctx)][-self.memory :]
+        if self.lm_prior and self._lm_order is None:  # decided before the policy proposed (:mod:`.speculation`)
+            self._lm_order = ctx.next_tokens  # the prior's record still learns from it
 
     def accepted(self, position: int, token_id: int) -> None:
         if self._lm_order is not None:  # how well did the prior rank this token? (random ids: badly)

@@ -54,6 +54,7 @@ class NextTokenPrior:
         self.depth = min(depth, probe.vocab_size)
         self.rows = list(range(len(observed)))  # which prompts are still being inverted
         self._orders: list[torch.Tensor] = []  # per prompt [T_i - 1, depth]: the order for positions 1..T_i-1
+        self._firsts: list[list[list[int]]] = []  # per prompt and position 1..T_i-1: each source's first guess
         per_batch = max(1, TOKENS // max(1, max(len(s) for s in observed)))
         for first in range(0, len(observed), per_batch):
             group = list(observed[first : first + per_batch])
@@ -65,10 +66,13 @@ class NextTokenPrior:
             for i, s in enumerate(group):
                 logits = probe.next_token_logits(last[i, : len(s) - 1], normed=True)
                 order = logits.float().topk(self.depth, dim=-1).indices
+                firsts = order[:, :1]
                 if reading is not None:  # what the position's own state reads as, interleaved
-                    read = reading_orders(model, reading, s.to(probe.device), self.depth)[1:]
-                    order = interleave(order, read.to(order.device))
+                    read = reading_orders(model, reading, s.to(probe.device), self.depth)[1:].to(order.device)
+                    firsts = torch.cat([read[:, :1], firsts], dim=1)
+                    order = interleave(order, read)
                 self._orders.append(order)
+                self._firsts.append(firsts.tolist())
 
     def orders(self, position: int) -> torch.Tensor | None:
         """``[rows, depth]``: the most likely tokens at ``position`` of each prompt still inverted (most likely
@@ -76,6 +80,11 @@ class NextTokenPrior:
         if position == 0:
             return None
         return torch.stack([self._orders[i][position - 1] for i in self.rows])
+
+    def firsts(self, prompt: int) -> list[list[int]]:
+        """Prompt ``prompt``'s first guesses at positions 1..T-1 (row ``t - 1``), one per source: the reading map's
+        (when given), then the model's next-token prior's (:mod:`.speculation` verifies them in chains)."""
+        return self._firsts[prompt]
 
     def select(self, keep: Sequence[int]) -> None:
         """Only prompts ``keep`` (indices into the current rows) are inverted from now on."""

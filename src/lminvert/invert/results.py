@@ -33,6 +33,10 @@ class PositionResult:
     confirmed: int = 0  # candidates re-measured by the plain forward at this position
     plain_distance: float | None = None  # the token's plain-forward distance, where it was re-measured
     confirm_tolerance: float | None = None  # the plain forward's acceptance radius
+    speculated: bool = False  # the token's verified state came from a chain of first guesses (one forward, several
+    # positions: :mod:`lminvert.invert.speculation`)
+    forwards: int = 0  # forwards this position waited for (verification, confirmation, prefix extension): on a GPU,
+    # where a forward costs about the same for 1 or 1,024 candidates, the sequential rounds that set the time
     ranking_seconds: float = 0.0  # proposing candidates (fits, ranking, the next-token prior)
     verification_seconds: float = 0.0  # batched forwards of the candidates and their distances
     extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
@@ -57,6 +61,11 @@ class InversionResult:
     @property
     def candidates_checked(self) -> list[int]:
         return [p.candidates_checked for p in self.positions]
+
+    @property
+    def forwards(self) -> int:
+        """Forwards the prompt waited for, all positions (shared with the prompts inverted together)."""
+        return sum(p.forwards for p in self.positions)
 
     @property
     def distances(self) -> list[float]:
@@ -103,6 +112,8 @@ class InversionResult:
             "explored_fraction": self.explored_fraction,
             "time_split": {k: round(v, 4) for k, v in self.time_split.items()},
             "confirmed": [p.confirmed for p in self.positions],
+            "forwards": self.forwards,
+            "speculated_positions": [i for i, p in enumerate(self.positions) if p.speculated],
             "layer": self.layer,
             "model": self.model,
             "method": self.method,

@@ -45,6 +45,7 @@ from ..models import LayerProbe, NewKeys, Prefix
 from .context import PositionContext, wide_dtype
 from .policies import Policy, SweepPolicy, TablePolicy
 from .results import PositionResult
+from .speculation import Speculator
 from .tolerance import FLOOR, Calibration, noise_tolerance, norm
 
 SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
@@ -59,6 +60,7 @@ class Clock:
 
     def __init__(self) -> None:
         self.seconds = {"ranking_seconds": 0.0, "verification_seconds": 0.0, "extension_seconds": 0.0}
+        self.forwards = 0  # forwards waited for
 
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[f"{kind}_seconds"] += seconds
@@ -101,8 +103,10 @@ class PromptSearch:
         settings: Settings,
         generator: torch.Generator,
         clean: torch.Tensor | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.targets = targets  # [T, d] float32 on the model's device
+        self.speculator = speculator  # verifies the next positions' first guesses in chains (:mod:`.speculation`)
         self.policy = policy
         self.settings = settings
         self.generator = generator
@@ -146,6 +150,7 @@ class PromptSearch:
         self.searching_on = False  # a separated contender exists, not decisive: looking for a decisive one
         self.to_confirm = []
         self.keys: dict[int, NewKeys] = {}  # keys and values of candidates verified inside the ball (for the prefix)
+        self.given: int | None = None  # the candidate a chain verified here (:mod:`.speculation`)
         self.clock = Clock()
 
     @property
@@ -174,10 +179,12 @@ class PromptSearch:
             return None
         return ids
 
-    def record(self, ids: torch.Tensor, states: torch.Tensor) -> None:
-        """Verified states ``[B, d]`` (float32) of ``ids``."""
+    def record(self, ids: torch.Tensor, states: torch.Tensor, given: bool = False) -> None:
+        """Verified states ``[B, d]`` (float32) of ``ids`` (``given``: a chain's candidate, not the policy's)."""
         assert self.ctx is not None
-        self.ctx.record(ids, states, self.ctx.distances(states))
+        self.ctx.record(ids, states, self.ctx.distances(states), given=given)
+        if given:
+            self.given = int(ids[0])
         if not self.settings.exhaustive:
             self._examine()
 
@@ -267,6 +274,8 @@ class PromptSearch:
             token = min(self.plain, key=self.plain.__getitem__) if self.plain else ctx.best_id
         self.token = token
         self.policy.accepted(ctx.position, token)
+        if self.speculator is not None:
+            self.speculator.decided(ctx.position, token)
         return token
 
     def finish(self) -> PositionResult:
@@ -299,6 +308,8 @@ class PromptSearch:
             confirmed=len(self.plain),
             plain_distance=self.plain.get(token),
             confirm_tolerance=self.confirm_radius,
+            speculated=token == self.given,
+            forwards=self.clock.forwards,
             **self.clock.seconds,
         )
         self.positions.append(result)

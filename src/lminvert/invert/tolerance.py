@@ -10,7 +10,8 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
 * ``cached`` - the largest relative disagreement ``||v - h|| / ||h||`` between the engine's verification ``v`` of
   the true token (all calibration prompts advanced together over one batched prefix cache, the true token among
   0 to 127 random candidates per prompt, so that several batch shapes are seen; on a GPU, where batches are 16x
-  larger, also among 1,023) and the plain forward's state ``h``;
+  larger, also among 1,023) and the plain forward's state ``h``; and of the states of chains (several positions of
+  each prompt in one forward, over prefixes grown from earlier chains' keys and values, as the engine speculates);
 * ``plain`` - the same for a plain forward of prefix + candidate, uncached, several rows at once, *not* shaped like
   the observer's (length t + 1). The engine confirms at the observer's shape, which on the same device reproduces
   the observation exactly; the radius measured here covers observers whose shapes or kernels it cannot reproduce
@@ -36,8 +37,9 @@ from .context import batch_scale
 from .tables import cached
 
 SAFETY = 4.0
-KIND = "calibration2"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
-# verification's own keys and values, as the engine grows them)
+KIND = "calibration3"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
+# verification's own keys and values, as the engine grows them; 3: chains of several positions measured too)
+CHAIN = 4  # positions per chain measured (the engine's speculative verification, :mod:`.speculation`)
 FLOOR = float(torch.finfo(torch.float32).eps)
 
 
@@ -144,12 +146,39 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
         else:  # the true tokens' keys and values from this verification, as the engine grows its prefix
             first = torch.arange(len(prompts), device=new.layers[0][0].device) * ids.shape[1]
             prefix = probe.advance_from(prefix, true.tolist(), new.take(first))
+    cached_rel += _chains(model, layer, prompts, reference)
     return Calibration(
         cached=max(cached_rel, default=0.0),
         plain=max(plain_rel, default=0.0),
         gap=min(gap_rel) if gap_rel else math.inf,
         samples=len(cached_rel),
     )
+
+
+def _chains(model: LoadedModel, layer: Layer, prompts: list[list[int]], reference: list[torch.Tensor]) -> list[float]:
+    """Relative disagreements of chain states (``CHAIN`` true tokens per prompt in one forward) with the plain
+    forward's, the prefix grown by half of each chain from its keys and values."""
+    probe = model.probe
+    found: list[float] = []
+    rows = torch.arange(len(prompts), device=probe.device) if len(prompts) > 1 else None
+    prefix = probe.prefixes([p[:1] for p in prompts], layer)
+    t = 1
+    while t < len(prompts[0]):
+        ids = torch.tensor([p[t : t + CHAIN] for p in prompts], device=probe.device)
+        states, new = probe.chains(prefix, ids, rows)
+        for i in range(len(prompts)):
+            for j in range(ids.shape[1]):
+                h = reference[i][t + j].double()
+                if float(h.norm()) > 0:
+                    found.append(float((states[i, j].double().cpu() - h).norm() / h.norm()))
+        for j in range(max(1, ids.shape[1] // 2)):
+            tokens = ids[:, j].tolist()
+            if new is None:  # no block ran (layer 0): the keys by a forward
+                prefix = probe.advance_rows(prefix, tokens)[0]
+            else:
+                prefix = probe.advance_from(prefix, tokens, new.at(j))
+            t += 1
+    return found
 
 
 def calibrate(model: LoadedModel, layer: Layer) -> Calibration:

@@ -140,6 +140,11 @@ class NewKeys:
         """Rows ``index`` (copies: the batch they came from can be freed)."""
         return NewKeys(tuple((k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers))
 
+    def at(self, position: int) -> NewKeys:
+        """The keys and values of one position of each row (of :meth:`LayerProbe.chains`' several)."""
+        cut = slice(position, position + 1)
+        return NewKeys(tuple((k[:, :, cut], v[:, :, cut]) for k, v in self.layers))
+
     @staticmethod
     def stack(parts: Sequence[NewKeys]) -> NewKeys:
         """Rows of several :class:`NewKeys`, in order."""
@@ -504,7 +509,42 @@ class LayerProbe:
             self.check_ids(token_ids)
             embeds = self.embed(token_ids.reshape(-1))
         assert embeds is not None
-        kwargs: dict = {"inputs_embeds": embeds[:, None, :].to(self.dtype), "use_cache": prefix.cache is not None}
+        out, new = self._continue(prefix, embeds[:, None, :], layers, rows, keys)
+        out = {layer: state[:, 0, :] for layer, state in out.items()}
+        if keys:
+            return out[prefix.layer], new
+        return out[prefix.layer] if layers is None else out
+
+    def chains(
+        self, prefix: Prefix, token_ids: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, NewKeys | None]:
+        """States ``[B, K, d]`` at positions ``prefix.length .. prefix.length + K - 1`` of B continuations of K
+        tokens each (``token_ids`` ``[B, K]``), in one forward over the cached prefix, with their keys and values
+        (``[B, heads, K, head_dim]`` per cached block; :meth:`NewKeys.at` takes one position). Causal attention makes
+        position ``j``'s state that of a one-token continuation of the prefix grown by the row's first ``j`` tokens
+        (rounded differently: the verification radii measure it, :mod:`lminvert.invert.tolerance`). ``rows``: as in
+        :meth:`continuation`."""
+        if token_ids.dim() != 2:
+            raise ValueError("chains takes token ids [B, K]")
+        if (rows is None) != (prefix.size == 1):
+            raise ValueError("give rows (the prefix row of each continuation) exactly when the prefix has several")
+        self.check_ids(token_ids)
+        embeds = self.embed(token_ids.reshape(-1)).reshape(*token_ids.shape, -1)
+        with torch.no_grad():
+            out, new = self._continue(prefix, embeds, None, rows, keys=True)
+        return out[prefix.layer], new
+
+    def _continue(
+        self,
+        prefix: Prefix,
+        embeds: torch.Tensor,
+        layers: Sequence[LayerSpec] | None,
+        rows: torch.Tensor | None,
+        keys: bool,
+    ) -> tuple[dict[Layer, torch.Tensor], NewKeys | None]:
+        """States ``[B, K, d]`` of input vectors ``embeds`` ``[B, K, d]`` appended to the cached prefix (the shared
+        forward of :meth:`continuation` and :meth:`chains`), and with ``keys`` their keys and values."""
+        kwargs: dict = {"inputs_embeds": embeds.to(self.dtype), "use_cache": prefix.cache is not None}
         views: list[_FrozenPrefixLayer] = []
         if prefix.cache is not None:
             index = None if rows is None else rows.to(self.device)
@@ -515,11 +555,10 @@ class LayerProbe:
             raise ValueError("continuation layers must not exceed the prefix's layer")
         with torch.set_grad_enabled(embeds.requires_grad), self._cached_math():
             out = self._forward(wanted, **kwargs)
-        out = {layer: state[:, 0, :] for layer, state in out.items()}
-        if keys:
-            if layers is not None:
-                raise ValueError("keys=True returns the states at the prefix's layer only")
-            computed = [view.new for view in views[: prefix.layer.top_block] if hasattr(view, "new")]
-            complete = bool(views) and len(computed) == prefix.layer.top_block  # layer 0: no block runs
-            return out[prefix.layer], (NewKeys(tuple(computed)) if complete else None)
-        return out[prefix.layer] if layers is None else out
+        if not keys:
+            return out, None
+        if layers is not None:
+            raise ValueError("keys=True returns the states at the prefix's layer only")
+        computed = [view.new for view in views[: prefix.layer.top_block] if hasattr(view, "new")]
+        complete = bool(views) and len(computed) == prefix.layer.top_block  # layer 0: no block runs
+        return out, (NewKeys(tuple(computed)) if complete else None)

@@ -1,0 +1,87 @@
+"""Speculative verification: the first guesses of the next positions verified in the same forward as this position's
+first batch, as speculative decoding verifies a draft.
+
+The proposals of every position are read from the observed states before the search starts (the reading map and the
+model's next-token prior, :mod:`.proposal`), not from the recovered prefix, so at position ``t`` the first guesses
+``g_{t+1}, g_{t+2}, ...`` of the next positions are already known. When the policy proposes its first batch at ``t``
+(a few candidates ``c``), each candidate is verified as a chain ``c, g_{t+1}, .., g_{t+K-1}`` in one forward over the
+cached prefix (:meth:`LayerProbe.chains`): its state at ``t`` is ``c``'s verification, and its state at ``t + j`` is
+that of ``g_{t+j}`` after the prefix grown by ``c, g_{t+1} .. g_{t+j-1}``: the verification the search would run at
+``t + j`` once those tokens are decided. So when ``t`` is decided as one of the chains' first tokens, that chain's
+states are recorded at the next positions as their first verified candidates (without a forward), and the acceptance
+test decides as for any other candidate (:mod:`.search`; the radii are measured on chains too, :mod:`.tolerance`): a
+wrong guess costs time, never the answer. At the first position decided otherwise, the rest is dropped (its states
+followed another prefix). Chain keys and values grow the prefix as a verification's do.
+
+Which guesses, how many: the source (reading map or prior) whose first guesses were right more often in this prompt
+so far (a running rate, each position weighing half); chains of about ``2 / (1 - rate)`` positions, at most
+``TOKENS`` tokens in all per prompt and forward (times the device's batch scale); none while the rate is below
+``MIN_RATE`` (random token ids: after a miss or two). On this project's 2-core CPU a forward's cost grows with the
+tokens it holds (SmolLM2, layer 15: 38 / 51 / 66 / 67 / 87 ms for 1 / 2 / 4 / 8 / 16), on a GPU hardly at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..models import NewKeys
+
+MIN_RATE = 0.5  # no chains while the better source's running rate of right first guesses is below this
+START = 0.25  # the running rates before the first position is decided (one right guess to start chains)
+TOKENS = 16  # chain tokens per prompt and forward (times the device's batch scale)
+
+Entry = tuple[int, torch.Tensor, "NewKeys | None"]  # a chain's (token, verified state, keys and values) at a position
+
+
+class Speculator:
+    """One prompt's chains: which guesses to verify next, and the states chains computed for positions to come."""
+
+    def __init__(self, firsts: list[list[int]], scale: int = 1) -> None:
+        self.firsts = firsts  # row t - 1: each source's first guess at position t
+        self.rates = [START] * (len(firsts[0]) if firsts else 0)
+        self.tokens = TOKENS * scale
+        self.chains: dict[int, list[Entry]] = {}  # first token -> its chain's entries at the next positions
+        self.pending: list[Entry] = []  # the decided chain's entries, next position first
+        self.current: Entry | None = None  # the entry recorded at the position being searched
+
+    def tail(self, position: int, length: int, roots: int) -> list[int] | None:
+        """The guesses at positions ``position + 1 ..`` that should follow each of ``roots`` candidates verified at
+        ``position`` of a prompt of ``length`` positions, or None (no chain)."""
+        if not self.rates or position == 0 or position + 1 >= length:
+            return None
+        rate = max(self.rates)
+        if rate < MIN_RATE:
+            return None
+        wanted = 2.0 / max(1.0 - rate, 1.0 / self.tokens)
+        size = min(length - position, self.tokens // roots, 1 << math.ceil(math.log2(wanted)))
+        if size < 2:
+            return None
+        source = self.rates.index(rate)
+        return [self.firsts[t - 1][source] for t in range(position + 1, position + size)]
+
+    def store(self, roots: list[int], tail: list[int], states: torch.Tensor, keys: list[list[NewKeys | None]]) -> None:
+        """Chains verified from the current position: ``roots`` (its candidates) each followed by ``tail``, their
+        states at the next positions ``[B, K-1, d]`` and keys and values (per root, per position)."""
+        self.chains = {
+            root: [(token, states[i, j], keys[i][j]) for j, token in enumerate(tail)] for i, root in enumerate(roots)
+        }
+
+    def take(self) -> Entry | None:
+        """The decided chain's (token, state, keys) at the position to search now, if any."""
+        self.current = self.pending.pop(0) if self.pending else None
+        return self.current
+
+    def decided(self, position: int, token: int) -> None:
+        """Position ``position`` was decided as ``token``: update the rates; follow the chain that starts (or goes
+        on) with ``token``, drop every other."""
+        if 1 <= position <= len(self.firsts):
+            for source, guess in enumerate(self.firsts[position - 1]):
+                self.rates[source] = 0.5 * self.rates[source] + 0.5 * (guess == token)
+        current, self.current = self.current, None
+        chains, self.chains = self.chains, {}
+        if token in chains:
+            self.pending = chains[token]
+        elif current is None or current[0] != token:
+            self.pending = []

@@ -1,0 +1,105 @@
+"""Chains of first guesses (speculative verification): the chain forward, the speculator's book-keeping, and the
+guarantee that speculation changes speed, never the answer."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import lminvert
+from lminvert.forward import encode
+from lminvert.invert import invert
+from lminvert.invert.speculation import MIN_RATE, Speculator
+
+from ..conftest import TINY
+
+IDS = [17, 4021, 3300, 17, 5, 912, 64, 64, 7, 30000, 12, 9]
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_a_chain_states_each_position_as_a_one_token_continuation(family):
+    """Position j of a chain is the state of its token after the prefix grown by the chain's first j tokens, and its
+    keys and values grow a prefix that verifies later tokens as a forward-grown one does."""
+    model = lminvert.load_model(family)
+    probe = model.probe
+    layer = probe.layer(2)
+    prefix = probe.prefix(IDS[:3], layer)
+    states, new = probe.chains(prefix, torch.tensor([IDS[3:8], IDS[6:11]]), rows=None)
+    assert states.shape == (2, 5, probe.hidden_size) and new is not None
+    for j in range(5):
+        one = probe.continuation(probe.prefix(IDS[:3] + IDS[3 : 3 + j], layer), token_ids=torch.tensor([IDS[3 + j]]))
+        torch.testing.assert_close(states[0, j], one[0], rtol=1e-4, atol=1e-5)
+    grown = probe.prefix(IDS[:3], layer)
+    for j in range(3):
+        grown = probe.advance_from(grown, [IDS[3 + j]], new.take(torch.tensor([0])).at(j))
+    reference = probe.prefix(IDS[:6], layer)
+    later = torch.tensor([IDS[6], 100, 20000])
+    torch.testing.assert_close(
+        probe.continuation(grown, token_ids=later), probe.continuation(reference, token_ids=later), rtol=1e-4, atol=1e-5
+    )
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        probe.chains(prefix, torch.tensor(IDS[3:8]))
+
+
+def test_the_speculator_follows_the_decided_chain_only():
+    firsts = [[t, t + 1] for t in range(100, 120)]  # position t: the sources guess 99 + t and 100 + t
+    spec = Speculator(firsts)
+    assert spec.tail(0, 20, 1) is None  # position 0 is the table's
+    assert spec.tail(3, 20, 1) is None  # no guess has been right yet
+    spec.decided(1, 100)  # the first source's guess was right at position 1
+    tail = spec.tail(3, 20, 2)
+    assert tail is not None and tail[:2] == [103, 104] and 2 * (1 + len(tail)) <= 16
+    states = torch.arange(2 * len(tail) * 3, dtype=torch.float32).reshape(2, len(tail), 3)
+    spec.store([7, 8], tail, states, [[None] * len(tail), [None] * len(tail)])
+    spec.decided(3, 8)  # the second root was the token: its chain's states are the next positions' first candidates
+    token, state, _ = spec.take()
+    assert token == 103 and torch.equal(state, states[1, 0])
+    spec.decided(4, 103)
+    assert spec.take()[0] == 104
+    spec.decided(5, 555)  # the chain guessed wrong here: the rest followed another prefix
+    assert spec.take() is None
+    for position in range(6, 9):  # neither source right: no more chains
+        spec.decided(position, -1)
+    assert max(spec.rates) < MIN_RATE and spec.tail(9, 20, 1) is None
+
+
+def _replace_prior(monkeypatch, ids, guesses: str):
+    """The next-token prior's orders and first guesses replaced: the true token first at every position (``right``),
+    at none (``wrong``), or at all but every fourth (``mixed``: chains run into wrong guesses)."""
+    proposal = importlib.import_module("lminvert.invert.proposal")
+    vocab = 49152
+
+    def guess(t):
+        right = guesses == "right" or (guesses == "mixed" and t % 4)
+        return ids[t] if right else (ids[t] + 1 + t) % vocab
+
+    def orders(self, position):
+        if position == 0:
+            return None
+        rest = torch.tensor([(ids[position] + 7 * k + 3) % vocab for k in range(1, 64)])
+        return torch.cat([torch.tensor([guess(position)]), rest])[None].to(self._orders[0].device)
+
+    monkeypatch.setattr(proposal.NextTokenPrior, "orders", orders)
+    monkeypatch.setattr(proposal.NextTokenPrior, "firsts", lambda self, i: [[guess(t)] for t in range(1, len(ids))])
+
+
+@pytest.mark.parametrize("guesses", ["right", "mixed", "wrong"])
+def test_speculation_changes_speed_never_the_answer(monkeypatch, guesses):
+    model = lminvert.load_model("tiny-llama")
+    states = encode(model, [IDS], 2)
+    _replace_prior(monkeypatch, IDS, guesses)
+    (on,) = invert(model, states)
+    (off,) = invert(model, states, speculate=False)
+    assert on.token_ids == off.token_ids == IDS
+    assert on.uncertain_positions == off.uncertain_positions == []
+    speculated = sum(p.speculated for p in on.positions)
+    assert not any(p.speculated for p in off.positions)
+    if guesses == "right":  # once the guesses have proved right, chains decide most positions without a forward
+        assert speculated >= len(IDS) // 2
+        assert on.forwards < off.forwards
+    elif guesses == "mixed":  # chains ran into wrong guesses: those positions were searched as usual
+        assert 0 < speculated < len(IDS) - len(IDS) // 4
+    else:
+        assert speculated == 0
