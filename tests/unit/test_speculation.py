@@ -11,7 +11,7 @@ import torch
 import lminvert
 from lminvert.forward import encode
 from lminvert.invert import invert
-from lminvert.invert.speculation import MIN_RATE, Speculator
+from lminvert.invert.speculation import MIN_RATE, TOKENS, Speculator
 
 from ..conftest import TINY
 
@@ -50,7 +50,7 @@ def test_the_speculator_follows_the_decided_chain_only():
     assert spec.tail(3, 20, 1) is None  # no guess has been right yet
     spec.decided(1, 100)  # the first source's guess was right at position 1
     tail = spec.tail(3, 20, 2)
-    assert tail is not None and tail[:2] == [103, 104] and 2 * (1 + len(tail)) <= 16
+    assert tail is not None and tail[:2] == [103, 104] and 2 * (1 + len(tail)) <= TOKENS
     states = torch.arange(2 * len(tail) * 3, dtype=torch.float32).reshape(2, len(tail), 3)
     spec.store([7, 8], tail, states, [[None] * len(tail), [None] * len(tail)])
     spec.decided(3, 8)  # the second root was the token: its chain's states are the next positions' first candidates
@@ -67,12 +67,12 @@ def test_the_speculator_follows_the_decided_chain_only():
 
 def _replace_prior(monkeypatch, ids, guesses: str):
     """The next-token prior's orders and first guesses replaced: the true token first at every position (``right``),
-    at none (``wrong``), or at all but every fourth (``mixed``: chains run into wrong guesses)."""
+    at none (``wrong``), or at all but every sixth (``mixed``: chains run into wrong guesses)."""
     proposal = importlib.import_module("lminvert.invert.proposal")
     vocab = 49152
 
     def guess(t):
-        right = guesses == "right" or (guesses == "mixed" and t % 4)
+        right = guesses == "right" or (guesses == "mixed" and t % 6)
         return ids[t] if right else (ids[t] + 1 + t) % vocab
 
     def orders(self, position):
@@ -100,6 +100,6 @@ def test_speculation_changes_speed_never_the_answer(monkeypatch, guesses):
         assert speculated >= len(IDS) // 2
         assert on.forwards < off.forwards
     elif guesses == "mixed":  # chains ran into wrong guesses: those positions were searched as usual
-        assert 0 < speculated < len(IDS) - len(IDS) // 4
+        assert 0 < speculated < len(IDS) - len(IDS) // 6
     else:
         assert speculated == 0

@@ -30,7 +30,7 @@ from ..models import NewKeys
 
 MIN_RATE = 0.5  # no chains while the better source's running rate of right first guesses is below this
 START = 0.25  # the running rates before the first position is decided (one right guess to start chains)
-TOKENS = 16  # chain tokens per prompt and forward (times the device's batch scale)
+TOKENS = 8  # chain tokens per prompt and forward (times the device's batch scale)
 
 Entry = tuple[int, torch.Tensor, "NewKeys | None"]  # a chain's (token, verified state, keys and values) at a position
 
