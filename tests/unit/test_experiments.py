@@ -88,7 +88,10 @@ def test_splits_cover_every_kind_and_chat_prompts_carry_the_template(runs):
 def test_noise_rows_carry_radius_and_noise_norm(runs):
     rows = [r for r in _doc(runs["noise"])["rows"] if r["level"] > 0]
     positions = [q for r in rows for q in r["positions"]]
-    assert positions and all(q["noise_norm"] > 0 and q["certified_radius"] > 0 for q in positions)
+    assert positions and all(q["noise_norm"] > 0 for q in positions)
+    # a position decided from its only verified candidate (e.g. a chain's) has no measured gap: no radius, not inf
+    radii = [q["certified_radius"] for q in positions if q["certified_radius"] is not None]
+    assert radii and all(r > 0 for r in radii)
 
 
 def test_resume_reads_finished_units_and_recomputes_only_missing_ones(runs, tmp_path):

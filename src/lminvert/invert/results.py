@@ -26,7 +26,8 @@ class PositionResult:
     uncertain: bool
     noise_norm: float | None = None
     # half the gap between the accepted state and the nearest other checked state (Theorem 3.2's Delta/2 when
-    # certified_exact: every vocabulary entry was checked); noise below it cannot change the answer
+    # certified_exact: every vocabulary entry was checked); noise below it cannot change the answer. None without
+    # clean states, or when no other candidate was checked (no gap measured: e.g. a position decided by a chain's state)
     certified_radius: float | None = None
     certified_exact: bool = False
     tied_with: tuple[int, ...] = ()  # other tokens with a bit-identical input vector: indistinguishable by any state

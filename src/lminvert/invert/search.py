@@ -292,7 +292,7 @@ class PromptSearch:
             noise_norm = float((ctx.target.to(wide) - self.clean[ctx.position].to(wide)).norm())
             states = ctx.all_states().to(wide)
             gaps = (states[~mine] - states[mine][0]).norm(dim=1)
-            certified = float(gaps.min()) / 2 if gaps.numel() else float("inf")
+            certified = float(gaps.min()) / 2 if gaps.numel() else None  # no other candidate checked: no gap known
         tied = self.settings.ties.get(token, ())
         result = PositionResult(
             token_id=token,
