@@ -249,10 +249,7 @@ def _given(search: PromptSearch) -> None:
         return
     token, state, keys = entry
     with search.clock("verification"):
-        ids = torch.tensor([token], device=state.device)
-        search.record(ids, state[None], given=True)
-        if search.inside_last():
-            search.keep_keys(ids, [keys])
+        search.verified(torch.tensor([token], device=state.device), state[None], lambda _: [keys], given=True)
 
 
 def _tail(search: PromptSearch, ids: torch.Tensor) -> list[int] | None:
@@ -271,21 +268,17 @@ def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearc
     longest = 1 + max((len(tail) for _, _, tail in chained), default=0)
     if sum(len(ids) for _, ids, _ in chained) * (prefix.length + longest) > POSITIONS:  # too many copied keys
         chained = []
-    plain = [(row, ids) for row, ids in proposals if row not in {c[0] for c in chained}]
+    riding = {row for row, _, _ in chained}
+    plain = [(row, ids) for row, ids in proposals if row not in riding]
     if plain:
         ids = torch.cat([p[1] for p in plain])
-        rows = None
-        if prefix.size > 1:
-            rows = torch.cat([torch.full((len(p[1]),), p[0], device=ids.device) for p in plain])
         start = time.perf_counter()
-        verified = _verify(probe, prefix, ids, rows)
+        verified = _verify(probe, prefix, ids, _prefix_rows(prefix, plain, ids.device))
         share = (time.perf_counter() - start) / len(plain)
         offset = 0
         for (row, mine), part in zip(plain, verified.states.split([len(p[1]) for p in plain]), strict=True):
             with group[row].clock("verification"):
-                group[row].record(mine, part)
-                inside = group[row].inside_last()  # this batch's rows inside the ball: keep their keys
-                group[row].keep_keys(mine[inside], verified.keys([offset + i for i in inside]))
+                group[row].verified(mine, part, lambda inside, at=offset: verified.keys([at + i for i in inside]))
             group[row].clock.add("verification", share)
             group[row].clock.forwards += len(verified.chunks)
             offset += len(mine)
@@ -293,14 +286,19 @@ def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearc
         _verify_chains(probe, prefix, group, chained)
 
 
+def _prefix_rows(prefix: Prefix, batches: list, device: torch.device) -> torch.Tensor | None:
+    """The prefix row of every candidate of the batches ``(row, ids, ...)``, in order (None for a one-row prefix)."""
+    if prefix.size == 1:
+        return None
+    return torch.cat([torch.full((len(batch[1]),), batch[0], device=device) for batch in batches])
+
+
 def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], chained: list) -> None:
     """First batches ``(row, ids, tail)``, every candidate followed by its prompt's ``tail``, in one forward (tails
     shorter than the longest are padded with their last token, whose states are not read)."""
     size = 1 + max(len(tail) for _, _, tail in chained)
     chains = [[token, *tail, *tail[-1:] * (size - 1 - len(tail))] for _, ids, tail in chained for token in ids.tolist()]
-    rows = None
-    if prefix.size > 1:
-        rows = torch.cat([torch.full((len(ids),), row, device=probe.device) for row, ids, _ in chained])
+    rows = _prefix_rows(prefix, [(row, ids) for row, ids, _ in chained], probe.device)
     start = time.perf_counter()
     states, new = probe.chains(prefix, torch.tensor(chains, device=probe.device), rows)
     states = states.float()
@@ -312,13 +310,10 @@ def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch],
         mine = range(offset, offset + len(ids))
         keys = [None] * len(ids) if new is None else [new.take(torch.tensor([i], device=probe.device)) for i in mine]
         per = [[None if k is None else k.at(j) for j in range(1 + len(tail))] for k in keys]
+        batch = states[offset : offset + len(ids)]
         with search.clock("verification"):
-            search.record(ids, states[offset : offset + len(ids), 0])
-            inside = search.inside_last()
-            search.keep_keys(ids[inside], [per[i][0] for i in inside])
-            search.speculator.store(
-                ids.tolist(), tail, states[offset : offset + len(ids), 1 : 1 + len(tail)], [p[1:] for p in per]
-            )
+            search.verified(ids, batch[:, 0], lambda inside, per=per: [per[i][0] for i in inside])
+            search.speculator.store(ids.tolist(), tail, batch[:, 1 : 1 + len(tail)], [p[1:] for p in per])
         search.clock.add("verification", share)
         search.clock.forwards += 1
         offset += len(ids)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -103,10 +103,10 @@ class PromptSearch:
         settings: Settings,
         generator: torch.Generator,
         clean: torch.Tensor | None = None,
-        speculator: Speculator | None = None,
     ) -> None:
         self.targets = targets  # [T, d] float32 on the model's device
-        self.speculator = speculator  # verifies the next positions' first guesses in chains (:mod:`.speculation`)
+        # verifies the next positions' first guesses in chains (:mod:`.speculation`); set by the engine with the prior
+        self.speculator: Speculator | None = None
         self.policy = policy
         self.settings = settings
         self.generator = generator
@@ -187,6 +187,20 @@ class PromptSearch:
             self.given = int(ids[0])
         if not self.settings.exhaustive:
             self._examine()
+
+    def verified(
+        self,
+        ids: torch.Tensor,
+        states: torch.Tensor,
+        keys_of: Callable[[list[int]], list[NewKeys | None]],
+        given: bool = False,
+    ) -> None:
+        """Record a verified batch (:meth:`record`) and keep the keys and values of its candidates inside the ball;
+        ``keys_of(indices)``: those of the batch's rows ``indices``."""
+        self.record(ids, states, given)
+        inside = self.inside_last()
+        if inside:
+            self.keep_keys(ids[inside], keys_of(inside))
 
     def inside_last(self) -> list[int]:
         """Indices, in the batch recorded last, of the (at most ``KEEP_KEYS`` closest) candidates inside the ball."""

@@ -166,11 +166,12 @@ def _chains(model: LoadedModel, layer: Layer, prompts: list[list[int]], referenc
     while t < len(prompts[0]):
         ids = torch.tensor([p[t : t + CHAIN] for p in prompts], device=probe.device)
         states, new = probe.chains(prefix, ids, rows)
+        states = states.double().cpu()
         for i in range(len(prompts)):
             for j in range(ids.shape[1]):
                 h = reference[i][t + j].double()
                 if float(h.norm()) > 0:
-                    found.append(float((states[i, j].double().cpu() - h).norm() / h.norm()))
+                    found.append(float((states[i, j] - h).norm() / h.norm()))
         for j in range(max(1, ids.shape[1] // 2)):
             tokens = ids[:, j].tolist()
             if new is None:  # no block ran (layer 0): the keys by a forward
