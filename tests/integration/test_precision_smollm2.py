@@ -49,11 +49,33 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
     (observed,) = encode(model, [text], LAYER).states
     prefix = probe.prefixes([[]], layer)
     for t, token in enumerate(text):
-        asked = SimpleNamespace(to_confirm=[token, (token + 1) % probe.vocab_size], length=len(text))
+        asked = SimpleNamespace(to_confirm=[token, (token + 1) % probe.vocab_size], length=len(text), speculator=None)
         again = _plain_states(probe, layer, prefix, 0, asked)
         assert torch.equal(again[0], observed[t])
         assert not torch.equal(again[1], observed[t])
         prefix, _ = probe.advance_rows(prefix, [token])
+
+
+def test_confirmations_filled_with_first_guesses_save_forwards_never_change_the_answer(monkeypatch):
+    """Where every position is confirmed by a plain forward of the observed length (bfloat16, layer 15: the ball is
+    wider than the gaps between tokens), that forward filled with the next positions' first guesses (not copies of
+    the contender) decides right guesses there without a verification or confirmation of their own. The same ids and
+    no flags with the fill, with copies, and without speculation."""
+    from lminvert.invert.speculation import Speculator
+
+    model = lminvert.load_model("smollm2-135m", dtype="bfloat16")
+    text = model.tokenize("The quick brown fox jumps over the lazy dog near the river bank today.")[:14]
+    states = encode(model, [text], 15)
+    (filled,) = invert(model, states)
+    (off,) = invert(model, states, speculate=False)
+    monkeypatch.setattr(Speculator, "fill", lambda self, position, length: [])
+    (copies,) = invert(model, states)
+    assert filled.token_ids == copies.token_ids == off.token_ids == text
+    assert filled.uncertain_positions == copies.uncertain_positions == off.uncertain_positions == []
+    assert all(p.plain_distance == 0.0 for p in filled.positions)  # each reproduced the observation bit for bit
+    by_fill = [p for p in filled.positions if p.speculated and p.candidates_checked == 1]
+    assert by_fill and all(p.forwards <= 1 for p in by_fill)  # at most the prefix's extension
+    assert filled.forwards < copies.forwards
 
 
 def test_encoded_states_are_what_each_prompt_gives_alone():

@@ -54,15 +54,39 @@ def test_the_speculator_follows_the_decided_chain_only():
     states = torch.arange(2 * len(tail) * 3, dtype=torch.float32).reshape(2, len(tail), 3)
     spec.store([7, 8], tail, states, [[None] * len(tail), [None] * len(tail)])
     spec.decided(3, 8)  # the second root was the token: its chain's states are the next positions' first candidates
-    token, state, _ = spec.take()
-    assert token == 103 and torch.equal(state, states[1, 0])
+    (token, state, _), plain = spec.take()
+    assert token == 103 and torch.equal(state, states[1, 0]) and plain is None
     spec.decided(4, 103)
-    assert spec.take()[0] == 104
+    assert spec.take()[0][0] == 104
     spec.decided(5, 555)  # the chain guessed wrong here: the rest followed another prefix
-    assert spec.take() is None
+    assert spec.take() == (None, None)
     for position in range(6, 9):  # neither source right: no more chains
         spec.decided(position, -1)
     assert max(spec.rates) < MIN_RATE and spec.tail(9, 20, 1) is None
+
+
+def test_the_speculator_keeps_the_plain_states_of_the_confirmed_token_only():
+    """A confirmation's plain forward is filled with the better source's first guesses up to the observed length;
+    their states become the next positions' first candidates if the confirmed contender is the position's token."""
+    firsts = [[t, t + 1] for t in range(100, 120)]  # position t: the sources guess 99 + t and 100 + t
+    spec = Speculator(firsts)
+    assert spec.fill(19, 20) == [] and spec.fill(16, 20) == [116, 117, 118]  # the first source while none was right
+    spec.decided(1, 101)  # the second source was right
+    fill = spec.fill(16, 20)
+    assert fill == [117, 118, 119]
+    states = torch.arange(2 * len(fill) * 3, dtype=torch.float32).reshape(2, len(fill), 3)
+    spec.store_plain(7, fill, states[0])
+    spec.store_plain(8, fill, states[1])
+    spec.decided(16, 8)
+    chained, (token, state, keys) = spec.take()
+    assert chained is None and token == 117 and torch.equal(state, states[1, 0]) and keys is None
+    spec.decided(17, 117)
+    assert spec.take()[1][0] == 118
+    spec.decided(18, 5)  # a wrong guess: the rest is dropped
+    assert spec.take() == (None, None)
+    spec.store_plain(7, fill, states[0])
+    spec.decided(16, 9)  # no confirmed contender was the token
+    assert spec.take() == (None, None)
 
 
 def _replace_prior(monkeypatch, ids, guesses: str):
@@ -86,8 +110,11 @@ def _replace_prior(monkeypatch, ids, guesses: str):
 
 
 @pytest.mark.parametrize("guesses", ["right", "mixed", "wrong"])
-def test_speculation_changes_speed_never_the_answer(monkeypatch, guesses):
-    model = lminvert.load_model("tiny-llama")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_changes_speed_never_the_answer(monkeypatch, guesses, dtype):
+    """In float32 chains of cached verifications speculate; in bfloat16 (every position confirmed by a plain forward)
+    the confirmations' fills as well."""
+    model = lminvert.load_model("tiny-llama", dtype=dtype)
     states = encode(model, [IDS], 2)
     _replace_prior(monkeypatch, IDS, guesses)
     (on,) = invert(model, states)

@@ -244,12 +244,22 @@ def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: lis
 
 
 def _given(search: PromptSearch) -> None:
-    """Record the state a chain verified for the search's position earlier (:mod:`.speculation`), if any."""
-    if search.speculator is None or (entry := search.speculator.take()) is None:
+    """Record the states a chain and a confirmation's plain forward computed for the search's position earlier
+    (:mod:`.speculation`), if any: the same token's once, its plain state with the chain's keys. The plain state only
+    where the position would be confirmed anyway (the ball is not decisive): elsewhere a chain's state decides alone,
+    and its keys grow the prefix without the forward a plain state's token needs."""
+    if search.speculator is None:
         return
-    token, state, keys = entry
+    chained, plain = search.speculator.take()
+    if search.decisive:
+        plain = None
     with search.clock("verification"):
-        search.verified(torch.tensor([token], device=state.device), state[None], lambda _: [keys], given=True)
+        if chained is not None and (plain is None or plain[0] != chained[0]):
+            token, state, keys = chained
+            search.verified(torch.tensor([token], device=state.device), state[None], lambda _: [keys], given=True)
+        if plain is not None:
+            same = chained is not None and chained[0] == plain[0]
+            search.given_plain(plain[0], plain[1], chained[2] if same and chained is not None else None)
 
 
 def _tail(search: PromptSearch, ids: torch.Tensor) -> list[int] | None:
@@ -336,7 +346,7 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
             _verify_proposals(probe, prefix, group, proposals)
         for row in [row for row in pending if group[row].to_confirm]:  # plain forwards, shaped like each observation
             search = group[row]
-            search.clock.forwards += len(search.to_confirm)
+            search.clock.forwards += 1  # one plain forward, however many contenders it holds
             with search.clock("verification"):
                 search.confirm(list(search.to_confirm), _plain_states(probe, layer, prefix, row, search))
         pending = [row for row in pending if not group[row].done]
@@ -344,11 +354,22 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
 
 def _plain_states(probe: LayerProbe, layer: Layer, prefix: Prefix, row: int, search: PromptSearch) -> torch.Tensor:
     """States ``[k, d]`` (float32) at the current position of prefix row ``row`` + each contender ``search`` asks
-    to confirm, by plain forwards shaped like the observer's: one sequence per forward, the whole observed length,
-    the positions after this one filled with the candidate (the model is causal: they cannot change this position's
-    state, but the kernels' shapes then equal the observer's). On the same device, dtype and threads this reproduces
-    the observed state bit for bit; measured on the CPU: an unpadded forward disagrees by up to 4e-2 of the norm in
-    bfloat16, and two sequences in one forward can differ in the last bits in float32 with two threads."""
+    to confirm, by one plain forward shaped like the observer's: each sequence the whole observed length, the
+    positions after this one filled with the candidate (the model is causal: they cannot change this position's state,
+    but the kernels' shapes then equal the observer's). On the same device, dtype and threads this reproduces the
+    observed state bit for bit; measured on the CPU: an unpadded forward disagrees by up to 4e-2 of the norm in
+    bfloat16. The first confirmation of a position holds one sequence, as the observer's forward did; later ones up to
+    ``MAX_CONFIRM`` (SmolLM2, layer 15, this project's CPU, 2 threads: each row of forwards of 2, 8 and 33 such
+    sequences equalled the one-sequence forward bit for bit in float32, bfloat16 and float16; where a device rounds a
+    batch differently, the row stays within the plain radius, calibrated on two-row forwards, and the position is
+    decided by separation or flagged). With a speculator, the fill is the next positions' first guesses instead,
+    whose states it keeps (:mod:`.speculation`)."""
     t = prefix.length
-    rows = [[*prefix.rows[row], c] + [c] * (search.length - t - 1) for c in search.to_confirm]
-    return torch.cat([probe.states(torch.tensor([seq]), [layer])[layer][:, t].float() for seq in rows])
+    speculator = search.speculator
+    fill = speculator.fill(t, search.length) if speculator is not None else []
+    seqs = [[*prefix.rows[row], c, *(fill or [c] * (search.length - t - 1))] for c in search.to_confirm]
+    states = probe.states(torch.tensor(seqs, device=probe.device), [layer])[layer].float()
+    if fill and speculator is not None:
+        for c, row_states in zip(search.to_confirm, states, strict=True):
+            speculator.store_plain(c, fill, row_states[t + 1 :])
+    return states[:, t]

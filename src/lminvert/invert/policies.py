@@ -94,7 +94,9 @@ class RandomPolicy(Policy):
 
 
 class TablePolicy(Policy):
-    """Position 0 only: nearest neighbours of the target in the first-position table."""
+    """Position 0 only: the first-position table's rows closest to the target in angle (in half precision the table,
+    computed one token per sequence, differs from the observer's state most in its norm: :class:`.search.PromptSearch`
+    confirms contenders in the same order)."""
 
     name = "table"
 
@@ -106,9 +108,10 @@ class TablePolicy(Policy):
         self._order: torch.Tensor | None = None
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
-        if not ctx.rounds:  # squared distances by one matrix-vector product (torch.cdist is far slower on a CPU)
-            target = ctx.target.float()
-            self._order = (self.norms - 2.0 * (self.table @ target)).argsort()
+        if not ctx.rounds:  # by angle (one matrix-vector product), not distance: see PromptSearch._contenders
+            self._order = (
+                (self.table @ ctx.target.float()).div_(self.norms.sqrt().clamp_min(1e-30)).argsort(descending=True)
+            )
         assert self._order is not None
         size = min(self.batch, self.first * 4**ctx.rounds) * ctx.scale
         return ctx.unseen(self._order, size)

@@ -13,6 +13,14 @@ test decides as for any other candidate (:mod:`.search`; the radii are measured 
 wrong guess costs time, never the answer. At the first position decided otherwise, the rest is dropped (its states
 followed another prefix). Chain keys and values grow the prefix as a verification's do.
 
+The same guesses ride, for free, on the plain forwards that confirm a contender (:mod:`.search`: in half precision every
+position is confirmed). Such a forward recomputes the observer's whole sequence, shaped like the observer's (the
+prefix, the contender, and tokens up to the observed length, whose states cannot change the contender's): filled with
+the first guesses ``g_{t+1}, ..`` instead of copies of the contender, its states at ``t + 1, ..`` are those the
+observer computed if the contender and the guesses are right, bit for bit where the observer is reproduced. They are
+recorded at the next positions as their first verified candidates *with* their plain distances, so a right guess that
+reproduces the observation is decided without any verification or confirmation forward (:meth:`Speculator.fill`).
+
 Which guesses, how many: the source (reading map or prior) whose first guesses were right more often in this prompt
 so far (a running rate, each position weighing half); chains of about ``2 / (1 - rate)`` positions, at most
 ``TOKENS`` tokens in all per prompt and forward (times the device's batch scale); none while the rate is below
@@ -45,6 +53,10 @@ class Speculator:
         self.chains: dict[int, list[Entry]] = {}  # first token -> its chain's entries at the next positions
         self.pending: list[Entry] = []  # the decided chain's entries, next position first
         self.current: Entry | None = None  # the entry recorded at the position being searched
+        # the same for plain forwards (confirmations): contender -> plain states of the guesses after it
+        self.plain: dict[int, list[Entry]] = {}
+        self.plain_pending: list[Entry] = []
+        self.plain_current: Entry | None = None
 
     def tail(self, position: int, length: int, roots: int) -> list[int] | None:
         """The guesses at positions ``position + 1 ..`` that should follow each of ``roots`` candidates verified at
@@ -61,6 +73,19 @@ class Speculator:
         source = self.rates.index(rate)
         return [self.firsts[t - 1][source] for t in range(position + 1, position + size)]
 
+    def fill(self, position: int, length: int) -> list[int]:
+        """The better source's first guesses at positions ``position + 1 .. length - 1`` (the tokens after a contender
+        in the plain forward that confirms it: free, that forward holds the whole observed length anyway)."""
+        if not self.rates or position + 1 >= length:
+            return []
+        source = self.rates.index(max(self.rates))
+        return [self.firsts[t - 1][source] for t in range(position + 1, length)]
+
+    def store_plain(self, root: int, tail: list[int], states: torch.Tensor) -> None:
+        """The plain forward confirming ``root`` at the current position computed the states ``[len(tail), d]`` of
+        ``tail`` (:meth:`fill`) at the next positions."""
+        self.plain[root] = [(token, states[j], None) for j, token in enumerate(tail)]
+
     def store(self, roots: list[int], tail: list[int], states: torch.Tensor, keys: list[list[NewKeys | None]]) -> None:
         """Chains verified from the current position: ``roots`` (its candidates) each followed by ``tail``, their
         states at the next positions ``[B, K-1, d]`` and keys and values (per root, per position)."""
@@ -68,10 +93,12 @@ class Speculator:
             root: [(token, states[i, j], keys[i][j]) for j, token in enumerate(tail)] for i, root in enumerate(roots)
         }
 
-    def take(self) -> Entry | None:
-        """The decided chain's (token, state, keys) at the position to search now, if any."""
+    def take(self) -> tuple[Entry | None, Entry | None]:
+        """The (token, state, keys) at the position to search now of the decided chain and of the decided contender's
+        plain forward (keys None), each if any."""
         self.current = self.pending.pop(0) if self.pending else None
-        return self.current
+        self.plain_current = self.plain_pending.pop(0) if self.plain_pending else None
+        return self.current, self.plain_current
 
     def decided(self, position: int, token: int) -> None:
         """Position ``position`` was decided as ``token``: update the rates; follow the chain that starts (or goes
@@ -85,3 +112,9 @@ class Speculator:
             self.pending = chains[token]
         elif current is None or current[0] != token:
             self.pending = []
+        current, self.plain_current = self.plain_current, None
+        plain, self.plain = self.plain, {}
+        if token in plain:
+            self.plain_pending = plain[token]
+        elif current is None or current[0] != token:
+            self.plain_pending = []
