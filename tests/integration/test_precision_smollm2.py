@@ -57,19 +57,24 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
 
 
 def test_confirmations_filled_with_first_guesses_save_forwards_never_change_the_answer(monkeypatch):
-    """Where every position is confirmed by a plain forward of the observed length (bfloat16, layer 15: the ball is
-    wider than the gaps between tokens), that forward filled with the next positions' first guesses (not copies of
-    the contender) decides right guesses there without a verification or confirmation of their own. The same ids and
-    no flags with the fill, with copies, and without speculation."""
+    """Where the ball is wider than the smallest gap between tokens' states, every position is confirmed by a plain
+    forward of the observed length (bfloat16 at layers 15 and 30; here layer 6 with the radii widened past the gap, as
+    ``tolerance_scale`` does for states from other hardware). That forward filled with the next positions' first guesses
+    (not copies of the contender) decides right guesses there without a verification or confirmation of their own. The
+    same ids and no flags with the fill, with copies, and without speculation."""
     from lminvert.invert.speculation import Speculator
+    from lminvert.invert.tolerance import SAFETY
 
     model = lminvert.load_model("smollm2-135m", dtype="bfloat16")
     text = model.tokenize("The quick brown fox jumps over the lazy dog near the river bank today.")[:14]
-    states = encode(model, [text], 15)
-    (filled,) = invert(model, states)
-    (off,) = invert(model, states, speculate=False)
+    states = encode(model, [text], LAYER)
+    measured = calibrate(model, model.probe.layer(LAYER))
+    wide = 2 * measured.gap / (SAFETY * measured.cached)
+    assert wide > 1  # the measured radius alone is narrower than the gap here
+    (filled,) = invert(model, states, tolerance_scale=wide)
+    (off,) = invert(model, states, tolerance_scale=wide, speculate=False)
     monkeypatch.setattr(Speculator, "fill", lambda self, position, length: [])
-    (copies,) = invert(model, states)
+    (copies,) = invert(model, states, tolerance_scale=wide)
     assert filled.token_ids == copies.token_ids == off.token_ids == text
     assert filled.uncertain_positions == copies.uncertain_positions == off.uncertain_positions == []
     assert all(p.plain_distance == 0.0 for p in filled.positions)  # each reproduced the observation bit for bit

@@ -255,7 +255,8 @@ class PromptSearch:
         """(id, cached distance) inside the ball, not ruled out by the plain forward, closest in angle first (the
         order of confirmation: half-precision rounding of an attention sink's huge coordinates moves a state's norm
         more than the gaps between tokens' states there, its direction much less; SmolLM2 layer 15, bfloat16, 16
-        first tokens: the true token ranked 0 by angle in every case, 184 and 8,589 by distance in two)."""
+        first tokens: the true token came first by angle in every case; by distance 184 and 8,589 others came first in
+        two)."""
         ctx = self.ctx
         assert ctx is not None
         ids, dists = ctx.all_ids(), ctx.all_dists()
