@@ -89,6 +89,35 @@ def test_cached_continuation_equals_full_forward(tiny, layer):
     assert (first[0] - full[0]).norm() <= 1e-5 * full[0].norm()
 
 
+def test_deferred_tokens_join_the_cache_with_the_next_forward(tiny):
+    """A prefix grown by deferred tokens (no forward) reads as one grown by forwards once caught up (one forward for
+    all of them), or when the next token grows it; a forward over it before that is refused."""
+    probe = tiny.probe
+    ids = _ids(tiny, 8)[0].tolist()
+    reference = probe.prefix(ids[:6], 2)
+    cands = torch.tensor([ids[6], 3, 11])
+    deferred = probe.defer(probe.defer(probe.prefix(ids[:4], 2), [ids[4]]), [ids[5]])
+    assert deferred.behind == 2 and deferred.rows == [ids[:6]]
+    with pytest.raises(ValueError, match="catch_up"):
+        probe.continuation(deferred, token_ids=cands)
+    assert probe.catch_up(deferred) and deferred.behind == 0 and not probe.catch_up(deferred)
+    torch.testing.assert_close(
+        probe.continuation(deferred, token_ids=cands),
+        probe.continuation(reference, token_ids=cands),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    grown = probe.advance_rows(probe.defer(probe.prefix(ids[:5], 2), [ids[5]]), [ids[6]])[0]
+    torch.testing.assert_close(
+        probe.continuation(grown, token_ids=cands[1:]),
+        probe.continuation(probe.prefix(ids[:7], 2), token_ids=cands[1:]),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError, match="empty"):
+        probe.defer(probe.prefix([], 2), [ids[0]])
+
+
 def test_continuation_with_vectors_has_gradient(tiny):
     probe = tiny.probe
     ids = _ids(tiny, 6)[0]

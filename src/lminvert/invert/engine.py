@@ -235,12 +235,27 @@ def _verify(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Te
 
 def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: list[PromptSearch]) -> tuple[Prefix, bool]:
     """The prefix grown by each row's decided token: from the keys and values its verification computed when every
-    row has them (no forward), else by one forward (position 0, or a token decided outside the ball); and whether a
-    forward ran."""
+    row has them (no forward); deferred when every row may decide its next position from a plain forward's state
+    without reading the cache (:meth:`LayerProbe.defer`: the keys are computed with the next forward that needs them,
+    several deferred tokens in one); else by one forward (position 0, or a token decided outside the ball); and
+    whether a forward ran."""
     kept = [search.keys.get(token) for search, token in zip(searches, tokens, strict=True)]
-    if prefix.cache is not None and all(k is not None for k in kept):
+    if prefix.cache is not None and not prefix.behind and all(k is not None for k in kept):
         return probe.advance_from(prefix, tokens, NewKeys.stack([k for k in kept if k is not None])), False
+    if prefix.cache is not None and all(search.may_skip_cache for search in searches):
+        return probe.defer(prefix, tokens), False
     return probe.advance_rows(prefix, tokens)[0], True
+
+
+def _catch_up(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch]) -> None:
+    """The deferred tokens' keys and values into the cache (one forward, counted as every prompt's prefix extension)
+    before a forward reads it."""
+    start = time.perf_counter()
+    if probe.catch_up(prefix):
+        share = (time.perf_counter() - start) / len(group)
+        for search in group:
+            search.clock.add("extension", share)
+            search.clock.forwards += 1
 
 
 def _given(search: PromptSearch) -> None:
@@ -343,6 +358,7 @@ def _search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: lis
                 if ids is not None:
                     proposals.append((row, ids))
         if proposals:
+            _catch_up(probe, prefix, group)
             _verify_proposals(probe, prefix, group, proposals)
         for row in [row for row in pending if group[row].to_confirm]:  # plain forwards, shaped like each observation
             search = group[row]

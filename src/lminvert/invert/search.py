@@ -165,6 +165,13 @@ class PromptSearch:
         return self.radius < self.gap
 
     @property
+    def may_skip_cache(self) -> bool:
+        """After :meth:`decide`: the next position has a plain forward's state of a first guess to test, and it would be
+        tested (the ball is not decisive), so that position may be decided without a forward over the cache."""
+        speculator = self.speculator
+        return speculator is not None and bool(speculator.plain_pending) and not self.decisive
+
+    @property
     def done(self) -> bool:
         return self.chosen is not None or (self.exhausted and not self.to_confirm)
 

@@ -19,7 +19,9 @@ prefix, the contender, and tokens up to the observed length, whose states cannot
 the first guesses ``g_{t+1}, ..`` instead of copies of the contender, its states at ``t + 1, ..`` are those the
 observer computed if the contender and the guesses are right, bit for bit where the observer is reproduced. They are
 recorded at the next positions as their first verified candidates *with* their plain distances, so a right guess that
-reproduces the observation is decided without any verification or confirmation forward (:meth:`Speculator.fill`).
+reproduces the observation is decided without any verification or confirmation forward (:meth:`Speculator.fill`),
+and its keys and values join the prefix's cache with the next forward that needs them, several such tokens in one
+(:meth:`LayerProbe.defer`).
 
 Which guesses, how many: the source (reading map or prior) whose first guesses were right more often in this prompt
 so far (a running rate, each position weighing half); chains of about ``2 / (1 - rate)`` positions, at most

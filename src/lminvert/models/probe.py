@@ -164,6 +164,9 @@ class Prefix:
     rows: list[list[int]]
     layer: Layer
     cache: Cache | None  # None while the prefixes are empty
+    # the rows' last tokens whose keys and values are not in the cache yet (:meth:`LayerProbe.defer`); a forward over
+    # the cache needs them first (:meth:`LayerProbe.catch_up`)
+    behind: int = 0
 
     @property
     def length(self) -> int:
@@ -402,12 +405,35 @@ class LayerProbe:
             raise ValueError(f"one token per prefix row: got {len(token_ids)} for {prefix.size} rows")
         top = Layer(prefix.layer.top_block, self.n_layers)
         cache = prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
-        tensor = torch.tensor([[int(t)] for t in token_ids], device=self.device)
+        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
+        tensor = torch.tensor([row[len(row) - prefix.behind - 1 :] for row in rows], device=self.device)
         self.check_ids(tensor)
         with torch.no_grad(), self._cached_math():
             out = self._forward([top], input_ids=tensor, past_key_values=cache, use_cache=True)
-        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
         return Prefix(rows, prefix.layer, cache), out[top][:, -1]
+
+    def defer(self, prefix: Prefix, token_ids: Sequence[int]) -> Prefix:
+        """Every row grows by its token without a forward: its keys and values join the cache with the next forward
+        that grows it (:meth:`advance_rows` or :meth:`catch_up`), together with any other deferred tokens. For a
+        search that may decide the next positions without reading the cache (from plain forwards' states)."""
+        if prefix.cache is None:
+            raise ValueError("an empty prefix grows by advance_rows")
+        if len(token_ids) != prefix.size:
+            raise ValueError(f"one token per prefix row: got {len(token_ids)} for {prefix.size} rows")
+        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
+        return Prefix(rows, prefix.layer, prefix.cache, prefix.behind + 1)
+
+    def catch_up(self, prefix: Prefix) -> bool:
+        """Put the deferred tokens' keys and values in the cache (one forward; the prefix is updated in place);
+        whether a forward ran."""
+        if not prefix.behind:
+            return False
+        grown, _ = self.advance_rows(
+            Prefix([row[:-1] for row in prefix.rows], prefix.layer, prefix.cache, prefix.behind - 1),
+            [row[-1] for row in prefix.rows],
+        )
+        prefix.cache, prefix.behind = grown.cache, 0
+        return True
 
     def advance_from(self, prefix: Prefix, token_ids: Sequence[int], new: NewKeys) -> Prefix:
         """Every row grows by its token, whose keys and values ``new`` (one row per prefix row) a verification
@@ -415,6 +441,8 @@ class LayerProbe:
         over. Needs a non-empty prefix (an empty one has no cache to verify against: use :meth:`advance_rows`)."""
         if prefix.cache is None:
             raise ValueError("an empty prefix grows by advance_rows (its first token was verified without a cache)")
+        if prefix.behind:
+            raise ValueError("the prefix has deferred tokens: catch_up first")
         if len(token_ids) != prefix.size or new.layers[0][0].shape[0] != prefix.size:
             raise ValueError(f"one token and one row of keys per prefix row ({prefix.size})")
         for block, (keys, values) in enumerate(new.layers):
@@ -428,7 +456,7 @@ class LayerProbe:
             return prefix
         if prefix.cache is not None:
             prefix.cache.batch_select_indices(torch.tensor(list(keep), dtype=torch.long, device=self.device))
-        return Prefix([prefix.rows[i] for i in keep], prefix.layer, prefix.cache)
+        return Prefix([prefix.rows[i] for i in keep], prefix.layer, prefix.cache, prefix.behind)
 
     def final_from(self, states: torch.Tensor, layer: LayerSpec) -> torch.Tensor:
         """The last hidden state (what the LM head reads) ``[B, T, d]`` of sequences whose layer-``layer``
@@ -544,6 +572,8 @@ class LayerProbe:
     ) -> tuple[dict[Layer, torch.Tensor], NewKeys | None]:
         """States ``[B, K, d]`` of input vectors ``embeds`` ``[B, K, d]`` appended to the cached prefix (the shared
         forward of :meth:`continuation` and :meth:`chains`), and with ``keys`` their keys and values."""
+        if prefix.behind:
+            raise ValueError("the prefix has deferred tokens: catch_up first")
         kwargs: dict = {"inputs_embeds": embeds.to(self.dtype), "use_cache": prefix.cache is not None}
         views: list[_FrozenPrefixLayer] = []
         if prefix.cache is not None:
