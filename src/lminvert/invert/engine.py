@@ -268,12 +268,12 @@ def _given(search: PromptSearch) -> None:
     chained, plain = search.speculator.take()
     if search.decisive:
         plain = None
+    same = chained is not None and plain is not None and chained[0] == plain[0]
     with search.clock("verification"):
-        if chained is not None and (plain is None or plain[0] != chained[0]):
+        if chained is not None and not same:
             token, state, keys = chained
             search.verified(torch.tensor([token], device=state.device), state[None], lambda _: [keys], given=True)
         if plain is not None:
-            same = chained is not None and chained[0] == plain[0]
             search.given_plain(plain[0], plain[1], chained[2] if same and chained is not None else None)
 
 

@@ -169,7 +169,7 @@ class PromptSearch:
         """After :meth:`decide`: the next position has a plain forward's state of a first guess to test, and it would be
         tested (the ball is not decisive), so that position may be decided without a forward over the cache."""
         speculator = self.speculator
-        return speculator is not None and bool(speculator.plain_pending) and not self.decisive
+        return speculator is not None and speculator.plain_ahead and not self.decisive
 
     @property
     def done(self) -> bool:
@@ -225,13 +225,10 @@ class PromptSearch:
         whose fill were first guesses: :mod:`.speculation`): recorded as verified with its plain distance (what a
         confirmation would measure), and ``keys`` (a chain's for the same token, if one verified it) kept."""
         assert self.ctx is not None
-        dists = self.ctx.distances(state[None])
-        self.ctx.record(torch.tensor([token], device=state.device), state[None], dists, given=True)
-        self.given, self.plain[token] = token, float(dists[0])
+        self.plain[token] = float(self.ctx.distances(state[None])[0])  # before record examines it: no confirmation
         if keys is not None:
             self.keys[token] = keys
-        if not self.settings.exhaustive:
-            self._examine()
+        self.record(torch.tensor([token], device=state.device), state[None], given=True)
 
     def inside_last(self) -> list[int]:
         """Indices, in the batch recorded last, of the (at most ``KEEP_KEYS`` closest) candidates inside the ball."""
@@ -284,9 +281,8 @@ class PromptSearch:
             return
         if self._collision(contenders):
             return
-        exhaustive = self.settings.exhaustive
         exact = [i for i, _ in contenders if self.plain.get(i, math.inf) <= self.resolution]
-        if exact and not exhaustive:  # it reproduces the observation: another token could only by a collision
+        if exact and not self.settings.exhaustive:  # it reproduces the observation: another could only by a collision
             self.chosen = exact[0]
             return
         unmeasured = [i for i, _ in contenders if i not in self.plain]

@@ -45,20 +45,49 @@ TOKENS = 8  # chain tokens per prompt and forward (times the device's batch scal
 Entry = tuple[int, torch.Tensor, "NewKeys | None"]  # a chain's (token, verified state, keys and values) at a position
 
 
+class _Track:
+    """States computed ahead for the positions to come, from one kind of forward (chains or plain confirmations): per
+    candidate of the current position, its entries at the next positions; once a position is decided, the decided
+    candidate's entries are followed, one per position, until a position is decided as another token."""
+
+    def __init__(self) -> None:
+        self.ahead: dict[int, list[Entry]] = {}  # candidate at the current position -> its entries at the next ones
+        self.pending: list[Entry] = []  # the decided candidate's entries, next position first
+        self.current: Entry | None = None  # the entry taken at the position being searched
+
+    def take(self) -> Entry | None:
+        self.current = self.pending.pop(0) if self.pending else None
+        return self.current
+
+    def decided(self, token: int) -> None:
+        current, self.current = self.current, None
+        ahead, self.ahead = self.ahead, {}
+        if token in ahead:
+            self.pending = ahead[token]
+        elif current is None or current[0] != token:
+            self.pending = []
+
+
 class Speculator:
-    """One prompt's chains: which guesses to verify next, and the states chains computed for positions to come."""
+    """One prompt's chains: which guesses to verify next, and the states chains (and confirmations filled with the
+    guesses) computed for positions to come."""
 
     def __init__(self, firsts: list[list[int]], scale: int = 1) -> None:
         self.firsts = firsts  # row t - 1: each source's first guess at position t
         self.rates = [START] * (len(firsts[0]) if firsts else 0)
         self.tokens = TOKENS * scale
-        self.chains: dict[int, list[Entry]] = {}  # first token -> its chain's entries at the next positions
-        self.pending: list[Entry] = []  # the decided chain's entries, next position first
-        self.current: Entry | None = None  # the entry recorded at the position being searched
-        # the same for plain forwards (confirmations): contender -> plain states of the guesses after it
-        self.plain: dict[int, list[Entry]] = {}
-        self.plain_pending: list[Entry] = []
-        self.plain_current: Entry | None = None
+        self.chains = _Track()  # cached chains' states, with their keys and values
+        self.plain = _Track()  # plain forwards' states (confirmations), without keys
+
+    @property
+    def plain_ahead(self) -> bool:
+        """A plain forward's state waits for the next position."""
+        return bool(self.plain.pending)
+
+    def _guesses(self, start: int, stop: int) -> list[int]:
+        """The better source's first guesses at positions ``start .. stop - 1``."""
+        source = self.rates.index(max(self.rates))
+        return [self.firsts[t - 1][source] for t in range(start, stop)]
 
     def tail(self, position: int, length: int, roots: int) -> list[int] | None:
         """The guesses at positions ``position + 1 ..`` that should follow each of ``roots`` candidates verified at
@@ -72,51 +101,37 @@ class Speculator:
         size = min(length - position, self.tokens // roots, 1 << math.ceil(math.log2(wanted)))
         if size < 2:
             return None
-        source = self.rates.index(rate)
-        return [self.firsts[t - 1][source] for t in range(position + 1, position + size)]
+        return self._guesses(position + 1, position + size)
 
     def fill(self, position: int, length: int) -> list[int]:
         """The better source's first guesses at positions ``position + 1 .. length - 1`` (the tokens after a contender
         in the plain forward that confirms it: free, that forward holds the whole observed length anyway)."""
         if not self.rates or position + 1 >= length:
             return []
-        source = self.rates.index(max(self.rates))
-        return [self.firsts[t - 1][source] for t in range(position + 1, length)]
+        return self._guesses(position + 1, length)
 
     def store_plain(self, root: int, tail: list[int], states: torch.Tensor) -> None:
         """The plain forward confirming ``root`` at the current position computed the states ``[len(tail), d]`` of
         ``tail`` (:meth:`fill`) at the next positions."""
-        self.plain[root] = [(token, states[j], None) for j, token in enumerate(tail)]
+        self.plain.ahead[root] = [(token, states[j], None) for j, token in enumerate(tail)]
 
     def store(self, roots: list[int], tail: list[int], states: torch.Tensor, keys: list[list[NewKeys | None]]) -> None:
         """Chains verified from the current position: ``roots`` (its candidates) each followed by ``tail``, their
         states at the next positions ``[B, K-1, d]`` and keys and values (per root, per position)."""
-        self.chains = {
+        self.chains.ahead = {
             root: [(token, states[i, j], keys[i][j]) for j, token in enumerate(tail)] for i, root in enumerate(roots)
         }
 
     def take(self) -> tuple[Entry | None, Entry | None]:
         """The (token, state, keys) at the position to search now of the decided chain and of the decided contender's
         plain forward (keys None), each if any."""
-        self.current = self.pending.pop(0) if self.pending else None
-        self.plain_current = self.plain_pending.pop(0) if self.plain_pending else None
-        return self.current, self.plain_current
+        return self.chains.take(), self.plain.take()
 
     def decided(self, position: int, token: int) -> None:
-        """Position ``position`` was decided as ``token``: update the rates; follow the chain that starts (or goes
-        on) with ``token``, drop every other."""
+        """Position ``position`` was decided as ``token``: update the rates; follow the chain (and the plain forward)
+        that starts (or goes on) with ``token``, drop every other."""
         if 1 <= position <= len(self.firsts):
             for source, guess in enumerate(self.firsts[position - 1]):
                 self.rates[source] = 0.5 * self.rates[source] + 0.5 * (guess == token)
-        current, self.current = self.current, None
-        chains, self.chains = self.chains, {}
-        if token in chains:
-            self.pending = chains[token]
-        elif current is None or current[0] != token:
-            self.pending = []
-        current, self.plain_current = self.plain_current, None
-        plain, self.plain = self.plain, {}
-        if token in plain:
-            self.plain_pending = plain[token]
-        elif current is None or current[0] != token:
-            self.plain_pending = []
+        self.chains.decided(token)
+        self.plain.decided(token)
