@@ -30,3 +30,31 @@ def test_cached_verification_matches_full_forward_states(smollm2):
     (result,) = invert(smollm2, encode(smollm2, [ids], LAYER))
     assert result.token_ids == ids
     assert all(p.distance <= p.tolerance for p in result.positions)
+
+
+def test_carried_offset_ranks_random_ids_and_never_changes_the_answer(smollm2):
+    """Where the next-token prior fails (random ids), the first batch holds the secant ranking's top few with the
+    offset carried from the previous position: it finds tokens at once somewhere, and the answer is the same without
+    it."""
+    from lminvert.invert.engine import invert_prompts
+    from lminvert.invert.policies import LinearPolicy
+
+    class Recorded(LinearPolicy):
+        def accepted(self, position: int, token_id: int) -> None:
+            if self._carried_order is not None:
+                self.ranks.append(int((self._carried_order == token_id).nonzero()[0, 0]))
+            super().accepted(position, token_id)
+
+    gen = torch.Generator().manual_seed(2)
+    rand = torch.randint(0, smollm2.probe.vocab_size, (12,), generator=gen).tolist()
+    (observed,) = encode(smollm2, [rand], LAYER).states
+    results, ranks = [], []
+    for carried in (16, 0):
+        policy = Recorded(carried=carried)
+        policy.ranks = []
+        results += invert_prompts(smollm2, [observed], LAYER, policies=[policy])
+        ranks.append(policy.ranks)
+    assert [r.token_ids for r in results] == [rand, rand]
+    assert all(r.uncertain_positions == [] for r in results)
+    assert any(rank < 16 for rank in ranks[0])  # the carried ranking had the token in its top 16 somewhere
+    assert ranks[1] == []  # carried=0: never ranked

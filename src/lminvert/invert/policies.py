@@ -29,6 +29,7 @@ from .tables import position1_projection
 log = logging.getLogger(__name__)
 
 TRUSTED = 0.75  # the proposal's recent hit rate above which a position's first batch is its top ``trusted`` alone
+CARRY = 0.5  # the carried ranking's recent hit rate from which its top ``carried`` join a position's first batch
 RECENT = 3  # positions whose ranks size a trusted first batch: the next power of two above their worst rank
 
 
@@ -206,7 +207,16 @@ class LinearPolicy(Policy):
       every refit 1,010 candidates per position on random ids in 137 s, every 4th 1,051 in 106 s; never after the
       first, 1,933;
     * ``reading`` - interleave that order with the reading map's (:mod:`.reading`: the token read linearly from the
-      position's own observed state, a map learnt offline per layer and cached).
+      position's own observed state, a map learnt offline per layer and cached);
+    * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
+      ``carried`` of the secant ranking with the offset carried over from the previous position (the mean of
+      ``h - e_v J`` over its verified pairs: no forward needed to estimate it), and only ``anchors`` random entries
+      instead of ``explore``, while that ranking's recent hit rate (top ``carried``, each position weighing half) is
+      at least ``CARRY``; below it the first batch is as without it, and the ranking is still scored (one
+      matrix-vector product) so that its rate can recover. SmolLM2 layer 15, the 7 benchmark prompts: random-id
+      prompts 41 / 48 -> 22 / 23 forwards (a position took two forwards, the random batch for the offset and the
+      ranked one, now mostly one); at layer 30 the carried offset rarely ranks the token in its top 16 and the rate
+      switches it off.
 
     The whole ranking runs in float32 on the model's device whatever the model's precision (the fits in float64):
     a half-precision model only verifies candidates in its own dtype.
@@ -232,11 +242,14 @@ class LinearPolicy(Policy):
         reading: bool = True,
         trusted: int = 8,
         norm_refresh: int = 4,
+        carried: int = 16,
+        anchors: int = 4,
     ) -> None:
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
         self.fresh, self.explore_max, self.lm_prior, self.reading = fresh, explore_max, lm_prior, reading
         self.trusted, self.norm_refresh = trusted, norm_refresh
+        self.carried, self.anchors = carried, anchors
         self._lm_order: torch.Tensor | None = None
         self._lm_share = 1.0  # recent success of the next-token prior in this prompt (1: always right)
         self._recent: list[int] = []  # ranks of the last RECENT recovered tokens in the proposal's order
@@ -245,6 +258,9 @@ class LinearPolicy(Policy):
         self._J: torch.Tensor | None = None
         self._P_sq: torch.Tensor | None = None  # squared row norms of vocab @ J  [V]
         self._fits = 0  # fits since the norms were last computed
+        self._carried: torch.Tensor | None = None  # the previous position's offset
+        self._carried_order: torch.Tensor | None = None  # this position's ranking with it (for its hit rate)
+        self._carried_share = 1.0  # recent success of that ranking in this prompt
         self._prior: tuple[torch.Tensor, torch.Tensor] | None = None  # (J, P_sq) at position 1, set by prepare()
 
     @property
@@ -266,6 +282,7 @@ class LinearPolicy(Policy):
             self._J, self._P_sq = self._prior
         self._lm_share = 1.0
         self._recent = []
+        self._carried, self._carried_order, self._carried_share = None, None, 1.0
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
@@ -295,17 +312,23 @@ class LinearPolicy(Policy):
             self._fits = 0
         self._fitted_on = ctx.checked
 
-    def _ranking(self, ctx: PositionContext) -> torch.Tensor:
-        assert self._J is not None and self._P_sq is not None
-        vocab, jac = ctx.probe.vocab_matrix(torch.float32), self._J.float()
+    def _offset(self, ctx: PositionContext) -> torch.Tensor:
+        """The offset ``a`` of the linear model at this position: the mean of ``h - e_v J`` over its verified pairs
+        (attention sinks left out)."""
+        assert self._J is not None
         ids, states = ctx.all_ids(), ctx.all_states().float()
         keep = states.norm(dim=1) <= self.outlier * float(ctx.target.norm())
         if keep.any():
             ids, states = ids[keep], states[keep]
-        offset = (states - vocab[ids] @ jac).mean(0)
-        residual = ctx.target.float() - offset
-        score = self._P_sq - 2.0 * (vocab @ (jac @ residual))  # ||e_v J - r||^2 - ||r||^2
-        return score.argsort()
+        return (states - ctx.probe.vocab_matrix(torch.float32)[ids] @ self._J.float()).mean(0)
+
+    def _ranking(self, ctx: PositionContext, offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The vocabulary by predicted distance ``||a + e_v J - h||`` to the target, nearest first (``a``: this
+        position's offset unless given)."""
+        assert self._J is not None and self._P_sq is not None
+        residual = ctx.target.float() - (self._offset(ctx) if offset is None else offset)
+        score = self._P_sq - 2.0 * (ctx.probe.vocab_matrix(torch.float32) @ (self._J.float() @ residual))
+        return score.argsort()  # score: ||e_v J - r||^2 - ||r||^2
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         rounds = ctx.rounds
@@ -316,11 +339,16 @@ class LinearPolicy(Policy):
                 return _remaining(ctx, ctx.generator, self.explore_first * ctx.scale)
             # the prior's likely tokens (as many as it has earned in this prompt), random entries for the rest:
             # both anchor the offset; with an unhelpful prior (random token ids) this is the secant policy's start
-            explore = self.explore * ctx.scale
-            if self._lm_order is not None and self._lm_share >= TRUSTED:  # it keeps hitting: its top few alone
-                explore = self._trusted_size() * ctx.scale
+            trusted = self._lm_order is not None and self._lm_share >= TRUSTED  # it keeps hitting: its top few alone
+            explore = (self._trusted_size() if trusted else self.explore) * ctx.scale
             likely = round(explore * self._lm_share) if self._lm_order is not None else 0
             picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
+            if not trusted and self._carried is not None and self.carried > 0:
+                self._carried_order = self._ranking(ctx, self._carried)
+                if self._carried_share >= CARRY:  # it keeps hitting: its top few, and fewer random anchors
+                    ranked = ctx.unseen(self._carried_order, self.carried * ctx.scale)
+                    picks = torch.cat([picks, ranked[~torch.isin(ranked, picks)]])
+                    explore = len(picks) + self.anchors * ctx.scale
             if len(picks) < explore:
                 extra = _remaining(ctx, ctx.generator, explore)
                 picks = torch.cat([picks, extra[~torch.isin(extra, picks)][: explore - len(picks)]])
@@ -348,10 +376,16 @@ class LinearPolicy(Policy):
 
     def end_position(self, ctx: PositionContext) -> None:
         self._pool = [*self._pool, self._centred(ctx)][-self.memory :]
+        if self._J is not None and self._P_sq is not None and ctx.checked:
+            self._carried = self._offset(ctx)  # the next position's first guess at its offset
         if self.lm_prior and self._lm_order is None:  # decided before the policy proposed (:mod:`.speculation`)
             self._lm_order = ctx.next_tokens  # the prior's record still learns from it
 
     def accepted(self, position: int, token_id: int) -> None:
+        if self._carried_order is not None:  # did the carried ranking have this token in its top few?
+            hit = bool((self._carried_order[: self.carried] == token_id).any())
+            self._carried_share = 0.5 * self._carried_share + 0.5 * hit
+            self._carried_order = None
         if self._lm_order is not None:  # how well did the prior rank this token? (random ids: badly)
             found = (self._lm_order[: 4 * self.first] == token_id).nonzero()
             hit = len(found) > 0
