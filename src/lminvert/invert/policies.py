@@ -260,7 +260,7 @@ class LinearPolicy(Policy):
         self._fits = 0  # fits since the norms were last computed
         self._carried: torch.Tensor | None = None  # the previous position's offset
         self._carried_order: torch.Tensor | None = None  # this position's ranking with it (for its hit rate)
-        self._carried_share = 1.0  # recent success of that ranking in this prompt
+        self._carried_share = 0.0  # recent success of that ranking in this prompt (earned: 0 at first)
         self._prior: tuple[torch.Tensor, torch.Tensor] | None = None  # (J, P_sq) at position 1, set by prepare()
 
     @property
@@ -282,7 +282,7 @@ class LinearPolicy(Policy):
             self._J, self._P_sq = self._prior
         self._lm_share = 1.0
         self._recent = []
-        self._carried, self._carried_order, self._carried_share = None, None, 1.0
+        self._carried, self._carried_order, self._carried_share = None, None, 0.0
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
