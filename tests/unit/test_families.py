@@ -3,6 +3,8 @@ test_probe.py), and an architecture the probe cannot map is a one-line error, ne
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -65,12 +67,13 @@ def _tiny_gpt2() -> GPT2LMHeadModel:
 def test_a_prefix_grown_from_the_verification_keys_equals_one_grown_by_a_forward(name):
     """advance_from (the engine's prefix growth: the decided candidate's keys and values, kept from its verification
     forward) continues exactly like advance_rows (one more forward), on two prefix rows, at the first and last block,
-    over a prefix longer than the tiny Mistral's and Gemma-2's sliding windows (4 tokens)."""
+    over a prefix longer than the tiny Mistral's and Gemma-2's sliding windows (4 tokens), and from the empty prefix
+    (position 0: the cache is created from the keys)."""
     model = lminvert.load_model(name)
     probe = model.probe
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, VOCAB, (2, 9), generator=gen).tolist()
-    for layer in (probe.layer(1), probe.layer(-1)):
+    for length, layer in itertools.product((9, 0), (probe.layer(1), probe.layer(-1))):
+        rows = torch.randint(0, VOCAB, (2, length), generator=gen).tolist()
         grown = probe.prefixes(rows, layer)
         kept = probe.prefixes(rows, layer)
         candidates = torch.randint(0, VOCAB, (6,), generator=gen)

@@ -237,10 +237,10 @@ def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: lis
     """The prefix grown by each row's decided token: from the keys and values its verification computed when every
     row has them (no forward); deferred when every row may decide its next position from a plain forward's state
     without reading the cache (:meth:`LayerProbe.defer`: the keys are computed with the next forward that needs them,
-    several deferred tokens in one); else by one forward (position 0, or a token decided outside the ball); and
-    whether a forward ran."""
+    several deferred tokens in one); else by one forward (a token decided outside the ball; layer 0); and
+    whether a forward ran. At position 0 too: the first verification forward, over an empty prefix, keeps its keys."""
     kept = [search.keys.get(token) for search, token in zip(searches, tokens, strict=True)]
-    if prefix.cache is not None and not prefix.behind and all(k is not None for k in kept):
+    if not prefix.behind and all(k is not None for k in kept):
         return probe.advance_from(prefix, tokens, NewKeys.stack([k for k in kept if k is not None])), False
     if prefix.cache is not None and all(search.may_skip_cache for search in searches):
         return probe.defer(prefix, tokens), False

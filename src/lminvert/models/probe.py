@@ -438,17 +438,18 @@ class LayerProbe:
     def advance_from(self, prefix: Prefix, token_ids: Sequence[int], new: NewKeys) -> Prefix:
         """Every row grows by its token, whose keys and values ``new`` (one row per prefix row) a verification
         forward (:meth:`continuation` with ``keys=True``) already computed: no forward runs. The cache is taken
-        over. Needs a non-empty prefix (an empty one has no cache to verify against: use :meth:`advance_rows`)."""
-        if prefix.cache is None:
-            raise ValueError("an empty prefix grows by advance_rows (its first token was verified without a cache)")
+        over (an empty prefix's is created from ``new``)."""
         if prefix.behind:
             raise ValueError("the prefix has deferred tokens: catch_up first")
         if len(token_ids) != prefix.size or new.layers[0][0].shape[0] != prefix.size:
             raise ValueError(f"one token and one row of keys per prefix row ({prefix.size})")
+        if len(new.layers) != prefix.layer.top_block:
+            raise ValueError(f"keys and values of {prefix.layer.top_block} blocks needed, got {len(new.layers)}")
+        cache = prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
         for block, (keys, values) in enumerate(new.layers):
-            prefix.cache.update(keys, values, block)
+            cache.update(keys, values, block)
         rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
-        return Prefix(rows, prefix.layer, prefix.cache)
+        return Prefix(rows, prefix.layer, cache)
 
     def select(self, prefix: Prefix, keep: Sequence[int]) -> Prefix:
         """Only rows ``keep`` of the prefix (its cache is taken over)."""
@@ -576,10 +577,14 @@ class LayerProbe:
             raise ValueError("the prefix has deferred tokens: catch_up first")
         kwargs: dict = {"inputs_embeds": embeds.to(self.dtype), "use_cache": prefix.cache is not None}
         views: list[_FrozenPrefixLayer] = []
+        fresh: DynamicCache | None = None  # an empty prefix: the continuations' keys and values are collected here
         if prefix.cache is not None:
             index = None if rows is None else rows.to(self.device)
             views = [_FrozenPrefixLayer(layer, index) for layer in prefix.cache.layers]
             kwargs["past_key_values"] = Cache(layers=views)
+        elif keys and layers is None:
+            fresh = DynamicCache(config=self.config)
+            kwargs.update(past_key_values=fresh, use_cache=True)
         wanted = [prefix.layer] if layers is None else self.layers(layers)
         if max(wanted) > prefix.layer and prefix.cache is not None:
             raise ValueError("continuation layers must not exceed the prefix's layer")
@@ -589,6 +594,10 @@ class LayerProbe:
             return out, None
         if layers is not None:
             raise ValueError("keys=True returns the states at the prefix's layer only")
-        computed = [view.new for view in views[: prefix.layer.top_block] if hasattr(view, "new")]
-        complete = bool(views) and len(computed) == prefix.layer.top_block  # layer 0: no block runs
+        top = prefix.layer.top_block
+        if fresh is not None:
+            computed = [(layer.keys, layer.values) for layer in fresh.layers[:top] if layer.keys is not None]
+        else:
+            computed = [view.new for view in views[:top] if hasattr(view, "new")]
+        complete = top > 0 and len(computed) == top  # layer 0: no block runs
         return out, (NewKeys(tuple(computed)) if complete else None)
