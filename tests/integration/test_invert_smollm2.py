@@ -41,8 +41,9 @@ def test_carried_offset_ranks_random_ids_and_never_changes_the_answer(smollm2):
 
     class Recorded(LinearPolicy):
         def accepted(self, position: int, token_id: int) -> None:
-            if self._carried_order is not None:
-                self.ranks.append(int((self._carried_order == token_id).nonzero()[0, 0]))
+            if self._carried_order is not None:  # its first entries (a partial sort): beyond them, their number
+                found = (self._carried_order == token_id).nonzero()
+                self.ranks.append(int(found[0, 0]) if len(found) else len(self._carried_order))
             super().accepted(position, token_id)
 
     gen = torch.Generator().manual_seed(2)

@@ -322,13 +322,15 @@ class LinearPolicy(Policy):
             ids, states = ids[keep], states[keep]
         return (states - ctx.probe.vocab_matrix(torch.float32)[ids] @ self._J.float()).mean(0)
 
-    def _ranking(self, ctx: PositionContext, offset: torch.Tensor | None = None) -> torch.Tensor:
-        """The vocabulary by predicted distance ``||a + e_v J - h||`` to the target, nearest first (``a``: this
-        position's offset unless given)."""
+    def _ranking(self, ctx: PositionContext, unseen: int, offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The vocabulary entries nearest the target by predicted distance ``||a + e_v J - h||`` (``a``: this
+        position's offset unless given), nearest first: enough of them to hold ``unseen`` not verified yet (a partial
+        sort: the ranking is scored every round)."""
         assert self._J is not None and self._P_sq is not None
         residual = ctx.target.float() - (self._offset(ctx) if offset is None else offset)
         score = self._P_sq - 2.0 * (ctx.probe.vocab_matrix(torch.float32) @ (self._J.float() @ residual))
-        return score.argsort()  # score: ||e_v J - r||^2 - ||r||^2
+        top = unseen + ctx.checked  # score: ||e_v J - r||^2 - ||r||^2
+        return score.argsort() if top >= len(score) // 2 else score.topk(top, largest=False).indices
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         rounds = ctx.rounds
@@ -344,7 +346,7 @@ class LinearPolicy(Policy):
             likely = round(explore * self._lm_share) if self._lm_order is not None else 0
             picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
             if not trusted and self._carried is not None and self.carried > 0:
-                self._carried_order = self._ranking(ctx, self._carried)
+                self._carried_order = self._ranking(ctx, self.carried * ctx.scale, self._carried)
                 if self._carried_share >= CARRY:  # it keeps hitting: its top few, and fewer random anchors
                     ranked = ctx.unseen(self._carried_order, self.carried * ctx.scale)
                     picks = torch.cat([picks, ranked[~torch.isin(ranked, picks)]])
@@ -356,7 +358,7 @@ class LinearPolicy(Policy):
         if self._J is None or (rounds >= 2 and ctx.checked >= 2 * self._fitted_on):
             self._fit(ctx)  # refit whenever this position's data has doubled
         size = min(self.batch, self.first * self.growth ** (rounds - 1)) * ctx.scale
-        picks = ctx.unseen(self._ranking(ctx), size)
+        picks = ctx.unseen(self._ranking(ctx, size), size)
         lm_size = round(size * self._lm_share)
         if self._lm_order is not None and lm_size > 0:
             picks = torch.cat([picks, ctx.unseen(self._lm_order, lm_size)]).unique()

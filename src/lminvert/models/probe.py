@@ -488,8 +488,8 @@ class LayerProbe:
         else:
             handle = self.blocks[int(resolved) - 1].register_forward_hook(hook)
         placeholder = torch.zeros(states.shape[:2], dtype=torch.long, device=self.device)
-        try:
-            with torch.no_grad():
+        try:  # it only orders candidates: a half model's GEMMs may run as float32 ones here (:mod:`.halfmath`)
+            with torch.no_grad(), self._cached_math():
                 return self.base(input_ids=placeholder, use_cache=False).last_hidden_state
         finally:
             handle.remove()
