@@ -29,7 +29,7 @@ from .tables import position1_projection
 log = logging.getLogger(__name__)
 
 TRUSTED = 0.75  # the proposal's recent hit rate above which a position's first batch is its top ``trusted`` alone
-CARRY = 0.5  # the carried ranking's recent hit rate from which its top ``carried`` join a position's first batch
+CARRY = 0.75  # the carried ranking's recent hit rate from which its top ``carried`` join a position's first batch
 RECENT = 3  # positions whose ranks size a trusted first batch: the next power of two above their worst rank
 
 
@@ -212,11 +212,12 @@ class LinearPolicy(Policy):
       ``carried`` of the secant ranking with the offset carried over from the previous position (the mean of
       ``h - e_v J`` over its verified pairs: no forward needed to estimate it), and only ``anchors`` random entries
       instead of ``explore``, while that ranking's recent hit rate (top ``carried``, each position weighing half) is
-      at least ``CARRY``; below it the first batch is as without it, and the ranking is still scored (one
-      matrix-vector product) so that its rate can recover. SmolLM2 layer 15, the 7 benchmark prompts: random-id
-      prompts 41 / 48 -> 22 / 23 forwards (a position took two forwards, the random batch for the offset and the
-      ranked one, now mostly one); at layer 30 the carried offset rarely ranks the token in its top 16 and the rate
-      switches it off.
+      at least ``CARRY`` (from 0: two hits in a row turn it on); below it the first batch is as without it, and the
+      ranking is still scored (one matrix-vector product) so that its rate can recover. SmolLM2 layer 15, the 7
+      benchmark prompts: random-id prompts 41 / 48 -> 23 / 24 forwards (a position took two forwards, the random batch
+      for the offset and the ranked one, now mostly one). At layer 30 it rarely hits; with a threshold of 0.5 its
+      occasional use there (fewer random anchors for the fits after a miss) cost a random-id prompt 1,051 -> 1,316
+      candidates per position; at 0.75 it stays off there.
 
     The whole ranking runs in float32 on the model's device whatever the model's precision (the fits in float64):
     a half-precision model only verifies candidates in its own dtype.
