@@ -379,7 +379,7 @@ class LinearPolicy(Policy):
 
     def end_position(self, ctx: PositionContext) -> None:
         self._pool = [*self._pool, self._centred(ctx)][-self.memory :]
-        if self._J is not None and self._P_sq is not None and ctx.checked:
+        if self.carried > 0 and self._J is not None and self._P_sq is not None and ctx.checked:
             self._carried = self._offset(ctx)  # the next position's first guess at its offset
         if self.lm_prior and self._lm_order is None:  # decided before the policy proposed (:mod:`.speculation`)
             self._lm_order = ctx.next_tokens  # the prior's record still learns from it

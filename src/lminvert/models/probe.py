@@ -398,14 +398,23 @@ class LayerProbe:
         grown, states = self.advance_rows(prefix, [token_id])
         return grown, states[0]
 
+    @staticmethod
+    def _grown_rows(prefix: Prefix, token_ids: Sequence[int]) -> list[list[int]]:
+        """The prefix's rows, each grown by its token (one per row)."""
+        if len(token_ids) != prefix.size:
+            raise ValueError(f"one token per prefix row: got {len(token_ids)} for {prefix.size} rows")
+        return [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
+
+    def _cache_of(self, prefix: Prefix) -> Cache:
+        """The prefix's cache, or a new empty one for an empty prefix."""
+        return prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
+
     def advance_rows(self, prefix: Prefix, token_ids: Sequence[int]) -> tuple[Prefix, torch.Tensor]:
         """Every row grows by its token (one forward, the cache is taken over); returns the new tokens' states
         ``[N, d]`` after block ``top_block``."""
-        if len(token_ids) != prefix.size:
-            raise ValueError(f"one token per prefix row: got {len(token_ids)} for {prefix.size} rows")
+        rows = self._grown_rows(prefix, token_ids)
         top = Layer(prefix.layer.top_block, self.n_layers)
-        cache = prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
-        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
+        cache = self._cache_of(prefix)
         tensor = torch.tensor([row[len(row) - prefix.behind - 1 :] for row in rows], device=self.device)
         self.check_ids(tensor)
         with torch.no_grad(), self._cached_math():
@@ -418,10 +427,7 @@ class LayerProbe:
         search that may decide the next positions without reading the cache (from plain forwards' states)."""
         if prefix.cache is None:
             raise ValueError("an empty prefix grows by advance_rows")
-        if len(token_ids) != prefix.size:
-            raise ValueError(f"one token per prefix row: got {len(token_ids)} for {prefix.size} rows")
-        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
-        return Prefix(rows, prefix.layer, prefix.cache, prefix.behind + 1)
+        return Prefix(self._grown_rows(prefix, token_ids), prefix.layer, prefix.cache, prefix.behind + 1)
 
     def catch_up(self, prefix: Prefix) -> bool:
         """Put the deferred tokens' keys and values in the cache (one forward; the prefix is updated in place);
@@ -441,14 +447,14 @@ class LayerProbe:
         over (an empty prefix's is created from ``new``)."""
         if prefix.behind:
             raise ValueError("the prefix has deferred tokens: catch_up first")
-        if len(token_ids) != prefix.size or new.layers[0][0].shape[0] != prefix.size:
-            raise ValueError(f"one token and one row of keys per prefix row ({prefix.size})")
+        rows = self._grown_rows(prefix, token_ids)
+        if new.layers[0][0].shape[0] != prefix.size:
+            raise ValueError(f"one row of keys per prefix row ({prefix.size})")
         if len(new.layers) != prefix.layer.top_block:
             raise ValueError(f"keys and values of {prefix.layer.top_block} blocks needed, got {len(new.layers)}")
-        cache = prefix.cache if prefix.cache is not None else DynamicCache(config=self.config)
+        cache = self._cache_of(prefix)
         for block, (keys, values) in enumerate(new.layers):
             cache.update(keys, values, block)
-        rows = [[*row, int(t)] for row, t in zip(prefix.rows, token_ids, strict=True)]
         return Prefix(rows, prefix.layer, cache)
 
     def select(self, prefix: Prefix, keep: Sequence[int]) -> Prefix:
