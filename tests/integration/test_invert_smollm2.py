@@ -59,3 +59,28 @@ def test_carried_offset_ranks_random_ids_and_never_changes_the_answer(smollm2):
     assert all(r.uncertain_positions == [] for r in results)
     assert any(rank < 16 for rank in ranks[0])  # the carried ranking had the token in its top 16 somewhere
     assert ranks[1] == []  # carried=0: never ranked
+
+
+def test_a_long_prompt_is_exact_with_its_candidates_packed_over_the_prefix(smollm2, monkeypatch):
+    """Past ``pack`` tokens of prefix, the candidates of a position share one row of the verification forward (a
+    block-diagonal mask over the prefix's keys and values, read once instead of copied per candidate): every position
+    of a 90-token prompt is still recovered exactly and inside its radius, and the packed path did run."""
+    probe = smollm2.probe
+    monkeypatch.setattr(probe, "packed_from", 1)  # pack every batch past `pack` tokens, however small
+    packed = []
+    build = probe._packing
+    monkeypatch.setattr(probe, "_packing", lambda *a: packed.append(build(*a)) or packed[-1])
+    text = (
+        "The committee met on Tuesday to review the budget for the coming year. After a long discussion about "
+        "maintenance costs, the members agreed to postpone the new library wing and to repair the roof of the town "
+        "hall first. The mayor thanked the volunteers who counted the ballots and promised a public report by March. "
+        "Several residents asked why the bus line to the hospital had been cut, and the transport officer explained "
+        "that the grant which paid for it had ended in the autumn and would not be renewed."
+    )
+    ids = smollm2.tokenize(text)[:90]
+    assert len(ids) == 90
+    (result,) = invert(smollm2, encode(smollm2, [ids], LAYER))
+    assert result.token_ids == ids
+    assert result.uncertain_positions == []
+    assert all(p.distance <= p.tolerance for p in result.positions)
+    assert sum(p is not None for p in packed) >= 10  # positions past the 64th verified in packed rows

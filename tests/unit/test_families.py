@@ -150,3 +150,57 @@ def test_a_decoy_final_norm_is_caught_not_used():
 def test_wrapped_models_are_checked_too():
     loaded = LoadedModel.wrap("gpt2-tiny", _tiny_gpt2())
     assert loaded.probe.n_layers == 2 and loaded.probe.blocks_name == "h"
+
+
+def _packed_and_single(probe: LayerProbe, monkeypatch) -> bool:
+    """Compare packed continuations (4 tokens per packed row) with one row each on two prefix rows: one-token
+    continuations and chains of 3, states and keys; whether the packed path was taken."""
+    layer = probe.layer(-1)
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, VOCAB, (2, 3), generator=gen).tolist()
+    prefix = probe.prefixes(rows, layer)
+    taken = []
+    build = probe._packing
+    monkeypatch.setattr(probe, "_packing", lambda *a: taken.append(build(*a)) or taken[-1])
+    candidates = torch.randint(0, VOCAB, (7,), generator=gen)
+    which = torch.tensor([0, 1, 1, 0, 1, 1, 1])
+    chains = torch.randint(0, VOCAB, (5, 3), generator=gen)
+    on = torch.tensor([1, 0, 1, 1, 0])
+    results = {}
+    for pack in (4, 0):
+        probe.pack = pack
+        with probe.always_packed():  # short prefixes are packed only when asked (it pays from long ones)
+            states, new = probe.continuation(prefix, token_ids=candidates, rows=which, keys=True)
+            chained, chain_keys = probe.chains(prefix, chains, rows=on)
+        results[pack] = (states, new, chained, chain_keys)
+    probe.pack = 4
+    assert probe.packed_from > 0 and probe._packing(prefix, 7, 1, which) is None  # by default: not at 3 tokens
+    (s4, k4, c4, ck4), (s0, k0, c0, ck0) = results[4], results[0]
+    torch.testing.assert_close(s4, s0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c4, c0, rtol=1e-5, atol=1e-5)
+    for packed, single in ((k4, k0), (ck4, ck0)):
+        assert len(packed.layers) == len(single.layers)
+        for (pk, pv), (sk, sv) in zip(packed.layers, single.layers, strict=True):
+            torch.testing.assert_close(pk, sk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(pv, sv, rtol=1e-5, atol=1e-5)
+    return any(p is not None for p in taken)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_continuations_equal_one_row_each(name, monkeypatch):
+    """Continuations packed side by side in rows of the forward (a block-diagonal mask over the shared prefix) give
+    every continuation's own states and keys: equal, to rounding, to each continuation in its own row, for one-token
+    continuations and chains, on two prefix rows, with packed rows that hold fewer than ``pack`` tokens (zero-filled
+    places). The packed path is taken on every family whose sliding window (tiny Mistral and Gemma-2: 4 tokens)
+    does not end inside the packed row; there the probe keeps one row each."""
+    probe = lminvert.load_model(name).probe
+    window = getattr(probe.config, "sliding_window", None)
+    assert _packed_and_single(probe, monkeypatch) == (window is None or window >= 3 + 4)
+
+
+def test_packed_continuations_with_eager_attention(monkeypatch):
+    """Eager attention takes the mask as additive floats: the same equality (tiny Llama switched to eager)."""
+    model = lminvert.load_model("tiny-llama")
+    model.model.set_attn_implementation("eager")
+    assert model.model.config._attn_implementation == "eager"
+    assert _packed_and_single(model.probe, monkeypatch)

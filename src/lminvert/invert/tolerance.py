@@ -18,6 +18,9 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
   (states from another machine, or encoded in a padded batch);
 * ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate.
 
+Each is measured twice, the second time with the continuations packed side by side over the shared prefix, as the
+probe runs them over long prefixes (:meth:`lminvert.models.LayerProbe.always_packed`): the radii cover both paths.
+
 The radius of a test is ``SAFETY * max(measured, FLOOR) * ||h||`` (+ the noise bound when noise was added): ``SAFETY =
 4`` covers the tail beyond the sample maximum; ``FLOOR`` (float32's eps) keeps a bit-exact measurement from giving a
 zero radius. ``gap`` decides how acceptance works: where the radius is narrower, a single match in the inner half of the
@@ -37,8 +40,9 @@ from .context import batch_scale
 from .tables import cached
 
 SAFETY = 4.0
-KIND = "calibration3"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
-# verification's own keys and values, as the engine grows them; 3: chains of several positions measured too)
+KIND = "calibration4"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
+# verification's own keys and values, as the engine grows them; 3: chains of several positions measured too; 4: the
+# continuations packed side by side over the shared prefix, LayerProbe._continue)
 CHAIN = 4  # positions per chain measured (the engine's speculative verification, :mod:`.speculation`)
 FLOOR = float(torch.finfo(torch.float32).eps)
 
@@ -186,8 +190,19 @@ def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
     """The measured :class:`Calibration` of ``model`` at ``layer`` (cached beside the tables, per device type)."""
 
     def build() -> torch.Tensor:
-        found = measure(model, layer, calibration_prompts(model))
-        return torch.tensor([found.cached, found.plain, found.gap, found.samples], dtype=torch.float64)
+        prompts = calibration_prompts(model)
+        found = measure(model, layer, prompts)
+        with model.probe.always_packed():  # the path of long prefixes, measured on the same short prompts
+            packed = measure(model, layer, prompts)
+        return torch.tensor(
+            [
+                max(found.cached, packed.cached),
+                max(found.plain, packed.plain),
+                min(found.gap, packed.gap),
+                found.samples,  # the same positions, measured on both paths
+            ],
+            dtype=torch.float64,
+        )
 
     kind = KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
     values = cached(model, layer, kind, build, per_device=True).tolist()
