@@ -161,18 +161,28 @@ def _packed_and_single(probe: LayerProbe, monkeypatch) -> bool:
     prefix = probe.prefixes(rows, layer)
     taken = []
     build = probe._packing
-    monkeypatch.setattr(probe, "_packing", lambda *a: taken.append(build(*a)) or taken[-1])
+    monkeypatch.setattr(probe, "_packing", lambda *a, **k: taken.append(build(*a, **k)) or taken[-1])
     candidates = torch.randint(0, VOCAB, (7,), generator=gen)
     which = torch.tensor([0, 1, 1, 0, 1, 1, 1])
     chains = torch.randint(0, VOCAB, (5, 3), generator=gen)
     on = torch.tensor([1, 0, 1, 1, 0])
+    lengths = [3, 1, 2, 1, 3]  # a tree: chains of different lengths (the rest of each row is padding)
     results = {}
     for pack in (4, 0):
         probe.pack = pack
         with probe.always_packed():  # short prefixes are packed only when asked (it pays from long ones)
             states, new = probe.continuation(prefix, token_ids=candidates, rows=which, keys=True)
             chained, chain_keys = probe.chains(prefix, chains, rows=on)
+        ragged, ragged_keys = probe.chains(prefix, chains, rows=on, lengths=lengths)  # packed whenever it can be
         results[pack] = (states, new, chained, chain_keys)
+        results[pack, "ragged"] = [(ragged[b, :n], ragged_keys.take(torch.tensor([b]))) for b, n in enumerate(lengths)]
+    for (packed, packed_keys), (single, single_keys), n in zip(
+        results[4, "ragged"], results[0, "ragged"], lengths, strict=True
+    ):
+        torch.testing.assert_close(packed, single, rtol=1e-5, atol=1e-5)
+        for (pk, pv), (sk, sv) in zip(packed_keys.layers, single_keys.layers, strict=True):
+            torch.testing.assert_close(pk[:, :, :n], sk[:, :, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(pv[:, :, :n], sv[:, :, :n], rtol=1e-5, atol=1e-5)
     probe.pack = 4
     assert probe.packed_from > 0 and probe._packing(prefix, 7, 1, which) is None  # by default: not at 3 tokens
     (s4, k4, c4, ck4), (s0, k0, c0, ck0) = results[4], results[0]

@@ -41,6 +41,8 @@ def test_a_chain_states_each_position_as_a_one_token_continuation(family):
     )
     with pytest.raises(ValueError, match=r"\[B, K\]"):
         probe.chains(prefix, torch.tensor(IDS[3:8]))
+    with pytest.raises(ValueError, match="one length"):
+        probe.chains(prefix, torch.tensor([IDS[3:8]]), lengths=[6])
 
 
 def test_the_speculator_follows_the_decided_chain_only():
@@ -63,6 +65,18 @@ def test_the_speculator_follows_the_decided_chain_only():
     for position in range(6, 9):  # neither source right: no more chains
         spec.decided(position, -1)
     assert max(spec.rates) < MIN_RATE and spec.tail(9, 20, 1) is None
+
+
+def test_in_a_tree_the_candidates_a_source_guessed_carry_the_chain():
+    """Where chains of different lengths are packed (a tree), the chain follows the candidates some source guessed
+    first at the position (the better source's first), not every candidate; with no such candidate, the first one."""
+    firsts = [[t, t + 1] for t in range(100, 120)]  # position t: the sources guess 99 + t and 100 + t
+    spec = Speculator(firsts)
+    spec.decided(1, 101)  # the second source was right: it ranks first now
+    assert spec.roots(3, [5, 102, 103, 6]) == [2, 1]
+    assert spec.roots(3, [5, 102]) == [1]
+    assert spec.roots(3, [5, 6]) == [0]
+    assert spec.roots(0, [5, 6]) == [0]  # position 0: no guesses
 
 
 def test_the_speculator_keeps_the_plain_states_of_the_confirmed_token_only():

@@ -277,19 +277,21 @@ def _given(search: PromptSearch) -> None:
             search.given_plain(plain[0], plain[1], chained[2] if same and chained is not None else None)
 
 
-def _tail(search: PromptSearch, ids: torch.Tensor) -> list[int] | None:
-    """The guesses that should follow each candidate of the search's first batch ``ids`` in a chain, or None."""
+def _tail(search: PromptSearch, ids: torch.Tensor, tree: bool) -> list[int] | None:
+    """The guesses that should follow the candidates of the search's first batch ``ids`` in a chain (in a ``tree``:
+    those :meth:`.Speculator.roots` names), or None."""
     ctx = search.ctx
     if search.speculator is None or ctx is None or ctx.rounds > 0:
         return None
-    return search.speculator.tail(ctx.position, search.length, len(ids))
+    return search.speculator.tail(ctx.position, search.length, 1 if tree else len(ids))
 
 
 def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], proposals: list) -> None:
     """Verify the proposed batches ``(row, ids)`` of every prompt: one-token continuations in one batched forward,
     first batches with chains after them (:mod:`.speculation`) in another; record them, keep the keys of candidates
     inside the ball."""
-    chained = [(row, ids, tail) for row, ids in proposals if (tail := _tail(group[row], ids)) is not None]
+    tree = probe.packs_chains(prefix)  # one candidate carries the chain, the others stand alone
+    chained = [(row, ids, tail) for row, ids in proposals if (tail := _tail(group[row], ids, tree)) is not None]
     longest = 1 + max((len(tail) for _, _, tail in chained), default=0)
     if sum(len(ids) for _, ids, _ in chained) * (prefix.length + longest) > POSITIONS:  # too many copied keys
         chained = []
@@ -308,7 +310,7 @@ def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearc
             group[row].clock.forwards += len(verified.chunks)
             offset += len(mine)
     if chained:
-        _verify_chains(probe, prefix, group, chained)
+        _verify_chains(probe, prefix, group, chained, tree)
 
 
 def _prefix_rows(prefix: Prefix, batches: list, device: torch.device) -> torch.Tensor | None:
@@ -318,27 +320,45 @@ def _prefix_rows(prefix: Prefix, batches: list, device: torch.device) -> torch.T
     return torch.cat([torch.full((len(batch[1]),), batch[0], device=device) for batch in batches])
 
 
-def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], chained: list) -> None:
-    """First batches ``(row, ids, tail)``, every candidate followed by its prompt's ``tail``, in one forward (tails
-    shorter than the longest are padded with their last token, whose states are not read)."""
+def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], chained: list, tree: bool) -> None:
+    """First batches ``(row, ids, tail)``, every candidate followed by its prompt's ``tail`` (in a ``tree``: only the
+    candidates :meth:`.Speculator.roots` names, the others stand alone), in one forward. Rows shorter than the longest
+    are padded with their last token, whose states are not read (in a tree they are not computed either)."""
     size = 1 + max(len(tail) for _, _, tail in chained)
-    chains = [[token, *tail, *tail[-1:] * (size - 1 - len(tail))] for _, ids, tail in chained for token in ids.tolist()]
+    chains, lengths, roots = [], [], []
+    for row, ids, tail in chained:
+        speculator = group[row].speculator
+        assert speculator is not None
+        tokens = ids.tolist()
+        ctx = group[row].ctx
+        assert ctx is not None
+        carriers = speculator.roots(ctx.position, tokens) if tree else range(len(tokens))
+        roots.append(carriers)
+        for i, token in enumerate(tokens):
+            chain = [token, *tail] if i in carriers else [token]
+            chains.append([*chain, *chain[-1:] * (size - len(chain))])
+            lengths.append(len(chain))
     rows = _prefix_rows(prefix, [(row, ids) for row, ids, _ in chained], probe.device)
     start = time.perf_counter()
-    states, new = probe.chains(prefix, torch.tensor(chains, device=probe.device), rows)
+    states, new = probe.chains(
+        prefix, torch.tensor(chains, device=probe.device), rows, lengths=lengths if tree else None
+    )
     states = states.float()
     share = (time.perf_counter() - start) / len(chained)
     offset = 0
-    for row, ids, tail in chained:
+    for (row, ids, tail), carriers in zip(chained, roots, strict=True):
         search = group[row]
         assert search.speculator is not None
         mine = range(offset, offset + len(ids))
         keys = [None] * len(ids) if new is None else [new.take(torch.tensor([i], device=probe.device)) for i in mine]
-        per = [[None if k is None else k.at(j) for j in range(1 + len(tail))] for k in keys]
+        firsts = [None if k is None else k.at(0) for k in keys]
+        per = [[None if keys[i] is None else keys[i].at(j) for j in range(1, 1 + len(tail))] for i in carriers]
         batch = states[offset : offset + len(ids)]
         with search.clock("verification"):
-            search.verified(ids, batch[:, 0], lambda inside, per=per: [per[i][0] for i in inside])
-            search.speculator.store(ids.tolist(), tail, batch[:, 1 : 1 + len(tail)], [p[1:] for p in per])
+            search.verified(ids, batch[:, 0], lambda inside, firsts=firsts: [firsts[i] for i in inside])
+            search.speculator.store(
+                [int(ids[i]) for i in carriers], tail, batch[list(carriers), 1 : 1 + len(tail)], per
+            )
         search.clock.add("verification", share)
         search.clock.forwards += 1
         offset += len(ids)

@@ -23,11 +23,18 @@ reproduces the observation is decided without any verification or confirmation f
 and its keys and values join the prefix's cache with the next forward that needs them, several such tokens in one
 (:meth:`LayerProbe.defer`).
 
+Where chains of different lengths can be packed into one row of the forward over the shared prefix (a tree:
+:meth:`lminvert.models.LayerProbe.packs_chains`), only the candidates a source guessed first carry the chain (the
+reading map's and the prior's first guesses, :meth:`Speculator.roots`) and the others stand alone: the forward holds
+the candidates plus one or two chains' tokens, not the candidates times the chain's length, so chains ride on first
+batches of several candidates too.
+
 Which guesses, how many: the source (reading map or prior) whose first guesses were right more often in this prompt
 so far (a running rate, each position weighing half); chains of about ``2 / (1 - rate)`` positions, at most
-``TOKENS`` tokens in all per prompt and forward (times the device's batch scale); none while the rate is below
-``MIN_RATE`` (random token ids: after a miss or two). On this project's 2-core CPU a forward's cost grows with the
-tokens it holds (SmolLM2, layer 15: 38 / 51 / 66 / 67 / 87 ms for 1 / 2 / 4 / 8 / 16), on a GPU hardly at all.
+``TOKENS`` long (times the device's batch scale; without a tree, ``TOKENS`` tokens in all per prompt and forward);
+none while the rate is below ``MIN_RATE`` (random token ids: after a miss or two). On this project's 2-core CPU a
+forward's cost grows with the tokens it holds (SmolLM2, layer 15: 38 / 51 / 66 / 67 / 87 ms for 1 / 2 / 4 / 8 / 16),
+on a GPU hardly at all.
 """
 
 from __future__ import annotations
@@ -91,7 +98,8 @@ class Speculator:
 
     def tail(self, position: int, length: int, roots: int) -> list[int] | None:
         """The guesses at positions ``position + 1 ..`` that should follow each of ``roots`` candidates verified at
-        ``position`` of a prompt of ``length`` positions, or None (no chain)."""
+        ``position`` of a prompt of ``length`` positions, or None (no chain). In a tree (:meth:`roots`) give
+        ``roots = 1``: the chain's length does not depend on how many candidates stand alone beside it."""
         if not self.rates or position == 0 or position + 1 >= length:
             return None
         rate = max(self.rates)
@@ -102,6 +110,16 @@ class Speculator:
         if size < 2:
             return None
         return self._guesses(position + 1, position + size)
+
+    def roots(self, position: int, candidates: list[int]) -> list[int]:
+        """Which of the ``candidates`` verified at ``position`` carry the chain in a tree (the others stand alone):
+        those that a source guessed first there (the better source's first), else the first candidate."""
+        if not self.rates or not 1 <= position <= len(self.firsts):
+            return [0]
+        ranked = sorted(range(len(self.rates)), key=lambda source: -self.rates[source])
+        guesses = dict.fromkeys(self.firsts[position - 1][source] for source in ranked)
+        found = [candidates.index(guess) for guess in guesses if guess in candidates]
+        return found or [0]
 
     def fill(self, position: int, length: int) -> list[int]:
         """The better source's first guesses at positions ``position + 1 .. length - 1`` (the tokens after a contender

@@ -195,13 +195,15 @@ class Prefix:
 
 @dataclass(frozen=True)
 class _Packing:
-    """Continuations of ``tokens`` tokens each packed into rows of a cached forward (:meth:`LayerProbe._continue`):
-    row ``i`` continues prefix row ``rows[i]`` with up to ``width`` continuations side by side (unused places hold a
-    zero input that attends to the prefix and itself, so no attention row is empty; its state is never read);
-    ``flat[b, j]`` is where token ``j`` of continuation ``b`` sits in the flattened ``[rows * width * tokens]``."""
+    """Continuations packed side by side into rows of a cached forward (:meth:`LayerProbe._continue`): row ``i``
+    continues prefix row ``rows[i]`` with up to ``width`` tokens of continuations, each a block that attends to the
+    prefix and to its own earlier tokens only. Unused places hold a zero input that attends to the prefix and itself
+    (no attention row is empty; its state is never read). ``flat[b, j]`` is where token ``j`` of continuation ``b``
+    sits in the flattened ``[rows * Q]`` (past a continuation's length: its last token's place)."""
 
     rows: torch.Tensor | None  # [R] the prefix row of each packed row (None: one prefix row, broadcast)
-    flat: torch.Tensor  # [B, tokens]
+    flat: torch.Tensor  # [B, longest]
+    given: torch.Tensor  # [tokens given] indices into the flattened [B * longest] inputs of the tokens that exist
     position_ids: torch.Tensor  # [R, Q]
     mask: torch.Tensor  # [R, 1, Q, prefix + Q]: True / 0 where a query may attend
 
@@ -209,42 +211,62 @@ class _Packing:
     def build(
         prefix: Prefix,
         owners: list[int],
-        tokens: int,
+        lengths: list[int],
         width: int,
         device: torch.device,
         additive: torch.dtype | None,
     ) -> _Packing:
-        """Pack continuations whose prefix rows are ``owners`` (one per continuation); ``additive``: the mask as
-        additive floats of that dtype (eager attention) instead of booleans."""
-        places: dict[int, list[int]] = {}
+        """Pack continuations whose prefix rows are ``owners`` and whose token counts are ``lengths`` (one each),
+        up to ``width`` tokens per packed row; ``additive``: the mask as additive floats of that dtype (eager
+        attention) instead of booleans."""
+        by_owner: dict[int, list[int]] = {}
         for b, owner in enumerate(owners):
-            places.setdefault(owner, []).append(b)
-        packs = [(owner, ids[i : i + width]) for owner, ids in places.items() for i in range(0, len(ids), width)]
-        width = max(len(ids) for _, ids in packs)
-        queries = width * tokens
-        first = torch.empty(len(owners), dtype=torch.long)
+            by_owner.setdefault(owner, []).append(b)
+        packs: list[tuple[int, list[int]]] = []
+        for owner, ids in by_owner.items():
+            current: list[int] = []
+            for b in ids:
+                if current and sum(lengths[c] for c in current) + lengths[b] > width:
+                    packs.append((owner, current))
+                    current = []
+                current.append(b)
+            packs.append((owner, current))
+        queries = max(sum(lengths[b] for b in ids) for _, ids in packs)
+        longest = max(lengths)
+        start, block, offset = [0] * len(owners), [], []
         for p, (_, ids) in enumerate(packs):
-            first[ids] = p * queries + torch.arange(len(ids)) * tokens
-        flat = (first[:, None] + torch.arange(tokens)).to(device)
+            used = 0
+            for b in ids:
+                start[b] = p * queries + used
+                block += [b] * lengths[b]
+                offset += range(lengths[b])
+                used += lengths[b]
+            block += range(-1 - used, -1 - queries, -1)  # each unused place a block of its own
+            offset += [0] * (queries - used)
+        count = torch.tensor(lengths)
+        flat = torch.tensor(start)[:, None] + torch.minimum(torch.arange(longest), count[:, None] - 1)
+        given = (torch.arange(longest) < count[:, None]).reshape(-1).nonzero().squeeze(1)
+        blocks = torch.tensor(block, device=device).reshape(len(packs), queries)
         step = torch.arange(queries, device=device)
+        own = (blocks[:, :, None] == blocks[:, None, :]) & (step[None, None, :] <= step[None, :, None])
         length = prefix.length
-        own = (step[:, None] // tokens == step[None, :] // tokens) & (step[None, :] <= step[:, None])
-        mask = torch.cat([torch.ones(queries, length, dtype=torch.bool, device=device), own], dim=1)
-        mask = mask[None, None].expand(len(packs), 1, queries, length + queries)
+        mask = torch.cat([torch.ones(len(packs), queries, length, dtype=torch.bool, device=device), own], dim=2)
+        mask = mask[:, None]
         if additive is not None:
             mask = torch.zeros(mask.shape, dtype=additive, device=device).masked_fill(~mask, torch.finfo(additive).min)
         rows = None if prefix.size == 1 else torch.tensor([owner for owner, _ in packs], device=device)
-        positions = (length + step % tokens).expand(len(packs), queries)
-        return _Packing(rows, flat, positions, mask)
+        positions = length + torch.tensor(offset, device=device).reshape(len(packs), queries)
+        return _Packing(rows, flat.to(device), given.to(device), positions, mask)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.position_ids.shape[0], self.position_ids.shape[1]
 
     def inputs(self, embeds: torch.Tensor) -> dict:
-        """The forward's arguments for continuations' input vectors ``embeds`` ``[B, tokens, d]``."""
+        """The forward's arguments for continuations' input vectors ``embeds`` ``[B, longest, d]``."""
         packed = embeds.new_zeros(self.shape[0] * self.shape[1], embeds.shape[-1])
-        packed = packed.index_put((self.flat.reshape(-1),), embeds.reshape(-1, embeds.shape[-1]))
+        flat, inputs = self.flat.reshape(-1)[self.given], embeds.reshape(-1, embeds.shape[-1])[self.given]
+        packed = packed.index_put((flat,), inputs)
         return {
             "inputs_embeds": packed.reshape(*self.shape, -1),
             "attention_mask": self.mask,
@@ -252,11 +274,11 @@ class _Packing:
         }
 
     def states(self, packed: torch.Tensor) -> torch.Tensor:
-        """``[B, tokens, d]`` of a packed forward's ``[R, Q, d]``."""
+        """``[B, longest, d]`` of a packed forward's ``[R, Q, d]``."""
         return packed.reshape(-1, packed.shape[-1])[self.flat]
 
     def heads(self, packed: torch.Tensor) -> torch.Tensor:
-        """Keys or values ``[B, heads, tokens, head_dim]`` of a packed forward's ``[R, heads, Q, head_dim]``."""
+        """Keys or values ``[B, heads, longest, head_dim]`` of a packed forward's ``[R, heads, Q, head_dim]``."""
         by_place = packed.transpose(1, 2).reshape(-1, packed.shape[1], packed.shape[-1])
         return by_place[self.flat].transpose(1, 2)
 
@@ -640,23 +662,37 @@ class LayerProbe:
         return out[prefix.layer] if layers is None else out
 
     def chains(
-        self, prefix: Prefix, token_ids: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        prefix: Prefix,
+        token_ids: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, NewKeys | None]:
         """States ``[B, K, d]`` at positions ``prefix.length .. prefix.length + K - 1`` of B continuations of K
         tokens each (``token_ids`` ``[B, K]``), in one forward over the cached prefix, with their keys and values
         (``[B, heads, K, head_dim]`` per cached block; :meth:`NewKeys.at` takes one position). Causal attention makes
         position ``j``'s state that of a one-token continuation of the prefix grown by the row's first ``j`` tokens
         (rounded differently: the verification radii measure it, :mod:`lminvert.invert.tolerance`). ``rows``: as in
-        :meth:`continuation`."""
+        :meth:`continuation`. ``lengths``: chains of different lengths (row ``b`` holds ``lengths[b]`` tokens, the
+        rest of it is padding whose states are not to be read); where :meth:`packs_chains` they are packed and only
+        their own tokens are computed, elsewhere the padded rows run whole."""
         if token_ids.dim() != 2:
             raise ValueError("chains takes token ids [B, K]")
+        if lengths is not None and (
+            len(lengths) != len(token_ids) or not all(1 <= n <= token_ids.shape[1] for n in lengths)
+        ):
+            raise ValueError(f"one length in 1..{token_ids.shape[1]} per chain")
         if (rows is None) != (prefix.size == 1):
             raise ValueError("give rows (the prefix row of each continuation) exactly when the prefix has several")
         self.check_ids(token_ids)
         embeds = self.embed(token_ids.reshape(-1)).reshape(*token_ids.shape, -1)
         with torch.no_grad():
-            out, new = self._continue(prefix, embeds, None, rows, keys=True)
+            out, new = self._continue(prefix, embeds, None, rows, keys=True, lengths=lengths)
         return out[prefix.layer], new
+
+    def packs_chains(self, prefix: Prefix) -> bool:
+        """Whether chains of different lengths over ``prefix`` run packed (their own tokens only; :meth:`chains`)."""
+        return self._packing(prefix, 1, 1, None, lengths=[1]) is not None
 
     def _continue(
         self,
@@ -665,6 +701,7 @@ class LayerProbe:
         layers: Sequence[LayerSpec] | None,
         rows: torch.Tensor | None,
         keys: bool,
+        lengths: Sequence[int] | None = None,
     ) -> tuple[dict[Layer, torch.Tensor], NewKeys | None]:
         """States ``[B, K, d]`` of input vectors ``embeds`` ``[B, K, d]`` appended to the cached prefix (the shared
         forward of :meth:`continuation` and :meth:`chains`), and with ``keys`` their keys and values.
@@ -685,7 +722,7 @@ class LayerProbe:
         kwargs: dict = {"inputs_embeds": embeds.to(self.dtype), "use_cache": prefix.cache is not None}
         views: list[_FrozenPrefixLayer] = []
         fresh: DynamicCache | None = None  # an empty prefix: the continuations' keys and values are collected here
-        packing = self._packing(prefix, embeds.shape[0], embeds.shape[1], rows)
+        packing = self._packing(prefix, embeds.shape[0], embeds.shape[1], rows, lengths)
         if prefix.cache is not None:
             index = None if rows is None else rows.to(self.device)
             if packing is not None:
@@ -711,23 +748,33 @@ class LayerProbe:
         complete = top > 0 and len(computed) == top  # layer 0: no block runs
         return out, (NewKeys(tuple(computed)) if complete else None)
 
-    def _packing(self, prefix: Prefix, batch: int, tokens: int, rows: torch.Tensor | None) -> _Packing | None:
-        """How ``batch`` continuations of ``tokens`` tokens each over a cached prefix are packed into rows, or None
-        (one row each): without a cache (nothing to share), with an attention implementation that takes no custom 4D
-        mask, where a sliding window or attention chunk could end inside the packed row (the mask would not
-        repeat it), or where packing would not pay (a prefix shorter than ``pack``, or fewer than ``packed_from``
-        prefix positions copied; ``packed_from = 0`` packs whatever can be packed, as :func:`.always_packed` does)."""
+    def _packing(
+        self,
+        prefix: Prefix,
+        batch: int,
+        tokens: int,
+        rows: torch.Tensor | None,
+        lengths: Sequence[int] | None = None,
+    ) -> _Packing | None:
+        """How ``batch`` continuations of ``tokens`` tokens each (or of ``lengths``) over a cached prefix are packed
+        into rows, or None (one row each): without a cache (nothing to share), with an attention implementation that
+        takes no custom 4D mask, where a sliding window or attention chunk could end inside the packed row (the mask
+        would not repeat it), or, for continuations of equal lengths, where packing would not pay (a prefix shorter
+        than ``pack``, or fewer than ``packed_from`` prefix positions copied; ``packed_from = 0`` packs whatever can
+        be packed, as :func:`.always_packed` does). Chains of different lengths are packed wherever they can be: only
+        their own tokens are computed."""
         if prefix.cache is None or self.pack <= 0:
             return None
-        if self.packed_from > 0 and (prefix.length < self.pack or batch * tokens * prefix.length < self.packed_from):
+        copied = batch * tokens * prefix.length
+        if lengths is None and self.packed_from > 0 and (prefix.length < self.pack or copied < self.packed_from):
             return None
         if getattr(self.model.config, "_attn_implementation", None) not in PACKED_ATTENTION:
             return None
-        per_row = max(1, self.pack // tokens)
+        width = max(self.pack, tokens)
         windows = [getattr(self.config, name, None) for name in ("sliding_window", "attention_chunk_size")]
-        span = prefix.length + per_row * tokens
-        if any(isinstance(w, int) and w > 0 and span > w for w in windows):
+        if any(isinstance(w, int) and w > 0 and prefix.length + width > w for w in windows):
             return None
         owners = [0] * batch if rows is None else rows.tolist()
+        counts = [tokens] * batch if lengths is None else list(lengths)
         eager = self.model.config._attn_implementation == "eager"
-        return _Packing.build(prefix, owners, tokens, per_row, self.device, self.dtype if eager else None)
+        return _Packing.build(prefix, owners, counts, width, self.device, self.dtype if eager else None)
