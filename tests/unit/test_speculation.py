@@ -11,7 +11,7 @@ import torch
 import lminvert
 from lminvert.forward import encode
 from lminvert.invert import invert
-from lminvert.invert.speculation import MIN_RATE, TOKENS, Speculator
+from lminvert.invert.speculation import MIN_RATE, TOKENS, TREE_RATE, Speculator
 
 from ..conftest import TINY
 
@@ -72,11 +72,15 @@ def test_in_a_tree_the_candidates_a_source_guessed_carry_the_chain():
     first at the position (the better source's first), not every candidate; with no such candidate, the first one."""
     firsts = [[t, t + 1] for t in range(100, 120)]  # position t: the sources guess 99 + t and 100 + t
     spec = Speculator(firsts)
+    assert spec.tail(3, 20, 1) is None and spec.tail(3, 20, 1, tree=True) is not None  # a tree chains sooner
     spec.decided(1, 101)  # the second source was right: it ranks first now
     assert spec.roots(3, [5, 102, 103, 6]) == [2, 1]
     assert spec.roots(3, [5, 102]) == [1]
     assert spec.roots(3, [5, 6]) == [0]
     assert spec.roots(0, [5, 6]) == [0]  # position 0: no guesses
+    for position in range(4, 9):  # neither source right: no more chains, not even in a tree
+        spec.decided(position, -1)
+    assert max(spec.rates) < TREE_RATE and spec.tail(9, 20, 1, tree=True) is None
 
 
 def test_the_speculator_keeps_the_plain_states_of_the_confirmed_token_only():

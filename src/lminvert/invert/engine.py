@@ -283,7 +283,7 @@ def _tail(search: PromptSearch, ids: torch.Tensor, tree: bool) -> list[int] | No
     ctx = search.ctx
     if search.speculator is None or ctx is None or ctx.rounds > 0:
         return None
-    return search.speculator.tail(ctx.position, search.length, 1 if tree else len(ids))
+    return search.speculator.tail(ctx.position, search.length, 1 if tree else len(ids), tree)
 
 
 def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], proposals: list) -> None:

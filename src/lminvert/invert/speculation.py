@@ -32,9 +32,9 @@ batches of several candidates too.
 Which guesses, how many: the source (reading map or prior) whose first guesses were right more often in this prompt
 so far (a running rate, each position weighing half); chains of about ``2 / (1 - rate)`` positions, at most
 ``TOKENS`` long (times the device's batch scale; without a tree, ``TOKENS`` tokens in all per prompt and forward);
-none while the rate is below ``MIN_RATE`` (random token ids: after a miss or two). On this project's 2-core CPU a
-forward's cost grows with the tokens it holds (SmolLM2, layer 15: 38 / 51 / 66 / 67 / 87 ms for 1 / 2 / 4 / 8 / 16),
-on a GPU hardly at all.
+none while the rate is below ``MIN_RATE`` (random token ids: after a miss or two; ``TREE_RATE`` in a tree). On this
+project's 2-core CPU a forward's cost grows with the tokens it holds (SmolLM2, layer 15: 38 / 51 / 66 / 67 / 87 ms
+for 1 / 2 / 4 / 8 / 16), on a GPU hardly at all.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ import torch
 from ..models import NewKeys
 
 MIN_RATE = 0.5  # no chains while the better source's running rate of right first guesses is below this
+TREE_RATE = 0.25  # ... in a tree, where a chain costs its own tokens only (SmolLM2 layer 15, 7 prompts: 137 -> 127
+# forwards against 0.5, the same at 0.1; at 0 the random-id prompts took 28 / 29 forwards instead of 23 / 24)
 START = 0.25  # the running rates before the first position is decided (one right guess to start chains)
 TOKENS = 8  # chain tokens per prompt and forward (times the device's batch scale)
 
@@ -96,14 +98,15 @@ class Speculator:
         source = self.rates.index(max(self.rates))
         return [self.firsts[t - 1][source] for t in range(start, stop)]
 
-    def tail(self, position: int, length: int, roots: int) -> list[int] | None:
+    def tail(self, position: int, length: int, roots: int, tree: bool = False) -> list[int] | None:
         """The guesses at positions ``position + 1 ..`` that should follow each of ``roots`` candidates verified at
         ``position`` of a prompt of ``length`` positions, or None (no chain). In a tree (:meth:`roots`) give
-        ``roots = 1``: the chain's length does not depend on how many candidates stand alone beside it."""
+        ``roots = 1`` and ``tree``: the chain's length does not depend on how many candidates stand alone beside it,
+        and a lower rate (``TREE_RATE``) starts one."""
         if not self.rates or position == 0 or position + 1 >= length:
             return None
         rate = max(self.rates)
-        if rate < MIN_RATE:
+        if rate < (TREE_RATE if tree else MIN_RATE):
             return None
         wanted = 2.0 / max(1.0 - rate, 1.0 / self.tokens)
         size = min(length - position, self.tokens // roots, 1 << math.ceil(math.log2(wanted)))
