@@ -225,11 +225,13 @@ class _Packing:
         packs: list[tuple[int, list[int]]] = []
         for owner, ids in by_owner.items():
             current: list[int] = []
+            filled = 0
             for b in ids:
-                if current and sum(lengths[c] for c in current) + lengths[b] > width:
+                if current and filled + lengths[b] > width:
                     packs.append((owner, current))
-                    current = []
+                    current, filled = [], 0
                 current.append(b)
+                filled += lengths[b]
             packs.append((owner, current))
         queries = max(sum(lengths[b] for b in ids) for _, ids in packs)
         longest = max(lengths)
