@@ -290,7 +290,7 @@ def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearc
     """Verify the proposed batches ``(row, ids)`` of every prompt: one-token continuations in one batched forward,
     first batches with chains after them (:mod:`.speculation`) in another; record them, keep the keys of candidates
     inside the ball."""
-    tree = probe.packs_chains(prefix)  # one candidate carries the chain, the others stand alone
+    tree = probe.packs_chains(prefix)  # only the candidates a source guessed carry the chain, the others stand alone
     chained = [(row, ids, tail) for row, ids in proposals if (tail := _tail(group[row], ids, tree)) is not None]
     longest = 1 + max((len(tail) for _, _, tail in chained), default=0)
     if sum(len(ids) for _, ids, _ in chained) * (prefix.length + longest) > POSITIONS:  # too many copied keys
