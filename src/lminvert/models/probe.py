@@ -694,7 +694,7 @@ class LayerProbe:
 
     def packs_chains(self, prefix: Prefix) -> bool:
         """Whether chains of different lengths over ``prefix`` run packed (their own tokens only; :meth:`chains`)."""
-        return self._packing(prefix, 1, 1, None, lengths=[1]) is not None
+        return self._attention_to_pack(prefix, self.pack) is not None
 
     def _continue(
         self,
@@ -759,24 +759,33 @@ class LayerProbe:
         lengths: Sequence[int] | None = None,
     ) -> _Packing | None:
         """How ``batch`` continuations of ``tokens`` tokens each (or of ``lengths``) over a cached prefix are packed
-        into rows, or None (one row each): without a cache (nothing to share), with an attention implementation that
-        takes no custom 4D mask, where a sliding window or attention chunk could end inside the packed row (the mask
-        would not repeat it), or, for continuations of equal lengths, where packing would not pay (a prefix shorter
-        than ``pack``, or fewer than ``packed_from`` prefix positions copied; ``packed_from = 0`` packs whatever can
-        be packed, as :func:`.always_packed` does). Chains of different lengths are packed wherever they can be: only
-        their own tokens are computed."""
-        if prefix.cache is None or self.pack <= 0:
-            return None
+        into rows, or None (one row each): where the attention cannot take them (:meth:`_attention_to_pack`) or, for
+        continuations of equal lengths, where packing would not pay (a prefix shorter than ``pack``, or fewer than
+        ``packed_from`` prefix positions copied; ``packed_from = 0`` packs whatever can be packed, as
+        :func:`.always_packed` does). Chains of different lengths are packed wherever they can be: only their own
+        tokens are computed."""
         copied = batch * tokens * prefix.length
         if lengths is None and self.packed_from > 0 and (prefix.length < self.pack or copied < self.packed_from):
             return None
-        if getattr(self.model.config, "_attn_implementation", None) not in PACKED_ATTENTION:
-            return None
         width = max(self.pack, tokens)
-        windows = [getattr(self.config, name, None) for name in ("sliding_window", "attention_chunk_size")]
-        if any(isinstance(w, int) and w > 0 and prefix.length + width > w for w in windows):
+        attention = self._attention_to_pack(prefix, width)
+        if attention is None:
             return None
         owners = [0] * batch if rows is None else rows.tolist()
         counts = [tokens] * batch if lengths is None else list(lengths)
-        eager = self.model.config._attn_implementation == "eager"
-        return _Packing.build(prefix, owners, counts, width, self.device, self.dtype if eager else None)
+        additive = self.dtype if attention == "eager" else None
+        return _Packing.build(prefix, owners, counts, width, self.device, additive)
+
+    def _attention_to_pack(self, prefix: Prefix, width: int) -> str | None:
+        """The attention implementation that will take packed rows of ``width`` tokens over ``prefix``, or None:
+        without a cache (nothing to share), with packing off, with an implementation that takes no custom 4D mask,
+        or where a sliding window or attention chunk could end inside the packed row (the mask would not repeat it)."""
+        if prefix.cache is None or self.pack <= 0:
+            return None
+        attention = getattr(self.model.config, "_attn_implementation", None)
+        if attention not in PACKED_ATTENTION:
+            return None
+        windows = [getattr(self.config, name, None) for name in ("sliding_window", "attention_chunk_size")]
+        if any(isinstance(w, int) and w > 0 and prefix.length + width > w for w in windows):
+            return None
+        return attention
