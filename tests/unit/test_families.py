@@ -3,6 +3,7 @@ test_probe.py), and an architecture the probe cannot map is a one-line error, ne
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -46,12 +47,26 @@ def test_upper_blocks_run_on_given_states_reproduce_the_last_hidden_state(name):
     prompts = [[17, 4021, 3300, 17, 5, 912], [9, 8, 7]]
     with torch.no_grad():
         ref = [model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0] for ids in prompts]
+    ran: list[int] = []
+    computed: list[nn.Module] = []
     for layer in [0, 1, probe.n_layers - 1, probe.n_layers]:
         states = encode(model, prompts, layer).states
         padded = torch.zeros(2, 6, probe.hidden_size)
         for i, s in enumerate(states):
             padded[i, : len(s)] = s
-        out = probe.final_from(padded, layer)
+        ran.clear()  # the blocks below the layer hand the given states on without computing (every family here)
+        computed.clear()
+        with contextlib.ExitStack() as stack:
+            for i, block in enumerate(probe.blocks):
+                stack.callback(block.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)).remove)
+                for module in list(block.modules())[1:]:  # any submodule of a block that runs (projections, norms)
+                    if not list(module.children()):
+                        hook = module.register_forward_pre_hook(lambda m, a, b=block: computed.append(b))
+                        stack.callback(hook.remove)
+            out = probe.final_from(padded, layer)
+        assert ran == list(range(probe.n_layers if layer < probe.n_layers else 0)), name  # each block once, in order
+        below = {id(b) for b in probe.blocks[:layer]}  # ... and only those above the layer compute
+        assert {id(b) for b in computed} == {id(b) for b in probe.blocks} - below, f"{name} layer {layer}"
         for i, ids in enumerate(prompts):
             torch.testing.assert_close(out[i, : len(ids)], ref[i], rtol=1e-4, atol=1e-4, msg=f"{name} layer {layer}")
 

@@ -147,6 +147,27 @@ def test_vocab_matrix_uses_embedding_module(tiny):
     torch.testing.assert_close(probe.vocab_matrix()[ids], probe.embed(ids))
 
 
+@pytest.mark.parametrize("half", [False, True])
+def test_vocabulary_products_for_rankings(monkeypatch, half):
+    """probe.vocab_dots, the linear policy's ranking product: the float32 product, or, where the CPU runs a float16 one
+    faster, one through a scaled float16 copy of the vocabulary, within 1e-3 of the largest product at any scale of the
+    vector; the zero vector gives zeros."""
+    from lminvert.models import probe as probe_module
+
+    monkeypatch.setattr(probe_module, "faster_in_half", lambda matrix: half)
+    probe = lminvert.load_model("tiny-llama").probe  # a new probe: the choice is made at its first product
+    vocab = probe.vocab_matrix(torch.float32).double()
+    gen = torch.Generator().manual_seed(0)
+    for scale in (1e-4, 1.0, 1e4):
+        vector = torch.randn(probe.hidden_size, generator=gen) * scale
+        got, ref = probe.vocab_dots(vector), vocab @ vector.double()
+        assert got.dtype == torch.float32 and got.shape == (probe.vocab_size,)
+        error = float((got.double() - ref).abs().max() / ref.abs().max())
+        assert error < (1e-3 if half else 1e-6), (scale, error)
+    assert bool(probe._vocab_half) == half
+    assert not probe.vocab_dots(torch.zeros(probe.hidden_size)).any()
+
+
 def test_lower_precision_is_selectable():
     model = lminvert.load_model("tiny-llama", dtype="bfloat16")
     out = model.probe.states(torch.tensor([[1, 2, 3]]), 1)[1]

@@ -329,7 +329,7 @@ class LinearPolicy(Policy):
         sort: the ranking is scored every round)."""
         assert self._J is not None and self._P_sq is not None
         residual = ctx.target.float() - (self._offset(ctx) if offset is None else offset)
-        score = self._P_sq - 2.0 * (ctx.probe.vocab_matrix(torch.float32) @ (self._J.float() @ residual))
+        score = self._P_sq - 2.0 * ctx.probe.vocab_dots(self._J.float() @ residual)
         top = unseen + ctx.checked  # score: ||e_v J - r||^2 - ||r||^2
         return score.argsort() if top >= len(score) // 2 else score.topk(top, largest=False).indices
 
