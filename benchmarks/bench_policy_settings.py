@@ -1,6 +1,6 @@
 """The default policy with some settings changed, on the first prompt of each kind of the benchmark set.
 
-    python benchmarks/bench_policy_settings.py 30 '{"norm_refresh": 1}' prose,code,personal
+    python benchmarks/bench_policy_settings.py 30 '{"norm_rank": 16}' prose,code,personal
 
 Prints per prompt the seconds, the time split, mean candidates per position, exactness and the candidates at each
 position (deterministic: compare settings by candidates on a busy machine, by seconds only on an idle one), then the

@@ -286,12 +286,12 @@ def test_the_reading_map_reads_tokens_from_their_own_states():
 
 @pytest.mark.parametrize(
     "settings",
-    [{"norm_refresh": 1}, {"norm_refresh": 1000}, {"explore_max": 4096}, {"trusted": 1}],
-    ids=["norms-every-fit", "norms-stale", "random-samples-after-a-miss", "trusted-one"],
+    [{"norm_rank": 1}, {"norm_rank": 1000}, {"explore_max": 4096}, {"trusted": 1}],
+    ids=["norms-rank-one", "norms-exact", "random-samples-after-a-miss", "trusted-one"],
 )
 def test_ranking_settings_change_speed_never_the_answer(settings, monkeypatch):
-    """Stale row norms in the secant ranking, random samples after a miss, a one-candidate first batch: the order of
-    verification changes, the recovered ids and flags do not (every candidate is verified)."""
+    """Row norms of the secant ranking from one eigenpair or exact, random samples after a miss, a one-candidate first
+    batch: the order of verification changes, the recovered ids and flags do not (every candidate is verified)."""
     import importlib
 
     policies = importlib.import_module("lminvert.invert.policies")
@@ -326,3 +326,28 @@ def test_a_trusted_first_batch_is_sized_by_the_last_ranks():
     policy._lm_order = order
     policy.accepted(1, 99)  # not in the top 4 * first: the cap
     assert policy._trusted_size() == 8
+
+
+def test_projected_norms_of_the_secant_ranking():
+    """The ranking's ``||x_v J||^2`` from the top eigenpairs of ``J J^T`` and the others' mean: exact for a small
+    input dimension, exact when the other eigenvalues are equal, and close to the exact norms of a fitted-like ``J``
+    (the order the ranking needs)."""
+    from lminvert.invert.secant import projected_norms
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(500, 32, generator=gen)
+    row_norms = rows.square().sum(1)
+
+    def exact(jac):
+        return (rows @ jac).square().sum(1)
+
+    jac = torch.randn(32, 32, generator=gen)
+    torch.testing.assert_close(projected_norms(rows, row_norms, jac, 16), exact(jac))  # d <= 2 rank: exact
+    basis, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    spectrum = torch.cat([torch.tensor([9.0, 7.0, 5.0, 4.0]), torch.full((28,), 0.5)])
+    jac = basis * spectrum  # J J^T = basis diag(spectrum^2) basis^T: four large eigenvalues, the rest equal
+    torch.testing.assert_close(projected_norms(rows, row_norms, jac, 4), exact(jac), rtol=1e-4, atol=1e-4)
+    jac = basis * torch.linspace(3.0, 0.1, 32)  # a smooth spectrum: approximate, in the same order
+    approx, ref = projected_norms(rows, row_norms, jac, 8), exact(jac)
+    assert float((approx - ref).abs().max() / ref.max()) < 0.3
+    assert torch.corrcoef(torch.stack([approx, ref]))[0, 1] > 0.9

@@ -23,8 +23,8 @@ import torch
 
 from ..models import Layer, LoadedModel
 from .context import PositionContext, wide_dtype
-from .secant import centre, fit_secant_map
-from .tables import position1_projection
+from .secant import centre, fit_secant_map, projected_norms
+from .tables import position1_projection, squared_norms
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +201,11 @@ class LinearPolicy(Policy):
       likely tokens, and every later batch adds as many from that order as from the linear ranking, scaled by how
       often the prior ranked the recovered token in its top ``4 * first`` at the previous positions (random token
       ids: soon none);
-    * ``norm_refresh`` - the ranking's squared row norms ``||e_v J||^2`` (|V|·d² flops, the whole cost of a refit:
-      ~0.6 s on this project's 2-core CPU for SmolLM2) are recomputed every this many refits and kept in between
-      (the cross term ``E (J r)`` is always exact; the ranking only orders candidates). SmolLM2, layer 30, 4 prompts:
-      every refit 1,010 candidates per position on random ids in 137 s, every 4th 1,051 in 106 s; never after the
-      first, 1,933;
+    * ``norm_rank`` - the ranking's squared row norms ``||e_v J||^2`` are recomputed at every refit from the top
+      ``norm_rank`` eigenpairs of ``J J^T`` (:func:`.secant.projected_norms`; exact ones cost |V|·d² flops, ~0.22 s
+      on this project's 2-core CPU for SmolLM2, ~50 ms so). They used to be exact every 4th refit and kept in
+      between: norms of an older ``J`` beside the new cross term ``E (J r)`` put the true token much lower (random-id
+      prompts at layers 9 and 12: in the top 16 after 27% / 30% of the batches, 52% / 43% with current norms);
     * ``reading`` - interleave that order with the reading map's (:mod:`.reading`: the token read linearly from the
       position's own observed state, a map learnt offline per layer and cached);
     * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
@@ -242,14 +242,14 @@ class LinearPolicy(Policy):
         lm_prior: bool = True,
         reading: bool = True,
         trusted: int = 8,
-        norm_refresh: int = 4,
+        norm_rank: int = 64,
         carried: int = 16,
         anchors: int = 4,
     ) -> None:
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
         self.fresh, self.explore_max, self.lm_prior, self.reading = fresh, explore_max, lm_prior, reading
-        self.trusted, self.norm_refresh = trusted, norm_refresh
+        self.trusted, self.norm_rank = trusted, norm_rank
         self.carried, self.anchors = carried, anchors
         self._lm_order: torch.Tensor | None = None
         self._lm_share = 1.0  # recent success of the next-token prior in this prompt (1: always right)
@@ -258,7 +258,7 @@ class LinearPolicy(Policy):
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._J: torch.Tensor | None = None
         self._P_sq: torch.Tensor | None = None  # squared row norms of vocab @ J  [V]
-        self._fits = 0  # fits since the norms were last computed
+        self._vocab_sq: torch.Tensor | None = None  # ||e_v||^2, set by prepare()
         self._carried: torch.Tensor | None = None  # the previous position's offset
         self._carried_order: torch.Tensor | None = None  # this position's ranking with it (for its hit rate)
         self._carried_share = 0.0  # recent success of that ranking in this prompt (earned: 0 at first)
@@ -274,11 +274,12 @@ class LinearPolicy(Policy):
 
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         self._prior = None
+        self._vocab_sq = squared_norms(model, "vocabulary", model.probe.vocab_matrix(torch.float32))
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
             self._prior = position1_projection(model, layer)
 
     def begin_prompt(self, states: torch.Tensor) -> None:
-        self._pool, self._J, self._P_sq, self._fits = [], None, None, 0
+        self._pool, self._J, self._P_sq = [], None, None
         if self._prior is not None:
             self._J, self._P_sq = self._prior
         self._lm_share = 1.0
@@ -306,11 +307,10 @@ class LinearPolicy(Policy):
             h = torch.cat([h, *(p[1] for p in self._pool)])
         prior = None if local else self._J
         self._J = fit_secant_map(x, h, ridge=self.ridge, prior=prior, prior_weight=self.prior)
-        self._fits += 1
-        if self._P_sq is None or self._fits >= self.norm_refresh:  # |V| d^2 flops: the refit's whole cost
-            proj = ctx.probe.vocab_matrix(torch.float32) @ self._J.float()
-            self._P_sq = proj.square().sum(1)
-            self._fits = 0
+        vocab = ctx.probe.vocab_matrix(torch.float32)
+        if self._vocab_sq is None:
+            self._vocab_sq = vocab.square().sum(1)
+        self._P_sq = projected_norms(vocab, self._vocab_sq, self._J, self.norm_rank)  # the refit's whole cost
         self._fitted_on = ctx.checked
 
     def _offset(self, ctx: PositionContext) -> torch.Tensor:
