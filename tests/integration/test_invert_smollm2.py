@@ -92,3 +92,28 @@ def test_a_long_prompt_is_exact_with_its_candidates_packed_over_the_prefix(smoll
     assert result.uncertain_positions == []
     assert all(p.distance <= p.tolerance for p in result.positions)
     assert sum(length >= 64 for length in packed) >= 10  # positions past the 64th verified in packed rows
+
+
+def test_a_positions_own_fit_ranks_its_later_batches_and_never_changes_the_answer(smollm2):
+    """Where the fit pooled over the last positions keeps missing (random ids), a fit on the position's own pairs
+    ranks half of each later batch (``local_from``): it runs, and the answer is the same without it."""
+    from lminvert.invert.engine import invert_prompts
+    from lminvert.invert.policies import LinearPolicy
+
+    class Recorded(LinearPolicy):
+        def _fit(self, ctx) -> None:
+            super()._fit(ctx)
+            self.local_fits.append(self._local is not None)
+
+    gen = torch.Generator().manual_seed(2)
+    rand = torch.randint(0, smollm2.probe.vocab_size, (12,), generator=gen).tolist()
+    (observed,) = encode(smollm2, [rand], LAYER).states
+    results, fits = [], []
+    for local_from in (16, 0):
+        policy = Recorded(local_from=local_from, carried=0)  # carried=0: a worse first batch, more refits
+        policy.local_fits = []
+        results += invert_prompts(smollm2, [observed], LAYER, policies=[policy])
+        fits.append(policy.local_fits)
+    assert [r.token_ids for r in results] == [rand, rand]
+    assert all(r.uncertain_positions == [] for r in results)
+    assert any(fits[0]) and not any(fits[1])
