@@ -129,6 +129,8 @@ def invert_prompts(
         scale=config.batch_scale or batch_scale(device, len(states)),
         table_norms=None if table is None else squared_norms(model, f"table-{layer.name}", table),
     )
+    for policy in policies:  # what a policy keeps per model and layer (the position-1 map's norms), like the tables
+        policy.prepare(model, layer, first_table=table is not None)
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)
     searches = [
@@ -142,7 +144,6 @@ def invert_prompts(
         for s, policy, c in zip(states, policies, clean, strict=True)
     ]
     for search in searches:
-        search.policy.prepare(model, layer, first_table=table is not None)
         search.policy.begin_prompt(search.targets)
     prior, prior_share = None, 0.0
     if wants_prior:

@@ -285,6 +285,7 @@ class LinearPolicy(Policy):
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         self._prior = None
         self._vocab_sq = squared_norms(model, "vocabulary", model.probe.vocab_matrix(torch.float32))
+        model.probe.vocab_dots(torch.zeros(model.probe.hidden_size))  # decides (times) how the ranking's product runs
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
             self._prior = position1_projection(model, layer)
 
