@@ -307,7 +307,7 @@ class LayerProbe:
         self._half: HalfAsFloat32 | None = None  # cached forwards of a half model on a CPU without half GEMMs
         self._blocks_return_tensors = False  # seen in the mapping check: final_from may then skip the lower blocks
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and half_is_slow(self.dtype):
-            self._half = HalfAsFloat32(self.dtype)
+            self._half = HalfAsFloat32(self.model, self.dtype)
         self._check_mapping()
 
     @contextlib.contextmanager
