@@ -49,6 +49,8 @@ def test_upper_blocks_run_on_given_states_reproduce_the_last_hidden_state(name):
         ref = [model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0] for ids in prompts]
     ran: list[int] = []
     computed: list[nn.Module] = []
+    kept = probe.blocks[0].forward  # an instance forward another library put on a block is kept
+    probe.blocks[0].forward = kept
     for layer in [0, 1, probe.n_layers - 1, probe.n_layers]:
         states = encode(model, prompts, layer).states
         padded = torch.zeros(2, 6, probe.hidden_size)
@@ -67,6 +69,7 @@ def test_upper_blocks_run_on_given_states_reproduce_the_last_hidden_state(name):
         assert ran == list(range(probe.n_layers if layer < probe.n_layers else 0)), name  # each block once, in order
         below = {id(b) for b in probe.blocks[:layer]}  # ... and only those above the layer compute
         assert {id(b) for b in computed} == {id(b) for b in probe.blocks} - below, f"{name} layer {layer}"
+        assert probe.blocks[0].__dict__["forward"] is kept
         for i, ids in enumerate(prompts):
             torch.testing.assert_close(out[i, : len(ids)], ref[i], rtol=1e-4, atol=1e-4, msg=f"{name} layer {layer}")
 

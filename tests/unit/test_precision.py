@@ -158,6 +158,8 @@ def test_half_linear_as_float32_matches_the_native_kernel():
         with torch.no_grad():
             conv.bias.normal_(generator=gen)
         model = torch.nn.ModuleDict({"linear": linear, "conv": conv})
+        wrapper = conv.forward  # an instance forward another library put there is kept
+        conv.forward = wrapper
         native = [linear(x), conv(x)]
         mode = HalfAsFloat32(model, dtype)
         with torch.no_grad(), mode:
@@ -168,6 +170,7 @@ def test_half_linear_as_float32_matches_the_native_kernel():
             linear.weight.mul_(2)  # an in-place edit of the weights is seen
             doubled = linear(x)
         assert len(mode._copies) == 4 and "forward" not in linear.__dict__  # weight and bias of each; unpatched
+        assert conv.__dict__["forward"] is wrapper
         reference = F.linear(x.float(), linear.weight.float(), linear.bias.float())
         torch.testing.assert_close(doubled.float(), reference, rtol=2e-2, atol=5e-2)
         with torch.no_grad():

@@ -81,6 +81,7 @@ class HalfAsFloat32:
         self._modules = [m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
         self._copies: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, tensor, float32)
         self._depth = 0
+        self._kept: list[object] = []  # what each module's instance ``forward`` was before (None: the class's)
 
     def _float(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
@@ -93,7 +94,7 @@ class HalfAsFloat32:
         return entry[2]
 
     def _forward(self, module: nn.Module):
-        native = type(module).forward.__get__(module)
+        native = module.__dict__.get("forward") or type(module).forward.__get__(module)
         if isinstance(module, nn.Linear):
 
             def linear(x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +114,7 @@ class HalfAsFloat32:
 
     def __enter__(self) -> HalfAsFloat32:
         if self._depth == 0:
+            self._kept = [module.__dict__.get("forward") for module in self._modules]  # e.g. another library's wrapper
             for module in self._modules:
                 module.forward = self._forward(module)
         self._depth += 1
@@ -121,5 +123,8 @@ class HalfAsFloat32:
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if self._depth == 0:
-            for module in self._modules:
-                module.__dict__.pop("forward", None)
+            for module, forward in zip(self._modules, self._kept, strict=True):
+                if forward is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = forward

@@ -633,8 +633,9 @@ class LayerProbe:
         skipped = self._blocks_return_tensors and int(resolved) > 0
         if int(resolved) == 0:
             handle = self.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
-        elif skipped:  # an instance attribute: nn.Module calls it instead of the class's forward
+        elif skipped:  # an instance attribute: nn.Module calls it instead of the class's (one already there is kept)
             handle = None
+            kept = [block.__dict__.get("forward") for block in below]
             for block in below:
                 block.forward = lambda *args, **kwargs: states
         else:
@@ -647,8 +648,11 @@ class LayerProbe:
             if handle is not None:
                 handle.remove()
             if skipped:
-                for block in below:
-                    del block.forward
+                for block, forward in zip(below, kept, strict=True):
+                    if forward is None:
+                        del block.forward
+                    else:
+                        block.forward = forward
 
     def next_token_logits(self, state: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """The model's next-token logits from states ``[..., d]`` after the last block (``normed``: after the
