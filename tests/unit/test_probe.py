@@ -149,12 +149,12 @@ def test_vocab_matrix_uses_embedding_module(tiny):
 
 @pytest.mark.parametrize("half", [False, True])
 def test_vocabulary_products_for_rankings(monkeypatch, half):
-    """probe.vocab_dots, the linear policy's ranking product: the float32 product, or, where the CPU runs a float16 one
-    faster, one through a scaled float16 copy of the vocabulary, within 1e-3 of the largest product at any scale of the
+    """probe.vocab_dots, the linear policy's ranking product: the float32 product, or (on a CPU, by default) one
+    through a scaled float16 copy of the vocabulary, within 1e-3 of the largest product at any scale of the
     vector; the zero vector gives zeros."""
     from lminvert.models import probe as probe_module
 
-    monkeypatch.setattr(probe_module, "faster_in_half", lambda matrix: half)
+    monkeypatch.setattr(probe_module, "HALF_DOTS", half)
     probe = lminvert.load_model("tiny-llama").probe  # a new probe: the choice is made at its first product
     vocab = probe.vocab_matrix(torch.float32).double()
     gen = torch.Generator().manual_seed(0)

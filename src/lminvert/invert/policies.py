@@ -204,8 +204,9 @@ class LinearPolicy(Policy):
     * ``norm_rank`` - the ranking's squared row norms ``||e_v J||^2`` are recomputed at every refit from the top
       ``norm_rank`` eigenpairs of ``J J^T`` (:func:`.secant.projected_norms`; exact ones cost |V|·d² flops, ~0.22 s
       on this project's 2-core CPU for SmolLM2, ~50 ms so). They used to be exact every 4th refit and kept in
-      between: norms of an older ``J`` beside the new cross term ``E (J r)`` put the true token much lower (random-id
-      prompts at layers 9 and 12: in the top 16 after 27% / 30% of the batches, 52% / 43% with current norms);
+      between: norms of an older ``J`` beside the new cross term ``E (J r)`` put the true token much lower (the second
+      random-id benchmark prompt at layers 9 and 12: in the top 16 after 27% / 30% of its later batches, 52% / 43%
+      with current norms);
     * ``local_from`` - from this many verified pairs at a position (below ``fresh``) every later batch is half the
       ranking of a fit on this position's pairs alone: where the pooled fit keeps missing (its ``J`` from the last
       positions explains nothing of this one's states), the position's own data ranks the token near the top long
@@ -285,7 +286,7 @@ class LinearPolicy(Policy):
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         self._prior = None
         self._vocab_sq = squared_norms(model, "vocabulary", model.probe.vocab_matrix(torch.float32))
-        model.probe.vocab_dots(torch.zeros(model.probe.hidden_size))  # decides (times) how the ranking's product runs
+        model.probe.vocab_dots(torch.zeros(model.probe.hidden_size))  # makes the ranking's float16 copy, if any
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
             self._prior = position1_projection(model, layer)
 

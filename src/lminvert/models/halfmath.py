@@ -12,9 +12,6 @@ the probe uses it for its cached forwards (prefix caches, candidate continuation
 (:mod:`lminvert.invert.tolerance`), include whatever difference remains. :func:`half_is_slow` decides, once per
 process and dtype, by timing both ways.
 
-The other way round, for a float32 model: a ranking's product of the vocabulary with one vector is bound by the bytes
-it reads, and a float16 matrix-vector product (no GEMM kernel needed) reads half of them. :func:`faster_in_half`
-decides, once per probe, whether :meth:`lminvert.models.LayerProbe.vocab_dots` runs it on a float16 copy.
 """
 
 from __future__ import annotations
@@ -45,25 +42,6 @@ def half_is_slow(dtype: torch.dtype) -> bool:
 
         _SLOW[dtype] = best(x.to(dtype), w.to(dtype)) > 1.5 * best(x, w)
     return _SLOW[dtype]
-
-
-def faster_in_half(matrix: torch.Tensor) -> bool:
-    """Whether a float16 matrix-vector product with (a copy of) ``matrix`` runs more than 1.5x faster than the float32
-    one on this CPU (on this project's AVX2 CPU: SmolLM2's vocabulary, 2 threads, 2.9 vs 9.7 ms, half the bytes read;
-    a [20, d] product is slower in float16, 48 vs 30 ms). Timed on the matrix itself, best of 3 each."""
-    vector = torch.ones(matrix.shape[1], dtype=matrix.dtype)
-    half, half_vector = matrix.half(), vector.half()
-
-    def best(a: torch.Tensor, b: torch.Tensor) -> float:
-        a @ b  # warm
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(half, half_vector) * 1.5 < best(matrix, vector)
 
 
 class HalfAsFloat32:

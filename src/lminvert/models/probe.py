@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import LminvertError
-from .halfmath import HalfAsFloat32, faster_in_half, half_is_slow
+from .halfmath import HalfAsFloat32, half_is_slow
 from .layers import Layer, LayerSpec, parse_layers
 
 
@@ -57,6 +57,7 @@ PACK = 64  # continuation tokens per packed row of a cached forward (:meth:`Laye
 # prefix 160, B = 8 / 32: 39.4 / 60.4 vs 39.6 / 73.5 ms; prefix 19 (layer 30), B = 8 / 64 / 512: 105 / 159 / 811 vs
 # 93 / 155 / 814 ms (its mask makes every query attend to its packed row's other places, masked: no gain there).
 PACKED_FROM = 2048
+HALF_DOTS = True  # LayerProbe.vocab_dots on a CPU through a float16 copy of the vocabulary
 PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask as the probe builds it
 
 BLOCK_NAMES = ("layers", "h", "blocks")
@@ -420,14 +421,17 @@ class LayerProbe:
 
     def vocab_dots(self, vector: torch.Tensor) -> torch.Tensor:
         """``vocab_matrix() @ vector`` ``[V]`` in float32, for rankings (they only order candidates, each of which is
-        verified). On a CPU where it is faster (:func:`.halfmath.faster_in_half`, timed once on the vocabulary) the
-        product runs on a float16 copy of the vocabulary scaled to entries of at most 1, the vector likewise: half the
-        bytes of a memory-bound product, relative error ~5e-4 of the largest product on SmolLM2."""
+        verified). On a CPU (with ``HALF_DOTS``) the product runs on a float16 copy of the vocabulary scaled to entries
+        of at most 1, the vector likewise: the product is bound by the bytes it reads, and a float16 matrix-vector
+        product needs no half GEMM kernel (on this project's AVX2 CPU, SmolLM2, 2 threads: 2.9 against 9.7 ms;
+        relative error ~5e-4 of the largest product). Always, not where a timing says so: the candidates' order, and
+        so the candidates verified, must not depend on the machine's load. A ``[20, d]`` product would be slower in
+        float16 (48 against 30 ms): only vectors take this path."""
         vocab = self.vocab_matrix(torch.float32)
         vector = vector.float()
         if self._vocab_half is None:
             scale = float(vocab.abs().max())
-            fits = self.device.type == "cpu" and 0 < scale < float("inf") and faster_in_half(vocab)
+            fits = HALF_DOTS and self.device.type == "cpu" and 0 < scale < float("inf")
             self._vocab_half = ((vocab / scale).half(), scale) if fits else False
         top = float(vector.abs().max()) if self._vocab_half else 0.0
         if not self._vocab_half or not 0 < top < float("inf"):
