@@ -213,8 +213,8 @@ class LinearPolicy(Policy):
       before ``fresh`` pairs (random-id prompts at layer 9: a position took 2,015 candidates, the first batch after
       the local fit at 512 pairs; 487 from 64). Counts with 64 instead of none: benchmark random-id prompts at layer
       9 133 / 226 -> 98 / 144 candidates per position, layer 12 49 / 173 -> 49 / 86; 4 fresh random-id prompts at
-      layer 6 195 -> 137, layer 24 186 -> 256 (one prompt 371 -> 790, the other three lower); 8 fresh text prompts
-      at layer 30 97 -> 68;
+      layer 6 195 -> 137, layer 24 186 -> 256 (per prompt 371 -> 790, 94 -> 98, 176 -> 82, 102 -> 54); 8 fresh
+      text prompts at layer 30 97 -> 68;
     * ``reading`` - interleave that order with the reading map's (:mod:`.reading`: the token read linearly from the
       position's own observed state, a map learnt offline per layer and cached);
     * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
