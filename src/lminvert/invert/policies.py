@@ -312,19 +312,18 @@ class LinearPolicy(Policy):
         return centre(x[keep], h[keep])
 
     def _fit(self, ctx: PositionContext) -> None:
+        assert self._vocab_sq is not None, "prepare() first"
         x, h = self._centred(ctx)
         local = len(x) >= self.fresh  # enough data here: fit this position alone
         vocab = ctx.probe.vocab_matrix(torch.float32)
-        if self._vocab_sq is None:
-            self._vocab_sq = vocab.square().sum(1)
-        if not local and self.local_from and len(x) >= self.local_from:  # a second opinion from this position alone
-            alone = fit_secant_map(x, h, ridge=self.ridge)
-            self._local = (alone, projected_norms(vocab, self._vocab_sq, alone, self.norm_rank))
-        if not local:
+        if local:
+            self._local = None
+        else:
+            if self.local_from and len(x) >= self.local_from:  # a second opinion from this position alone
+                alone = fit_secant_map(x, h, ridge=self.ridge)
+                self._local = (alone, projected_norms(vocab, self._vocab_sq, alone, self.norm_rank))
             x = torch.cat([x, *(p[0] for p in self._pool)])
             h = torch.cat([h, *(p[1] for p in self._pool)])
-        else:
-            self._local = None
         prior = None if local else self._J
         self._J = fit_secant_map(x, h, ridge=self.ridge, prior=prior, prior_weight=self.prior)
         self._P_sq = projected_norms(vocab, self._vocab_sq, self._J, self.norm_rank)  # the refit's whole cost

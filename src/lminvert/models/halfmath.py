@@ -11,7 +11,6 @@ the probe uses it for its cached forwards (prefix caches, candidate continuation
 (:meth:`LayerProbe.states`, what an observer computes), so the acceptance radii, measured between the two
 (:mod:`lminvert.invert.tolerance`), include whatever difference remains. :func:`half_is_slow` decides, once per
 process and dtype, by timing both ways.
-
 """
 
 from __future__ import annotations
