@@ -48,12 +48,53 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
     layer = probe.layer(LAYER)
     (observed,) = encode(model, [text], LAYER).states
     prefix = probe.prefixes([[]], layer)
+    kept = None
     for t, token in enumerate(text):
-        asked = SimpleNamespace(to_confirm=[token, (token + 1) % probe.vocab_size], length=len(text), speculator=None)
+        asked = SimpleNamespace(
+            to_confirm=[token, (token + 1) % probe.vocab_size], length=len(text), speculator=None, plain_keys=kept
+        )
         again = _plain_states(probe, layer, prefix, 0, asked)
         assert torch.equal(again[0], observed[t])
         assert not torch.equal(again[1], observed[t])
+        kept = asked.plain_keys  # the next confirmation starts from these (the first contender's: the true token)
+        assert kept is not None and list(kept.tokens[: t + 1]) == text[: t + 1]
         prefix, _ = probe.advance_rows(prefix, [token])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_plain_forwards_start_from_kept_keys_with_the_same_bits(dtype, monkeypatch):
+    """A confirmation's plain forward recomputed from the keys and values an earlier one kept for the prefix, only the
+    rows from there on, attention at the observed length: on this CPU in half precision the same bits as the whole
+    forward at every position (so the shortcut is taken); in float32 the GEMMs round by the number of rows, and the
+    whole sequence runs. A shortcut that does not reproduce the whole forward is turned off at its first use."""
+    from lminvert.models import observed
+
+    model = lminvert.load_model("smollm2-135m", dtype=dtype)
+    probe = model.probe
+    text = model.tokenize("The quick brown fox jumps over the lazy dog near the river bank today, said Jane Doe.")[:20]
+    layer = probe.layer(LAYER)
+    (whole,) = probe.states(torch.tensor([text]), [layer])[layer]
+    kept = None
+    for t in range(len(text)):
+        rows = probe.plain_states([text], layer, upto=t, kept=kept, stop=t + 3)
+        if dtype == "float32":
+            assert rows.start == 0 and rows.keys_of(0) is None
+        else:
+            assert rows.start == t  # the keys kept by the last forward hold the whole prefix
+        stop = min(t + 3, len(text)) if dtype != "float32" else len(text)
+        assert torch.equal(rows.states[0], whole[rows.start : stop])
+        kept = rows.keys_of(0)
+    assert probe._observed.works is (dtype != "float32")
+    if dtype == "float32":
+        return
+    # attention at the unpadded shape (what a cached forward does) changes the bits: the check turns the shortcut off
+    fresh = lminvert.load_model("smollm2-135m", dtype=dtype).probe
+    unpadded = SimpleNamespace(set=lambda n: None, reset=lambda token: None, get=lambda: 0)
+    monkeypatch.setattr(observed, "_LENGTH", unpadded)
+    kept = fresh.plain_states([text], layer).keys_of(0)
+    later = fresh.plain_states([text], layer, upto=5, kept=kept, stop=6)
+    assert fresh._observed.works is False
+    assert later.start == 0 and torch.equal(later.states[0], whole)
 
 
 def test_confirmations_filled_with_first_guesses_save_forwards_never_change_the_answer(monkeypatch):

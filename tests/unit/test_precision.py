@@ -107,6 +107,24 @@ def test_half_precision_inversion_is_exact_on_every_family(name, dtype):
     assert result.dtype == dtype
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_plain_forwards_from_kept_keys_equal_the_whole_forward_on_every_family(name):
+    """The confirmation's plain forward started from kept keys and values (:mod:`lminvert.models.observed`) gives the
+    whole forward's bits in every family, bfloat16 on this CPU: where the shortcut would not (a sliding window, a
+    non-sdpa attention, a differing bit at its first use) the whole sequence runs instead."""
+    probe = lminvert.load_model(name, dtype="bfloat16").probe
+    layer = probe.layer(2)
+    whole = probe.states(torch.tensor([IDS]), [layer])[layer][0]
+    kept = None
+    for t in range(len(IDS)):
+        rows = probe.plain_states([IDS], layer, upto=t, kept=kept, stop=t + 2)
+        assert torch.equal(rows.states[0], whole[rows.start : rows.start + rows.states.shape[1]])
+        assert rows.start + rows.states.shape[1] > t
+        kept = rows.keys_of(0)
+    windowed = name in ("tiny-mistral", "tiny-gemma2", "tiny-gemma3")  # and Gemma-2's eager attention
+    assert probe._observed.works is not windowed  # the shortcut ran (and matched) in the seven others
+
+
 def test_ambiguity_is_resolved_by_the_plain_forward_not_guessed():
     """A ball so wide that many candidates lie inside: the plain forward re-measures them and picks the right one."""
     model = lminvert.load_model("tiny-qwen2")

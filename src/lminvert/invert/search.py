@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models import LayerProbe, NewKeys, Prefix
+from ..models.observed import PlainKeys
 from .context import PositionContext, wide_dtype
 from .policies import Policy, SweepPolicy, TablePolicy
 from .results import PositionResult
@@ -127,6 +128,8 @@ class PromptSearch:
         self.ctx: PositionContext | None = None
         self.chosen: int | None = None
         self.to_confirm: list[int] = []
+        # the observer's keys and values of the last confirmation's closest sequence: later ones start from them
+        self.plain_keys: PlainKeys | None = None
 
     @property
     def length(self) -> int:

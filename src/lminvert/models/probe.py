@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..errors import LminvertError
 from .halfmath import HalfAsFloat32, half_is_slow
 from .layers import Layer, LayerSpec, parse_layers
+from .observed import ObservedForward, PlainKeys, PlainRows
 
 
 def _foreign(hook: object) -> bool:
@@ -310,6 +311,7 @@ class LayerProbe:
         if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and half_is_slow(self.dtype):
             self._half = HalfAsFloat32(self.model, self.dtype)
         self._check_mapping()
+        self._observed = ObservedForward(self)
 
     @contextlib.contextmanager
     def always_packed(self):
@@ -500,6 +502,21 @@ class LayerProbe:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         with torch.no_grad():
             return self._forward(resolved, **kwargs)
+
+    def plain_states(
+        self,
+        sequences: list[list[int]],
+        layer: LayerSpec,
+        upto: int = 0,
+        kept: PlainKeys | None = None,
+        stop: int | None = None,
+    ) -> PlainRows:
+        """The plain forward of full sequences of equal length (:meth:`states`), from position ``start <= upto`` on
+        where ``kept`` holds that much of the first sequence's keys and values and recomputing from them reproduces
+        the whole forward bit for bit (:mod:`.observed`; otherwise ``start`` is 0); there, positions from ``stop``
+        (> ``upto``) on are not computed."""
+        self.check_ids(torch.tensor(sequences))
+        return self._observed.states(sequences, self.layer(layer), upto, kept, stop)
 
     def embeds_states(self, embeds: torch.Tensor, layers: LayerSpec | Sequence[LayerSpec]) -> dict[Layer, torch.Tensor]:
         """States ``[B, T, d]`` of continuous input vectors ``embeds`` ``[B, T, d]`` (the embedding module's output

@@ -1,0 +1,186 @@
+"""The observer's plain forward, recomputed from the keys and values of a prefix it shares.
+
+A confirmation (:mod:`lminvert.invert.search`) recomputes what the observer computed: the plain forward of the whole
+observed sequence, shaped like the observer's, which reproduces the true token's state bit for bit where the kernels
+are the observer's. Most of that forward is the prefix, the same from one confirmation to the next. On a CPU in half
+precision every kernel of a block but the attention computes each row of a sequence alone (the same bits whatever
+the number of rows: SmolLM2 in bfloat16 and float16, GEMMs of 1 to 40 rows), and the attention kernel's blocking
+follows the sequence's length (an unpadded 11-token forward differs from the 20-token one at position 10; from 16
+tokens on they agree). So the observer's states at positions ``s..`` are recomputed from the keys and values of
+positions ``< s`` kept from an earlier such forward: only the rows ``s..`` run, and the attention runs at the
+observer's shape (queries at their positions of a zero-filled block of the observed length, keys and values of the
+later positions zero: the causal mask hides them). In float32 the CPU's GEMMs round differently for different
+numbers of rows, so there (and on other devices, whose kernels are not measured) the whole sequence runs as before.
+
+Whether the shortcut reproduces the whole forward is not assumed: the first time a probe takes it, the whole forward
+runs beside it, and any differing bit turns the shortcut off for that probe (logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "lminvert_observed"  # the attention implementation's name while a shortcut forward runs
+_LENGTH: contextvars.ContextVar[int] = contextvars.ContextVar("observed_length")
+
+
+def _observed_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa at the observer's shape: ``query`` ``[B, H, n, D]`` holds positions ``s..s+n-1`` and ``key``/``value``
+    ``[B, Hkv, s+n, D]`` positions ``0..s+n-1`` of a sequence observed at length ``_LENGTH``."""
+    count, total = query.shape[2], key.shape[2]
+    length = max(_LENGTH.get(), total)
+    start = total - count
+
+    def placed(x: torch.Tensor, at: int) -> torch.Tensor:
+        full = x.new_zeros(*x.shape[:2], length, x.shape[3])
+        full[:, :, at : at + x.shape[2]] = x
+        return full
+
+    out, _ = sdpa_attention_forward(module, placed(query, start), placed(key, 0), placed(value, 0), None, **kwargs)
+    return out[:, start:total], None
+
+
+AttentionInterface.register(ATTENTION, _observed_attention)
+AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # causal by shape: the observer had no mask
+
+
+@dataclass(frozen=True)
+class PlainKeys:
+    """Keys and values ``[1, Hkv, n, D]`` of blocks ``1..top`` at positions ``0..n-1`` of ``tokens``, as the
+    observer-shaped plain forward computed them."""
+
+    tokens: tuple[int, ...]
+    keys: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def shared(self, sequence: list[int], upto: int) -> int:
+        """How many leading positions of ``sequence`` (at most ``upto``) these keys hold."""
+        n = 0
+        for a, b in zip(self.tokens[:upto], sequence[:upto], strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
+@dataclass(frozen=True)
+class PlainRows:
+    """States ``[B, n, d]`` of full observed sequences at positions ``start..start+n-1``, and their keys and values
+    ``[B, Hkv, n, D]`` per block, from which a later forward may start (None where the whole sequence ran)."""
+
+    start: int
+    states: torch.Tensor
+    kept: PlainKeys | None
+    new: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None
+    sequences: list[list[int]]
+
+    def keys_of(self, row: int) -> PlainKeys | None:
+        """Keys and values of the whole sequence ``row``, to start a later forward from."""
+        if self.new is None:
+            return None
+        old = self.kept.keys if self.kept is not None and self.start else None
+        keys = []
+        for block, (k, v) in enumerate(self.new):
+            k, v = k[row : row + 1], v[row : row + 1]
+            if old is not None:
+                k = torch.cat([old[block][0][:, :, : self.start], k], dim=2)
+                v = torch.cat([old[block][1][:, :, : self.start], v], dim=2)
+            keys.append((k, v))
+        return PlainKeys(tuple(self.sequences[row]), tuple(keys))
+
+
+class ObservedForward:
+    """The plain forward of one probe with the shortcut above where it is allowed and, once checked, reproduces."""
+
+    def __init__(self, probe) -> None:
+        self.probe = probe
+        self.works: bool | None = None if self._allowed() else False  # None: not checked yet
+
+    def _allowed(self) -> bool:
+        probe, config = self.probe, self.probe.config
+        if probe.device.type != "cpu" or probe.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if getattr(probe.model.config, "_attn_implementation", None) != "sdpa":
+            return False
+        windows = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size")]
+        if any(isinstance(w, int) and w > 0 for w in windows):
+            return False
+        kinds = getattr(config, "layer_types", None)
+        return not kinds or all(kind == "full_attention" for kind in kinds)
+
+    def states(
+        self, sequences: list[list[int]], layer, upto: int, kept: PlainKeys | None, stop: int | None = None
+    ) -> PlainRows:
+        """States of ``sequences`` (full observed length, equal lengths) at ``layer``, from position ``start`` on:
+        ``start <= upto`` is how much of the first sequence ``kept`` holds (0 where the shortcut is off); with the
+        shortcut, positions from ``stop`` on are not computed (their tokens still shape the kernels)."""
+        if self.works is False or layer.top_block == 0:
+            return self._whole(sequences, layer)
+        start = kept.shared(sequences[0], upto) if kept is not None else 0
+        stop = len(sequences[0]) if stop is None else min(max(stop, upto + 1), len(sequences[0]))
+        rows = self._from(sequences, layer, start, stop, kept)
+        if self.works is None:  # checked against the whole forward until a shortcut from kept keys has matched
+            whole = self._whole(sequences, layer)
+            if not torch.equal(whole.states[:, start:stop], rows.states):
+                self.works = False
+                log.info("plain forwards run whole: the shortcut from kept keys does not reproduce them here")
+                return whole
+            if start:
+                self.works = True
+        return rows
+
+    def _whole(self, sequences: list[list[int]], layer) -> PlainRows:
+        probe = self.probe
+        states = probe.states(torch.tensor(sequences, device=probe.device), [layer])[layer]
+        return PlainRows(0, states, None, None, sequences)
+
+    def _from(self, sequences: list[list[int]], layer, start: int, stop: int, kept: PlainKeys | None) -> PlainRows:
+        probe = self.probe
+        count, length = len(sequences), len(sequences[0])
+        cache = DynamicCache(config=probe.config)
+        if start:
+            assert kept is not None
+            for block, (k, v) in enumerate(kept.keys):
+                cache.update(
+                    k[:, :, :start].expand(count, -1, -1, -1).contiguous(),
+                    v[:, :, :start].expand(count, -1, -1, -1).contiguous(),
+                    block,
+                )
+        ids = torch.tensor([row[start:stop] for row in sequences], device=probe.device)
+        positions = torch.arange(start, stop, device=probe.device)[None].expand(count, -1)
+        token = _LENGTH.set(length)
+        try:
+            with torch.no_grad(), _attention(probe, ATTENTION):
+                out = probe._forward(
+                    [layer], input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions
+                )
+        finally:
+            _LENGTH.reset(token)
+        new = tuple(
+            (cache.layers[block].keys[:, :, start:], cache.layers[block].values[:, :, start:])
+            for block in range(layer.top_block)
+        )
+        return PlainRows(start, out[layer], kept, new, [row[:stop] for row in sequences])
+
+
+@contextlib.contextmanager
+def _attention(probe, name: str):
+    """The model's attention implementation switched to ``name`` (and the text model's, where it has its own config)."""
+    configs = [probe.model.config] + ([probe.config] if probe.config is not probe.model.config else [])
+    before = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = name
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, before, strict=True):
+            config._attn_implementation = value
