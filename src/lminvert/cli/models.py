@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..models import REGISTRY, sources
+from ..errors import LminvertError
+from ..models import REGISTRY, load_model, sources
 from .common import print_json
 
 
@@ -12,19 +13,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("models", help="list model aliases", description="List registered model aliases.")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--prepare", metavar="ALIAS", help="convert ALIAS into the cache now (idempotent)")
+    parser.add_argument(
+        "--reader",
+        metavar="LAYERS",
+        help="with --prepare: also train and cache the reading network at LAYERS (e.g. 30, or 15,30), which "
+        "inversion at those layers then uses to propose candidates (minutes per layer on a CPU)",
+    )
+    parser.add_argument("--dtype", default="float32", help="with --reader: the dtype the model runs in")
+    parser.add_argument("--device", default="auto", help="with --reader: where the model runs")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reader and not args.prepare:
+        raise LminvertError("--reader needs --prepare ALIAS (the model to train the reading network for)")
     if args.prepare:
         from ..models.registry import resolve
 
         spec = resolve(args.prepare)
         if spec is None or spec.kind != "gguf-package":
-            print(f"{args.prepare}: nothing to prepare")
-            return 0
-        path = sources.convert(spec)
-        print(f"{spec.alias}: ready in {path}")
+            print(f"{args.prepare}: nothing to convert")
+        else:
+            print(f"{spec.alias}: ready in {sources.convert(spec)}")
+        if args.reader:
+            _train_readers(args)
         return 0
     rows = []
     for spec in REGISTRY.values():
@@ -53,3 +65,13 @@ def run(args: argparse.Namespace) -> int:
         )
     print("\nAlso accepted: a Hugging Face hub id (org/name), a local model directory or a .gguf file.")
     return 0
+
+
+def _train_readers(args: argparse.Namespace) -> None:
+    from ..invert.reader import train_reader
+
+    model = load_model(args.prepare, dtype=args.dtype, device=args.device)
+    layers = model.probe.layers(args.reader)  # an unknown layer: a one-line error
+    for layer in layers:
+        train_reader(model, layer)
+        print(f"{args.prepare}: reading network for layer {layer.name} cached")

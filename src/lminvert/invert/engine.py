@@ -28,6 +28,7 @@ from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
 from .context import batch_scale
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
+from .reader import load_reader
 from .reading import reading_map
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
@@ -121,7 +122,10 @@ def invert_prompts(
         table = first_position_table(model, layer, progress=config.progress)
     calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
     wants_prior = not exhaustive and any(policy.uses_next_tokens for policy in policies)
-    reading = reading_map(model, layer) if wants_prior and any(p.uses_reading for p in policies) else None
+    reading = None
+    if wants_prior and any(p.uses_reading for p in policies):  # the reading network where one was trained
+        network = load_reader(model, layer)
+        reading = network if network is not None else reading_map(model, layer)
     settings = Settings(
         calibration=calibration,
         budget=vocab if config.max_candidates is None or config.certify else max(1, min(vocab, config.max_candidates)),

@@ -13,7 +13,7 @@ time, never exactness. Logits are ranked in float32 whatever the model's precisi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ class NextTokenPrior:
         layer: Layer,
         observed: Sequence[torch.Tensor],
         depth: int = 2048,
-        reading: torch.Tensor | None = None,
+        reading: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         probe = model.probe
         self.depth = min(depth, probe.vocab_size)

@@ -16,6 +16,7 @@ positions at layer 15 and 20 of 38 at layer 30; 4 and 1 of 38 for random token i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -69,10 +70,15 @@ def reading_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
     return cached(model, layer, "reading-map", build)
 
 
-def reading_orders(model: LoadedModel, weights: torch.Tensor, states: torch.Tensor, depth: int) -> torch.Tensor:
+def reading_orders(
+    model: LoadedModel, weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor, depth: int
+) -> torch.Tensor:
     """``[T, depth]``: at every position of one prompt, the ``depth`` tokens whose input vectors lie nearest the
-    map's prediction from the observed ``states`` ``[T, d]`` (nearest first)."""
+    prediction from the observed ``states`` ``[T, d]`` (nearest first): of the linear map ``weights``, or of a
+    reading network (:mod:`.reader`)."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    predicted = features(states.to(vocab.device)).float() @ weights
+    inputs = features(states.to(vocab.device)).float()
+    with torch.no_grad():
+        predicted = weights(inputs) if callable(weights) else inputs @ weights
     score = squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted @ vocab.T  # ||e_v - p||^2 - ||p||^2
     return score.topk(depth, dim=1, largest=False).indices

@@ -32,6 +32,12 @@ from .secant import centre, fit_secant_map
 log = logging.getLogger(__name__)
 
 
+def table_path(model: LoadedModel, layer: Layer, kind: str, device: str | None = None) -> Path:
+    """Where a table of ``kind`` for this model's weights, dtype and ``layer`` (and device type) is kept."""
+    suffix = ("" if kind == "table" else f"-{kind}") + (f"-{device}" if device else "")
+    return cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
+
+
 def cached(
     model: LoadedModel, layer: Layer, kind: str, build: Callable[[], torch.Tensor], per_device: bool = False
 ) -> torch.Tensor:
@@ -41,8 +47,7 @@ def cached(
     key = (kind, int(layer), model.dtype, device.type if per_device else None)
     if key in model.memo:
         return model.memo[key]
-    suffix = ("" if kind == "table" else f"-{kind}") + (f"-{device.type}" if per_device else "")
-    path: Path = cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
+    path = table_path(model, layer, kind, device.type if per_device else None)
     if has_hooks(model.model):  # what it computes is not what its weights hash names: keep it off the disk
         value = build().detach().cpu().contiguous()
     elif path.is_file():

@@ -1,0 +1,64 @@
+"""The reading network: trained on request only, cached beside the tables, used by inversion where cached."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import lminvert
+from lminvert.forward import encode, prompt_states
+from lminvert.invert import invert
+from lminvert.invert import proposal as proposal_module
+from lminvert.invert.reader import load_reader, train_reader
+from lminvert.invert.reading import reading_orders
+from lminvert.invert.tables import table_path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    (root / "models").mkdir(parents=True)
+    real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
+    (root / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")  # the borrowed tokenizer
+    monkeypatch.setenv("LMINVERT_CACHE", str(root))
+    return root
+
+
+def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(cache, monkeypatch):
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(2)
+    assert load_reader(model, layer) is None  # never trained implicitly
+    net = train_reader(model, layer, text=40, random=40, length=12, epochs=30, hidden=128, lr=1e-2, progress=False)
+    assert table_path(model, layer, "reader").is_file()
+    again = lminvert.load_model("tiny-llama")  # a new object reads the file
+    loaded = load_reader(again, layer)
+    assert loaded is not None
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), loaded.state_dict().values(), strict=True))
+    # it reads tokens it was not trained on: 880 training samples from a 49,152-token vocabulary, so a few of 36 (by
+    # chance: about 36 / 49,152 in all)
+    gen = torch.Generator().manual_seed(7)
+    fresh = torch.randint(0, again.probe.vocab_size, (4, 10), generator=gen).tolist()
+    hits = 0
+    for ids, states in zip(fresh, prompt_states(again, fresh, [layer], progress=False), strict=True):
+        orders = reading_orders(again, loaded, states[layer], 1)
+        hits += sum(int(orders[t, 0]) == ids[t] for t in range(1, len(ids)))
+    assert hits >= 3
+    # inversion proposes from it (instead of the linear map) and stays exact
+    seen = []
+    real = proposal_module.reading_orders
+    monkeypatch.setattr(proposal_module, "reading_orders", lambda m, w, s, d: seen.append(w) or real(m, w, s, d))
+    (result,) = invert(again, encode(again, [fresh[0]], layer))
+    assert result.token_ids == fresh[0] and result.uncertain_positions == []
+    assert seen and all(w is loaded for w in seen)
+
+
+def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, cache):
+    proc = cli("models", "--reader", "2")
+    assert proc.returncode != 0 and "--prepare" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = cli("models", "--prepare", "tiny-llama", "--reader", "99", "--device", "cpu")
+    assert proc.returncode != 0 and "layer" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (cache / "tables").exists() or not any((cache / "tables").glob("*reader*"))
