@@ -66,3 +66,15 @@ def cli():
 @pytest.fixture
 def tmp(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """An empty lminvert cache (tables, radii, readers) that still reaches the converted SmolLM2 (whose tokenizer the
+    tiny models borrow)."""
+    root = tmp_path / "cache"
+    (root / "models").mkdir(parents=True)
+    real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
+    (root / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")
+    monkeypatch.setenv("LMINVERT_CACHE", str(root))
+    return root

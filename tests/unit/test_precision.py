@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -199,12 +197,8 @@ def test_half_linear_as_float32_matches_the_native_kernel():
             torch.testing.assert_close(e.float(), n.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_tables_written_by_one_object_are_read_by_another_and_dtypes_keep_their_own(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    (cache / "models").mkdir(parents=True)
-    real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
-    (cache / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")  # the borrowed tokenizer
-    monkeypatch.setenv("LMINVERT_CACHE", str(cache))
+def test_tables_written_by_one_object_are_read_by_another_and_dtypes_keep_their_own(isolated_cache):
+    cache = isolated_cache
     writer = lminvert.load_model("tiny-gpt2")
     layer = writer.probe.layer(1)
     built = first_position_table(writer, layer, progress=False)

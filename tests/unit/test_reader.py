@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import pytest
 import torch
 
 import lminvert
@@ -17,17 +13,7 @@ from lminvert.invert.reading import reading_orders
 from lminvert.invert.tables import table_path
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    (root / "models").mkdir(parents=True)
-    real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
-    (root / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")  # the borrowed tokenizer
-    monkeypatch.setenv("LMINVERT_CACHE", str(root))
-    return root
-
-
-def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(cache, monkeypatch):
+def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(isolated_cache, monkeypatch):
     model = lminvert.load_model("tiny-llama")
     layer = model.probe.layer(2)
     assert load_reader(model, layer) is None  # never trained implicitly
@@ -55,10 +41,10 @@ def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(ca
     assert seen and all(w is loaded for w in seen)
 
 
-def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, cache):
+def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, isolated_cache):
     proc = cli("models", "--reader", "2")
     assert proc.returncode != 0 and "--prepare" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = cli("models", "--prepare", "tiny-llama", "--reader", "99", "--device", "cpu")
     assert proc.returncode != 0 and "layer" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (cache / "tables").exists() or not any((cache / "tables").glob("*reader*"))
+    assert not (isolated_cache / "tables").exists() or not any((isolated_cache / "tables").glob("*reader*"))
