@@ -48,3 +48,16 @@ def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, iso
     proc = cli("models", "--prepare", "tiny-llama", "--reader", "99", "--device", "cpu")
     assert proc.returncode != 0 and "layer" in proc.stderr and "Traceback" not in proc.stderr
     assert not (isolated_cache / "tables").exists() or not any((isolated_cache / "tables").glob("*reader*"))
+
+
+def test_a_hooked_model_keeps_its_reading_network_off_the_disk(isolated_cache):
+    """Forward hooks change what the weights compute; the weights hash cannot tell, so no file is written or read."""
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    train_reader(model, layer, text=0, random=4, length=6, epochs=1, hidden=16, progress=False)  # a file, unhooked
+    hooked = lminvert.load_model("tiny-llama")
+    hooked.probe.blocks[0].register_forward_hook(lambda m, a, out: out)
+    assert load_reader(hooked, layer) is None  # the unhooked model's file is not read
+    net = train_reader(hooked, layer, text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
+    assert load_reader(hooked, layer) is net  # kept in memory
+    assert len(list((isolated_cache / "tables").glob("*reader*"))) == 1  # only the unhooked model's

@@ -27,6 +27,7 @@ from ..corpora import sample_prompts
 from ..errors import LminvertError
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
+from ..models.probe import has_hooks
 from ..paths import atomic_file
 from .reading import features
 from .tables import squared_norms, table_path
@@ -50,12 +51,13 @@ def _network(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
 
 
 def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
-    """The reading network cached for this model, dtype and layer, or None (it is never trained here)."""
+    """The reading network cached for this model, dtype and layer, or None (it is never trained here; a model whose
+    forward hooks change what its weights compute reads no file: the weights hash cannot name what it computes)."""
     key = (KIND, int(layer), model.dtype)
     if key not in model.memo:
         path = table_path(model, layer, KIND)
         net = None
-        if path.is_file():
+        if path.is_file() and not has_hooks(model.model):
             weights = load_file(str(path))
             shapes = [weights[f"{i}.weight"].shape for i in (0, 2, 4)]
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])
@@ -116,9 +118,9 @@ def train_reader(
                 total += float(loss.detach()) * len(rows)
             log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, total / len(order))
     net = net.eval().requires_grad_(False)
-    path = table_path(model, layer, KIND)
-    with atomic_file(path) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(tmp))
+    if not has_hooks(model.model):  # kept in memory only for a hooked model, like the tables
+        with atomic_file(table_path(model, layer, KIND)) as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(tmp))
     model.memo[(KIND, int(layer), model.dtype)] = net
     log.info("trained the reading network for layer %s in %.1f s", layer.name, time.perf_counter() - start)
     return net
