@@ -6,6 +6,7 @@ import argparse
 
 from ..errors import LminvertError
 from ..models import REGISTRY, load_model, sources
+from ..models.loading import DTYPES
 from .common import print_json
 
 
@@ -19,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --prepare: also train and cache the reading network at LAYERS (e.g. 30, or 15,30), which "
         "inversion at those layers then uses to propose candidates (minutes per layer on a CPU)",
     )
-    parser.add_argument("--dtype", default="float32", help="with --reader: the dtype the model runs in")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --reader: the model's dtype")
     parser.add_argument("--device", default="auto", help="with --reader: where the model runs")
     parser.set_defaults(func=run)
 

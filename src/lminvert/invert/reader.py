@@ -20,17 +20,14 @@ import logging
 import time
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..corpora import sample_prompts
 from ..errors import LminvertError
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
-from ..models.probe import has_hooks
-from ..paths import atomic_file
 from .reading import features
-from .tables import squared_norms, table_path
+from .tables import read_tables, squared_norms, write_tables
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +52,9 @@ def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
     forward hooks change what its weights compute reads no file: the weights hash cannot name what it computes)."""
     key = (KIND, int(layer), model.dtype)
     if key not in model.memo:
-        path = table_path(model, layer, KIND)
         net = None
-        if path.is_file() and not has_hooks(model.model):
-            weights = load_file(str(path))
+        weights = read_tables(model, layer, KIND)
+        if weights is not None:
             shapes = [weights[f"{i}.weight"].shape for i in (0, 2, 4)]
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])
             net.load_state_dict(weights)
@@ -118,9 +114,7 @@ def train_reader(
                 total += float(loss.detach()) * len(rows)
             log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, total / len(order))
     net = net.eval().requires_grad_(False)
-    if not has_hooks(model.model):  # kept in memory only for a hooked model, like the tables
-        with atomic_file(table_path(model, layer, KIND)) as tmp:
-            save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(tmp))
+    write_tables(model, layer, KIND, net.state_dict())  # a hooked model keeps it in memory only, like the tables
     model.memo[(KIND, int(layer), model.dtype)] = net
     log.info("trained the reading network for layer %s in %.1f s", layer.name, time.perf_counter() - start)
     return net

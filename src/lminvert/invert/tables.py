@@ -38,6 +38,27 @@ def table_path(model: LoadedModel, layer: Layer, kind: str, device: str | None =
     return cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
 
 
+def read_tables(
+    model: LoadedModel, layer: Layer, kind: str, device: str | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The tensors kept on disk under ``kind`` for this model's weights, dtype and ``layer`` (CPU tensors), or None:
+    none kept, or a model whose forward hooks change what it computes (its weights hash cannot name that)."""
+    path = table_path(model, layer, kind, device)
+    if has_hooks(model.model) or not path.is_file():
+        return None
+    return load_file(str(path))
+
+
+def write_tables(
+    model: LoadedModel, layer: Layer, kind: str, tensors: dict[str, torch.Tensor], device: str | None = None
+) -> None:
+    """Keep ``tensors`` on disk under ``kind`` (:func:`read_tables`), except for a hooked model."""
+    if has_hooks(model.model):  # what it computes is not what its weights hash names: keep it off the disk
+        return
+    with atomic_file(table_path(model, layer, kind, device)) as tmp:  # two processes building it cannot collide
+        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(tmp))
+
+
 def cached(
     model: LoadedModel, layer: Layer, kind: str, build: Callable[[], torch.Tensor], per_device: bool = False
 ) -> torch.Tensor:
@@ -47,16 +68,13 @@ def cached(
     key = (kind, int(layer), model.dtype, device.type if per_device else None)
     if key in model.memo:
         return model.memo[key]
-    path = table_path(model, layer, kind, device.type if per_device else None)
-    if has_hooks(model.model):  # what it computes is not what its weights hash names: keep it off the disk
-        value = build().detach().cpu().contiguous()
-    elif path.is_file():
-        (value,) = load_file(str(path)).values()
+    stored = read_tables(model, layer, kind, device.type if per_device else None)
+    if stored is not None:
+        (value,) = stored.values()
     else:
         start = time.perf_counter()
         value = build().detach().cpu().contiguous()
-        with atomic_file(path) as tmp:  # unique name: two processes building the same table cannot collide
-            save_file({"value": value}, str(tmp))
+        write_tables(model, layer, kind, {"value": value}, device.type if per_device else None)
         log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
     if device.type == "mps" and value.dtype == torch.float64:  # MPS has no float64
         value = value.float()
