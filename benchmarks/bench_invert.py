@@ -40,6 +40,7 @@ from evalset import evaluation_prompts
 from lminvert.forward import encode
 from lminvert.invert import invert
 from lminvert.invert.baseline import sequential_baseline
+from lminvert.invert.reader import load_reader
 from lminvert.invert.tables import first_position_table, second_position_map
 from lminvert.invert.tolerance import calibrate
 
@@ -103,10 +104,12 @@ def main() -> int:
             calibration = calibrate(m, layer)
             entry["precompute_seconds"][dtype] = time.perf_counter() - t0
             entry["calibration"][dtype] = calibration.as_dict()
+            reads = "reading network" if load_reader(m, layer) is not None else "linear reading map"
+            entry.setdefault("reading", {})[dtype] = reads
             print(
                 f"  {dtype}: tables + calibration {entry['precompute_seconds'][dtype]:.1f} s (cached); measured "
                 f"disagreement {calibration.cached:.1e} (cached forward), {calibration.plain:.1e} (plain); "
-                f"smallest gap {calibration.gap:.1e} (relative)"
+                f"smallest gap {calibration.gap:.1e} (relative); states read by the {reads}"
             )
         if len(models) > 1:
             entry["verification_ms"] = _verification_cost(models, layer, list(prompts[0].ids))
@@ -215,22 +218,33 @@ def main() -> int:
 
 
 def _long_prompt(model, layer, args) -> dict:
-    """Cost against length: one prose prompt of ``args.long`` tokens and its first ``args.length`` tokens."""
+    """Cost against length: one prose prompt of ``args.long`` tokens against its first ``args.length`` tokens, and
+    against the same tokens cut into windows of ``args.length`` inverted one by one (the same text, so the ratio to
+    their sum measures what length itself costs, apart from how predictable the rest of the text is)."""
     (long,) = [p for p in evaluation_prompts(model, 1, args.long, args.seed + 1) if p.kind == "prose"]
-    rows = {}
-    for n in (args.length, args.long):
-        ids = list(long.ids[:n])
-        (r,) = invert(model, encode(model, [ids], layer), seed=args.seed, **_policy(args.policies.split(",")[0]))
-        rows[n] = {"exact": r.token_ids == ids, "seconds": r.seconds, "time_split": r.time_split,
-                   "mean_candidates": sum(r.candidates_checked) / n}  # fmt: skip
+    policy = _policy(args.policies.split(",")[0])
+
+    def run(ids: list[int]) -> dict:
+        (r,) = invert(model, encode(model, [ids], layer), seed=args.seed, **policy)
+        return {"exact": r.token_ids == ids, "seconds": r.seconds, "time_split": r.time_split,
+                "mean_candidates": sum(r.candidates_checked) / len(ids)}  # fmt: skip
+
+    rows = {n: run(list(long.ids[:n])) for n in (args.length, args.long)}
+    ids = list(long.ids[: args.long])
+    windows = [run(ids[i : i + args.length]) for i in range(0, len(ids) - args.length + 1, args.length)]
+    pieces = sum(w["seconds"] for w in windows)
     ratio = rows[args.long]["seconds"] / rows[args.length]["seconds"]
     print(
         f"\nlength at layer {layer}: {args.length} tokens {rows[args.length]['seconds']:.2f} s, {args.long} tokens "
         f"{rows[args.long]['seconds']:.2f} s ({ratio:.1f}x for {args.long / args.length:.0f}x the tokens; exact: "
         f"{rows[args.length]['exact']}, {rows[args.long]['exact']}; "
-        f"{rows[args.long]['mean_candidates']:.1f} candidates per position)"
+        f"{rows[args.long]['mean_candidates']:.1f} candidates per position)\n"
+        f"  the same {len(windows) * args.length} tokens as {len(windows)} prompts of {args.length}: {pieces:.2f} s in "
+        f"all (median {statistics.median(w['seconds'] for w in windows):.2f} s, all exact: "
+        f"{all(w['exact'] for w in windows)}); the long prompt takes {rows[args.long]['seconds'] / pieces:.2f}x that"
     )
-    return {"layer": int(layer), "rows": rows, "ratio": ratio}
+    return {"layer": int(layer), "rows": rows, "ratio": ratio, "windows": windows, "windows_seconds": pieces,
+            "ratio_to_windows": rows[args.long]["seconds"] / pieces}  # fmt: skip
 
 
 def _verification_cost(models, layer, ids, batch=64, reps=5) -> dict:

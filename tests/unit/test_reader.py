@@ -61,3 +61,25 @@ def test_a_hooked_model_keeps_its_reading_network_off_the_disk(isolated_cache):
     net = train_reader(hooked, layer, text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
     assert load_reader(hooked, layer) is net  # kept in memory
     assert len(list((isolated_cache / "tables").glob("*reader*"))) == 1  # only the unhooked model's
+
+
+def test_a_training_steps_softmax_over_drawn_rows_keeps_every_target_and_the_whole_vocabularys_scores():
+    from lminvert.invert.reader import _scores
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = torch.randn(300, 8, generator=gen, dtype=torch.float64)
+    norms = (vocab * vocab).sum(1)
+    read = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    tokens = torch.tensor([5, 299, 0, 5, 123, 77])
+    full, same = _scores(read, tokens, vocab, norms, 0)
+    assert full.shape == (6, 300) and torch.equal(same, tokens)
+    assert torch.allclose(full, 2 * read @ vocab.T - norms)
+    assert torch.equal(_scores(read, tokens, vocab, norms, 300)[0], full)  # as many as the vocabulary: all of it
+    drawn, targets = _scores(read, tokens, vocab, norms, 40)
+    width = drawn.shape[1]
+    assert 40 <= width <= 46
+    shift = torch.log(torch.tensor(300 / width, dtype=torch.float64))
+    for row in range(6):
+        assert torch.isclose(drawn[row, targets[row]], full[row, tokens[row]])  # the target, unshifted
+        others = torch.cat([drawn[row, : targets[row]], drawn[row, targets[row] + 1 :]]) - shift
+        assert (others[:, None] - full[row][None]).abs().min(1).values.max() < 1e-9  # the others: vocabulary scores
