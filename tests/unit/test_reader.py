@@ -83,3 +83,30 @@ def test_a_training_steps_softmax_over_drawn_rows_keeps_every_target_and_the_who
         assert torch.isclose(drawn[row, targets[row]], full[row, tokens[row]])  # the target, unshifted
         others = torch.cat([drawn[row, : targets[row]], drawn[row, targets[row] + 1 :]]) - shift
         assert (others[:, None] - full[row][None]).abs().min(1).values.max() < 1e-9  # the others: vocabulary scores
+
+
+def test_the_cli_says_how_to_train_a_reading_network_where_none_is_cached(cli, isolated_cache, tmp):
+    path = tmp / "s.safetensors"
+    cli("encode", "--model", "tiny-llama", "--layer", "2", "--text", "Secret: 1234", "--out", str(path), check=True)
+    proc = cli("invert", str(path), "--device", "cpu", check=True)
+    hint = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
+    assert len(hint) == 1 and "lminvert models --prepare tiny-llama --reader 2`" in hint[0]
+    assert "hint:" not in cli("invert", str(path), "--device", "cpu", "--policy", "secant", check=True).stderr
+    model = lminvert.load_model("tiny-llama")
+    train_reader(model, model.probe.layer(2), text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
+    proc = cli("invert", str(path), "--device", "cpu", check=True)
+    assert "hint:" not in proc.stderr and "Secret: 1234" in proc.stdout
+
+
+def test_a_half_model_reads_with_the_network_trained_in_float32_unless_its_own_is_cached(isolated_cache):
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    net = train_reader(model, layer, text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
+    half = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    shared = load_reader(half, layer)
+    assert shared is not None and shared is not net
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), shared.state_dict().values(), strict=True))
+    own = train_reader(half, layer, text=0, random=4, length=6, epochs=1, hidden=8, progress=False)
+    again = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    assert load_reader(again, layer)[0].out_features == 8 == own[0].out_features  # its own file first
+    assert load_reader(lminvert.load_model("tiny-llama", dtype="float16"), layer)[0].out_features == 16

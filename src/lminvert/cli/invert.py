@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import LminvertError
@@ -131,4 +132,23 @@ def run(args: argparse.Namespace) -> int:
             f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
             f"{'; certified against the whole vocabulary' if r.certified else ''}{flag}"
         )
+    _reader_hint(args, model, name, states)
     return 0
+
+
+def _reader_hint(args: argparse.Namespace, model, name: str, states: HiddenStates) -> None:
+    """Where the default policy read the states with the linear map, say how a reading network is trained (it is
+    never trained implicitly: minutes of a CPU)."""
+    spec = args.layer if args.layer is not None else states.layer
+    if args.method != "sipit" or args.policy != "linear" or spec is None:
+        return
+    from ..invert.reader import load_reader
+
+    layer = model.probe.layer(spec)
+    if load_reader(model, layer) is None:
+        print(
+            f"hint: no reading network is cached for layer {layer.name} of this model; `lminvert models --prepare "
+            f"{name} --reader {layer.name}` trains one in "
+            "minutes, for every dtype, and makes inversion at this layer faster",
+            file=sys.stderr,
+        )

@@ -68,12 +68,16 @@ def _scores(
 
 
 def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
-    """The reading network cached for this model, dtype and layer, or None (it is never trained here; a model whose
-    forward hooks change what its weights compute reads no file: the weights hash cannot name what it computes)."""
+    """The reading network cached for this model, dtype and layer, else the one trained in float32 for the same
+    weights (it only orders candidates, and a half model's states differ from float32's by their rounding), or None
+    (it is never trained here; a model whose forward hooks change what its weights compute reads no file: the
+    weights hash cannot name what it computes)."""
     key = (KIND, int(layer), model.dtype)
     if key not in model.memo:
         net = None
         weights = read_tables(model, layer, KIND)
+        if weights is None and model.dtype != "float32":
+            weights = read_tables(model, layer, KIND, dtype="float32")
         if weights is not None:
             shapes = [weights[f"{i}.weight"].shape for i in (0, 2, 4)]
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])

@@ -32,18 +32,23 @@ from .secant import centre, fit_secant_map
 log = logging.getLogger(__name__)
 
 
-def table_path(model: LoadedModel, layer: Layer, kind: str, device: str | None = None) -> Path:
-    """Where a table of ``kind`` for this model's weights, dtype and ``layer`` (and device type) is kept."""
+def table_path(
+    model: LoadedModel, layer: Layer, kind: str, device: str | None = None, dtype: str | None = None
+) -> Path:
+    """Where a table of ``kind`` for this model's weights, dtype (or ``dtype``) and ``layer`` (and device type) is
+    kept."""
     suffix = ("" if kind == "table" else f"-{kind}") + (f"-{device}" if device else "")
-    return cache_dir() / "tables" / f"{model.weights_hash}-{model.dtype}-layer{layer.name}{suffix}.safetensors"
+    name = f"{model.weights_hash}-{dtype or model.dtype}-layer{layer.name}{suffix}.safetensors"
+    return cache_dir() / "tables" / name
 
 
 def read_tables(
-    model: LoadedModel, layer: Layer, kind: str, device: str | None = None
+    model: LoadedModel, layer: Layer, kind: str, device: str | None = None, dtype: str | None = None
 ) -> dict[str, torch.Tensor] | None:
-    """The tensors kept on disk under ``kind`` for this model's weights, dtype and ``layer`` (CPU tensors), or None:
-    none kept, or a model whose forward hooks change what it computes (its weights hash cannot name that)."""
-    path = table_path(model, layer, kind, device)
+    """The tensors kept on disk under ``kind`` for this model's weights, dtype (or ``dtype``) and ``layer`` (CPU
+    tensors), or None: none kept, or a model whose forward hooks change what it computes (its weights hash cannot
+    name that)."""
+    path = table_path(model, layer, kind, device, dtype)
     if has_hooks(model.model) or not path.is_file():
         return None
     return load_file(str(path))
