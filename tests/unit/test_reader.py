@@ -92,6 +92,7 @@ def test_the_cli_says_how_to_train_a_reading_network_where_none_is_cached(cli, i
     hint = [line for line in proc.stderr.splitlines() if line.startswith("hint:")]
     assert len(hint) == 1 and "lminvert models --prepare tiny-llama --reader 2`" in hint[0]
     assert "hint:" not in cli("invert", str(path), "--device", "cpu", "--policy", "secant", check=True).stderr
+    assert "hint:" not in cli("invert", str(path), "--device", "cpu", "--certify", check=True).stderr  # a sweep
     model = lminvert.load_model("tiny-llama")
     train_reader(model, model.probe.layer(2), text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
     proc = cli("invert", str(path), "--device", "cpu", check=True)

@@ -132,19 +132,19 @@ def run(args: argparse.Namespace) -> int:
             f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
             f"{'; certified against the whole vocabulary' if r.certified else ''}{flag}"
         )
-    _reader_hint(args, model, name, states)
+    _reader_hint(model, name, results[0])
     return 0
 
 
-def _reader_hint(args: argparse.Namespace, model, name: str, states: HiddenStates) -> None:
-    """Where the default policy read the states with the linear map, say how a reading network is trained (it is
-    never trained implicitly: minutes of a CPU)."""
-    spec = args.layer if args.layer is not None else states.layer
-    if args.method != "sipit" or args.policy != "linear" or spec is None:
+def _reader_hint(model, name: str, result) -> None:
+    """Where the policy that ran reads states with the linear map (no network cached), say how a reading network is
+    trained (it is never trained implicitly: minutes of a CPU). Layer and policy are the ones the engine used."""
+    policy = POLICIES.get(result.policy)
+    if policy is None or not policy().uses_reading:  # brute force, --certify (a sweep), or a policy reading nothing
         return
     from ..invert.reader import load_reader
 
-    layer = model.probe.layer(spec)
+    layer = model.probe.layer(result.layer)
     if load_reader(model, layer) is None:
         print(
             f"hint: no reading network is cached for layer {layer.name} of this model; `lminvert models --prepare "

@@ -117,7 +117,8 @@ def train_reader(
     Each step's softmax runs over the batch's own tokens and ``negatives`` vocabulary rows drawn uniformly without
     replacement (the other rows' logits raised by ``log(|V| / drawn)``, so the sum estimates the whole vocabulary's);
     ``negatives=0`` or at least the vocabulary's size: the whole vocabulary. The vocabulary product is most of a step's
-    cost, so 8,192 of SmolLM2's 49,152 rows make an epoch about 2.5x cheaper."""
+    cost: with 8,192 of SmolLM2's 49,152 rows an epoch took ~1 min on this project's CPU, against ~3 min over the whole
+    vocabulary (two separate runs)."""
     start = time.perf_counter()
     probe = model.probe
     prompts = training_prompts(model, text, random, length, seed)
