@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lminvert-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo test lint bench-invert bench-collisions bench-ray setup-gemma results report chromium clean
+.PHONY: setup demo test lint readers bench-invert bench-collisions bench-ray setup-gemma results report chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ test: setup
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+
+# Reading networks for the default model at every 3rd layer (inversion uses each where it is cached; bench-invert's
+# figures in docs/results.md were measured with them): minutes per layer on a 2-core CPU; layers already cached are
+# skipped, so an interrupted run resumes. Layer 30 with the whole vocabulary in each step's softmax (~3x the time of
+# the sampled one, and it read that layer's random token ids with half the candidates: docs/results.md).
+readers: setup
+	$(BIN)/lminvert models --prepare smollm2-135m --reader 3,6,9,12,15,18,21,24,27
+	$(BIN)/lminvert models --prepare smollm2-135m --reader 30 --negatives 0
 
 bench-invert: setup
 	$(BIN)/python benchmarks/bench_invert.py

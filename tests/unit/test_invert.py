@@ -205,9 +205,9 @@ def test_next_token_prior_is_the_models_own_ranking(family, layer):
             prior.select([0])  # as the engine does: the short prompt is done
         alive = [i for i, ids in enumerate(prompts) if len(ids) > t]
         orders = prior.orders(t)
-        assert orders.shape == (len(alive), 50)
+        assert orders.shape == (len(alive), 1, 50)  # one source: no reading given
         for row, i in enumerate(alive):
-            assert torch.equal(orders[row][:10], expected[i][t - 1][:10]), (i, t)
+            assert torch.equal(orders[row, 0][:10], expected[i][t - 1][:10]), (i, t)
 
 
 def test_time_split_is_reported():
@@ -254,13 +254,40 @@ def test_tied_groups_are_exactly_equal_rows():
     assert ties.tied_token_groups(model) == expected == [[3, 7, 250], [20, 21]]
 
 
-def test_interleaved_orders_keep_each_token_once_at_its_first_place():
-    from lminvert.invert.proposal import interleave
+def test_merged_orders_keep_each_token_once_at_its_first_place_and_follow_the_weights():
+    from lminvert.invert.proposal import merge
 
-    a = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    b = torch.tensor([[2, 9, 1, 10], [8, 7, 6, 5]])
-    assert interleave(a, b).tolist() == [[1, 2, 9, 3], [5, 8, 6, 7]]
-    assert interleave(a[:0], b[:0]).shape == (0, 4)  # a one-token prompt: no position after the first
+    a, b = torch.tensor([1, 2, 3, 4]), torch.tensor([2, 9, 1, 10])
+    assert merge(torch.stack([a, b])).tolist() == [1, 2, 9, 3]  # equal weights: alternately, the first source first
+    assert merge(torch.stack([torch.tensor([5, 6, 7, 8]), torch.tensor([8, 7, 6, 5])])).tolist() == [5, 8, 6, 7]
+    assert merge(torch.stack([a, b]), [1, 0.5]).tolist() == [1, 2, 3, 9]  # two of a's for one of b's
+    assert merge(torch.stack([a, b]), [1 / 16, 1]).tolist() == [2, 9, 1, 10]
+    assert merge(a[None]).tolist() == a.tolist()
+
+
+def test_a_source_that_keeps_missing_stops_diluting_the_others_ranks():
+    """Random token ids: the next-token prior misses at every position while the reading hits; the reading's 21st
+    guess then comes at about place 21 of the merged order instead of 41 (alternately)."""
+    from types import SimpleNamespace
+
+    from lminvert.invert.policies import LinearPolicy
+
+    policy = LinearPolicy()
+    policy.begin_prompt(torch.zeros(5, 4))
+    lm, read = torch.arange(1000, 3048), torch.arange(2048)
+    ctx = SimpleNamespace(next_tokens=torch.stack([lm, read]))
+
+    def place(token: int) -> int:
+        return int((policy._lm_order == token).nonzero()[0, 0])
+
+    policy._take_order(ctx)
+    assert place(20) == 41  # no record yet: alternately
+    for t in range(1, 5):  # the reading's first guess right, the prior's top 64 wrong
+        policy._take_order(ctx)
+        policy.accepted(t, 0)
+    policy._take_order(ctx)
+    assert place(20) <= 22
+    assert policy._lm_order[:64].tolist().count(1000) == 1  # the missing source keeps a place (it may recover)
 
 
 def test_the_reading_map_reads_tokens_from_their_own_states():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lminvert
@@ -48,6 +49,37 @@ def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, iso
     proc = cli("models", "--prepare", "tiny-llama", "--reader", "99", "--device", "cpu")
     assert proc.returncode != 0 and "layer" in proc.stderr and "Traceback" not in proc.stderr
     assert not (isolated_cache / "tables").exists() or not any((isolated_cache / "tables").glob("*reader*"))
+
+
+def test_the_cli_skips_layers_with_a_cached_network_unless_told_to_retrain(isolated_cache, monkeypatch, capsys):
+    """`make readers` twice trains nothing the second time; --retrain trains again; only missing layers are trained."""
+    from lminvert.cli import main
+    from lminvert.invert import reader
+
+    model = lminvert.load_model("tiny-llama")
+    train_reader(model, model.probe.layer(1), text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
+    trained = []
+    settings = []
+    monkeypatch.setattr(
+        reader, "train_reader", lambda m, layer, **kw: (trained.append(int(layer)), settings.append(kw))
+    )
+    assert main(["models", "--prepare", "tiny-llama", "--reader", "1,2", "--device", "cpu"]) == 0
+    assert trained == [2]  # layer 1's network is cached, layer 2 has none
+    assert "layer 1 already cached" in capsys.readouterr().out
+    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--device", "cpu"]) == 0
+    assert trained == [2, 1]
+    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--dtype", "float16", "--device", "cpu"]) == 0
+    assert trained == [2, 1, 1]  # a half model's own network is not the float32 one it falls back on
+    assert settings == [{}, {}, {}]  # the default softmax
+    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--negatives", "0"]) == 0
+    assert settings[-1] == {"negatives": 0}  # the whole vocabulary
+
+
+@pytest.mark.parametrize("option", [["--retrain"], ["--negatives", "0"], ["--reader", "1", "--negatives", "-1"]])
+def test_training_options_need_reader_layers(cli, option):
+    proc = cli("models", "--prepare", "tiny-llama", *option)
+    assert proc.returncode != 0 and "--reader" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_hooked_model_keeps_its_reading_network_off_the_disk(isolated_cache):

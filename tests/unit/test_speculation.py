@@ -121,7 +121,7 @@ def _replace_prior(monkeypatch, ids, guesses: str):
         if position == 0:
             return None
         rest = torch.tensor([(ids[position] + 7 * k + 3) % vocab for k in range(1, 64)])
-        return torch.cat([torch.tensor([guess(position)]), rest])[None].to(self._orders[0].device)
+        return torch.cat([torch.tensor([guess(position)]), rest])[None, None].to(self._orders[0].device)
 
     monkeypatch.setattr(proposal.NextTokenPrior, "orders", orders)
     monkeypatch.setattr(proposal.NextTokenPrior, "firsts", lambda self, i: [[guess(t)] for t in range(1, len(ids))])

@@ -20,6 +20,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --prepare: also train and cache the reading network at LAYERS (e.g. 30, or 15,30), which "
         "inversion at those layers then uses to propose candidates (minutes per layer on a CPU)",
     )
+    parser.add_argument(
+        "--retrain",
+        action="store_true",
+        help="with --reader: train again at layers that already have a reading network cached (skipped otherwise)",
+    )
+    parser.add_argument(
+        "--negatives",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --reader: vocabulary rows drawn into each training step's softmax (default 8192, a few times "
+        "faster; 0: the whole vocabulary, which read SmolLM2's last layer better)",
+    )
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --reader: the model's dtype")
     parser.add_argument("--device", default="auto", help="with --reader: where the model runs")
     parser.set_defaults(func=run)
@@ -28,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.reader and not args.prepare:
         raise LminvertError("--reader needs --prepare ALIAS (the model to train the reading network for)")
+    if args.negatives is not None and (not args.reader or args.negatives < 0):
+        raise LminvertError("--negatives needs --reader LAYERS and a count of at least 0 (0: the whole vocabulary)")
+    if args.retrain and not args.reader:
+        raise LminvertError("--retrain needs --reader LAYERS (the layers to train the reading network at again)")
     if args.prepare:
         from ..models.registry import resolve
 
@@ -69,10 +86,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_readers(args: argparse.Namespace) -> None:
-    from ..invert.reader import train_reader
+    from ..invert.reader import KIND, train_reader
+    from ..invert.tables import table_path
 
     model = load_model(args.prepare, dtype=args.dtype, device=args.device)
     layers = model.probe.layers(args.reader)  # an unknown layer: a one-line error
     for layer in layers:
-        train_reader(model, layer)
+        path = table_path(model, layer, KIND)
+        if path.is_file() and not args.retrain:  # idempotent: `make readers` run twice trains nothing the second time
+            print(f"{args.prepare}: reading network for layer {layer.name} already cached in {path} (--retrain: again)")
+            continue
+        train_reader(model, layer, **({} if args.negatives is None else {"negatives": args.negatives}))
         print(f"{args.prepare}: reading network for layer {layer.name} cached")

@@ -23,6 +23,7 @@ import torch
 
 from ..models import Layer, LoadedModel
 from .context import PositionContext, wide_dtype
+from .proposal import merge
 from .secant import centre, fit_secant_map, projected_norms
 from .tables import position1_projection, squared_norms
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 TRUSTED = 0.75  # the proposal's recent hit rate above which a position's first batch is its top ``trusted`` alone
 CARRY = 0.75  # the carried ranking's recent hit rate from which its top ``carried`` join a position's first batch
+SOURCE_FLOOR = 1 / 16  # the least weight a source of the proposal's order keeps in the merge (it can recover)
 RECENT = 3  # positions whose ranks size a trusted first batch: the next power of two above their worst rank
 
 
@@ -42,7 +44,7 @@ class Policy:
     name = "base"
     uses_first_table = False
     uses_next_tokens = False  # the engine then fills ``ctx.next_tokens`` (the model's own next-token order)
-    uses_reading = False  # ... interleaved with the reading map's order (:mod:`.reading`)
+    uses_reading = False  # ... beside the reading's order (:mod:`.reading`), as a second source
 
     def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
         """Called once before inverting with ``model`` at ``layer`` (load cached priors here); ``first_table``:
@@ -215,8 +217,11 @@ class LinearPolicy(Policy):
       9 133 / 226 -> 98 / 144 candidates per position, layer 12 49 / 173 -> 49 / 86; 4 fresh random-id prompts at
       layer 6 195 -> 137, layer 24 186 -> 256 (per prompt 371 -> 790, 94 -> 98, 176 -> 82, 102 -> 54); 8 fresh
       text prompts at layer 30 97 -> 68;
-    * ``reading`` - interleave that order with the reading map's (:mod:`.reading`: the token read linearly from the
-      position's own observed state, a map learnt offline per layer and cached);
+    * ``reading`` - merge that order with the reading's (:mod:`.reading`: the token read from the position's own
+      observed state by a map learnt offline per layer and cached, or a reading network, :mod:`.reader`): alternately
+      at first, then each source weighted by its recent hit rate in this prompt (top ``4 * first``, each position
+      weighing half; :data:`SOURCE_FLOOR` at least), so that on random token ids, where the next-token prior misses,
+      the reading's ranks are not doubled by it;
     * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
       ``carried`` of the secant ranking with the offset carried over from the previous position (the mean of
       ``h - e_v J`` over its verified pairs: no forward needed to estimate it), and only ``anchors`` random entries
@@ -263,6 +268,8 @@ class LinearPolicy(Policy):
         self.carried, self.anchors, self.local_from = carried, anchors, local_from
         self._local: tuple[torch.Tensor, torch.Tensor] | None = None  # (J, norms) of this position's pairs alone
         self._lm_order: torch.Tensor | None = None
+        self._sources: torch.Tensor | None = None  # [sources, depth]: each source's own order at this position
+        self._source_shares: list[float] = []  # each source's recent success in this prompt (the merge's weights)
         self._lm_share = 1.0  # recent success of the next-token prior in this prompt (1: always right)
         self._recent: list[int] = []  # ranks of the last RECENT recovered tokens in the proposal's order
         self._fitted_on = 0  # samples of the current position used by the last fit
@@ -295,6 +302,7 @@ class LinearPolicy(Policy):
         if self._prior is not None:
             self._J, self._P_sq = self._prior
         self._lm_share = 1.0
+        self._source_shares = []
         self._recent = []
         self._carried, self._carried_order, self._carried_share = None, None, 0.0
 
@@ -361,7 +369,7 @@ class LinearPolicy(Policy):
         rounds = ctx.rounds
         if rounds == 0:
             self._fitted_on, self._local = 0, None
-            self._lm_order = ctx.next_tokens if self.lm_prior else None
+            self._take_order(ctx)
             if self._J is None:
                 return _remaining(ctx, ctx.generator, self.explore_first * ctx.scale)
             # the prior's likely tokens (as many as it has earned in this prompt), random entries for the rest:
@@ -408,10 +416,29 @@ class LinearPolicy(Policy):
         self._pool = [*self._pool, self._centred(ctx)][-self.memory :]
         if self.carried > 0 and self._J is not None and self._P_sq is not None and ctx.checked:
             self._carried = self._offset(ctx)  # the next position's first guess at its offset
-        if self.lm_prior and self._lm_order is None:  # decided before the policy proposed (:mod:`.speculation`)
-            self._lm_order = ctx.next_tokens  # the prior's record still learns from it
+        if self._lm_order is None:  # decided before the policy proposed (:mod:`.speculation`)
+            self._take_order(ctx)  # the prior's record still learns from it
+
+    def _take_order(self, ctx: PositionContext) -> None:
+        """This position's proposal order: the sources' orders (the next-token prior's, the reading's) merged, each
+        weighted by its recent record in this prompt (:data:`SOURCE_FLOOR` at least): where one keeps missing (the
+        next-token prior on random token ids) the other's ranks are not diluted by it."""
+        self._sources = ctx.next_tokens if self.lm_prior else None
+        if self._sources is None:
+            self._lm_order = None
+            return
+        if len(self._source_shares) != len(self._sources):
+            self._source_shares = [1.0] * len(self._sources)
+        self._lm_order = merge(self._sources, [max(SOURCE_FLOOR, share) for share in self._source_shares])
 
     def accepted(self, position: int, token_id: int) -> None:
+        if self._sources is not None:
+            depth = 4 * self.first
+            hits = (self._sources[:, :depth] == token_id).any(dim=1).tolist()
+            self._source_shares = [
+                0.5 * share + 0.5 * hit for share, hit in zip(self._source_shares, hits, strict=True)
+            ]
+            self._sources = None
         if self._carried_order is not None:  # did the carried ranking have this token in its top few?
             hit = bool((self._carried_order[: self.carried] == token_id).any())
             self._carried_share = 0.5 * self._carried_share + 0.5 * hit

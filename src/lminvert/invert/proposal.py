@@ -23,24 +23,29 @@ from .reading import reading_orders
 TOKENS = 8192  # positions x prompts per forward of the upper blocks (bounds its activations)
 
 
-def interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Rows of two orders ``[T, k]`` merged alternately (a's first, b's first, a's second, ...), each id kept at its
-    first place only, cut to ``k`` per row."""
-    if a.shape[0] == 0:
-        return a
-    both = torch.stack([a, b], dim=-1).reshape(a.shape[0], -1)
-    order = both.argsort(dim=1, stable=True)  # equal ids: the earliest place first
-    ranked = both.gather(1, order)
+def merge(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """One order ``[k]`` from several ``[S, k]`` (most likely first): source ``s``'s ``i``-th id at place
+    ``(i + 1/2) / weights[s]`` (equal weights: alternately, the first source first), each id kept at its first place
+    only, cut to ``k``. A source of weight 0.25 gives one id for every four of a source of weight 1."""
+    count, k = sources.shape
+    if count == 1:
+        return sources[0]
+    w = torch.ones(count) if weights is None else torch.tensor([float(x) for x in weights])
+    keys = (torch.arange(k, dtype=torch.float64)[None] + 0.5) / w.double().clamp_min(1e-3)[:, None]
+    merged = sources.reshape(-1)[keys.reshape(-1).argsort(stable=True).to(sources.device)]
+    order = merged.argsort(stable=True)  # equal ids: the earliest place first
+    ranked = merged[order]
     repeated = torch.zeros_like(ranked, dtype=torch.bool)
-    repeated[:, 1:] = ranked[:, 1:] == ranked[:, :-1]
-    later = torch.zeros_like(repeated).scatter(1, order, repeated)  # back to merged places
-    first = ~later & ((~later).cumsum(dim=1) <= a.shape[1])
-    return both[first].reshape(a.shape[0], a.shape[1])
+    repeated[1:] = ranked[1:] == ranked[:-1]
+    later = torch.zeros_like(repeated).scatter(0, order, repeated)  # back to merged places
+    return merged[~later][:k]
 
 
 class NextTokenPrior:
     """Next-token orders ``[depth]`` at every position of N prompts (position ``t``: what the model predicts after
-    the states of positions ``0..t-1``), computed once from their observed states."""
+    the states of positions ``0..t-1``), computed once from their observed states; with ``reading``, each position's
+    reading order beside it (what its own state reads as): ``[sources, depth]`` per position, for a policy to
+    :func:`merge` by how well each source did earlier in the prompt."""
 
     def __init__(
         self,
@@ -53,7 +58,7 @@ class NextTokenPrior:
         probe = model.probe
         self.depth = min(depth, probe.vocab_size)
         self.rows = list(range(len(observed)))  # which prompts are still being inverted
-        self._orders: list[torch.Tensor] = []  # per prompt [T_i - 1, depth]: the order for positions 1..T_i-1
+        self._orders: list[torch.Tensor] = []  # per prompt [T_i - 1, sources, depth]: positions 1..T_i-1
         self._firsts: list[list[list[int]]] = []  # per prompt and position 1..T_i-1: each source's first guess
         per_batch = max(1, TOKENS // max(1, max(len(s) for s in observed)))
         for first in range(0, len(observed), per_batch):
@@ -67,16 +72,19 @@ class NextTokenPrior:
                 logits = probe.next_token_logits(last[i, : len(s) - 1], normed=True)
                 order = logits.float().topk(self.depth, dim=-1).indices
                 firsts = order[:, :1]
-                if reading is not None:  # what the position's own state reads as, interleaved
+                if reading is not None:  # what the position's own state reads as: a second source
                     read = reading_orders(model, reading, s.to(probe.device), self.depth)[1:].to(order.device)
                     firsts = torch.cat([read[:, :1], firsts], dim=1)
-                    order = interleave(order, read)
+                    order = torch.stack([order, read], dim=1)
+                else:
+                    order = order[:, None]
                 self._orders.append(order)
                 self._firsts.append(firsts.tolist())
 
     def orders(self, position: int) -> torch.Tensor | None:
-        """``[rows, depth]``: the most likely tokens at ``position`` of each prompt still inverted (most likely
-        first), on the model's device; None at position 0."""
+        """``[rows, sources, depth]``: the most likely tokens at ``position`` of each prompt still inverted by each
+        source (the next-token prior's, then the reading's; most likely first), on the model's device; None at
+        position 0."""
         if position == 0:
             return None
         return torch.stack([self._orders[i][position - 1] for i in self.rows])
