@@ -38,8 +38,8 @@ lint: $(STAMP)
 
 # Reading networks for the default model at every 3rd layer (inversion uses each where it is cached; bench-invert's
 # figures in docs/results.md were measured with them): minutes per layer on a 2-core CPU; layers already cached are
-# skipped, so an interrupted run resumes. Layer 30 with the whole vocabulary in each step's softmax (~3x the time of
-# the sampled one, and it read that layer's random token ids with half the candidates: docs/results.md).
+# skipped, so an interrupted run resumes. Layer 30 with the whole vocabulary in each step's softmax (21 min against 10
+# for the sampled one here, and it read that layer's random token ids with about half the candidates: docs/results.md).
 readers: setup
 	$(BIN)/lminvert models --prepare smollm2-135m --reader 3,6,9,12,15,18,21,24,27
 	$(BIN)/lminvert models --prepare smollm2-135m --reader 30 --negatives 0

@@ -7,9 +7,9 @@ candidates. The same features through a two-layer MLP (``[h_t/||h_t||, h_{t-1}/|
 an input vector, GELU), trained with a softmax of the scores the proposal ranks by (``2 p.e_v - ||e_v||^2``) over the
 batch's tokens and 8,192 rows drawn from the vocabulary at each step, reads them: measured on the benchmark prompts
 at every 3rd layer, see docs/results.md. At SmolLM2's last layer the softmax over the whole vocabulary
-(``negatives=0``, ~3x the time) cost 0.48x the candidates per position of the sampled one on the benchmark prompts
-and 0.61x on held-out ones: the random-id prompts (text prompts: some better, some worse; same-run A/B), so
-``make readers`` trains that layer so.
+(``negatives=0``, 1,243 s against 604 s to train there) cost 0.48x the candidates per position of the sampled one
+on the benchmark prompts and 0.61x on held-out ones: the random-id prompts (text prompts: some better, some worse;
+same-run A/B), so ``make readers`` trains that layer so.
 
 Training costs minutes per layer (SmolLM2 on this project's 2-core CPU: the forwards of 120,000 tokens, ~1.5 min at
 layer 9 and ~6 min at layer 30, then ~1 min per epoch; an epoch over the whole vocabulary took ~3 min), so it never
