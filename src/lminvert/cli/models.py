@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ..errors import LminvertError
+from ..invert import reader
+from ..invert.tables import table_path
 from ..models import REGISTRY, load_model, sources
 from ..models.loading import DTYPES
 from .common import print_json
@@ -30,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="with --reader: vocabulary rows drawn into each training step's softmax (default 8192, a few times "
-        "faster; 0: the whole vocabulary, which read SmolLM2's last layer better)",
+        help=f"with --reader: vocabulary rows drawn into each training step's softmax (default {reader.NEGATIVES}, a "
+        "few times faster; 0: the whole vocabulary, which read SmolLM2's last layer better)",
     )
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --reader: the model's dtype")
     parser.add_argument("--device", default="auto", help="with --reader: where the model runs")
@@ -86,15 +88,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_readers(args: argparse.Namespace) -> None:
-    from ..invert.reader import KIND, train_reader
-    from ..invert.tables import table_path
-
     model = load_model(args.prepare, dtype=args.dtype, device=args.device)
     layers = model.probe.layers(args.reader)  # an unknown layer: a one-line error
     for layer in layers:
-        path = table_path(model, layer, KIND)
+        path = table_path(model, layer, reader.KIND)
         if path.is_file() and not args.retrain:  # idempotent: `make readers` run twice trains nothing the second time
             print(f"{args.prepare}: reading network for layer {layer.name} already cached in {path} (--retrain: again)")
             continue
-        train_reader(model, layer, **({} if args.negatives is None else {"negatives": args.negatives}))
+        reader.train_reader(model, layer, **({} if args.negatives is None else {"negatives": args.negatives}))
         print(f"{args.prepare}: reading network for layer {layer.name} cached")
