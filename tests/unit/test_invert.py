@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -313,8 +314,8 @@ def test_the_reading_map_reads_tokens_from_their_own_states():
 
 @pytest.mark.parametrize(
     "settings",
-    [{"norm_rank": 1}, {"norm_rank": 1000}, {"explore_max": 4096}, {"trusted": 1}],
-    ids=["norms-rank-one", "norms-exact", "random-samples-after-a-miss", "trusted-one"],
+    [{"norm_rank": 1}, {"norm_rank": 1000}, {"explore_max": 4096}, {"trusted": 1}, {"reread": False}],
+    ids=["norms-rank-one", "norms-exact", "random-samples-after-a-miss", "trusted-one", "no-recentred-reading"],
 )
 def test_ranking_settings_change_speed_never_the_answer(settings, monkeypatch):
     """Row norms of the secant ranking from one eigenpair or exact, random samples after a miss, a one-candidate first
@@ -378,3 +379,67 @@ def test_projected_norms_of_the_secant_ranking():
     approx, ref = projected_norms(rows, row_norms, jac, 8), exact(jac)
     assert float((approx - ref).abs().max() / ref.max()) < 0.3
     assert torch.corrcoef(torch.stack([approx, ref]))[0, 1] > 0.9
+
+
+def _reading_context(vocab: torch.Tensor, ids: list[int], target: int, position: int = 1):
+    """A position whose candidates ``ids`` were verified, on a model whose state is its input vector itself."""
+    from types import SimpleNamespace
+
+    probe = SimpleNamespace(vocab_matrix=lambda dtype: vocab, vocab_dots=lambda x: vocab @ x)
+    chosen = torch.tensor(ids)
+    return SimpleNamespace(
+        probe=probe,
+        position=position,
+        target=vocab[target],
+        all_ids=lambda: chosen,
+        all_states=lambda: vocab[chosen],
+    )
+
+
+def test_the_reading_recentred_on_the_verified_candidates_cancels_its_error():
+    """A reading off by a constant vector at this position: its own ranking puts the token far down, the same reading
+    less its mean error on the verified candidates puts it first; each candidate's state is read once."""
+    from lminvert.invert.policies import LinearPolicy
+
+    gen = torch.Generator().manual_seed(4)
+    vocab = torch.nn.functional.normalize(torch.randn(500, 8, generator=gen), dim=1)
+    bias = 2.0 * torch.nn.functional.normalize(torch.randn(8, generator=gen), dim=0)
+    reads = []
+
+    def reading(inputs: torch.Tensor) -> torch.Tensor:  # features: [unit state, unit previous, 1]
+        reads.append(len(inputs))
+        return inputs[:, :8] + bias
+
+    true = 123
+    policy = LinearPolicy()
+    policy.begin_prompt(vocab[[7, true]])
+    policy._read, policy._vocab_sq = reading, vocab.square().sum(1)
+    raw = policy._vocab_sq - 2 * vocab @ (vocab[true] + bias)
+    assert int((raw < raw[true]).sum()) > 10  # the reading alone misses
+    scores = policy._reread_scores(_reading_context(vocab, [3, 40, 41, 300], true))
+    assert int(scores.argmin()) == true
+    policy._reread_scores(_reading_context(vocab, [3, 40, 41, 300, 9, 10], true))
+    assert reads == [2, 4, 2]  # the prompt's own states once, then only the new candidates
+
+
+def test_a_ranking_that_keeps_missing_gets_a_smaller_part_of_later_batches():
+    """Each ranking's part of a position's later batches follows how high its first ranking put the recovered tokens
+    earlier in the prompt: all of a batch for the best, a floor for one that keeps missing; all of it before any
+    record."""
+    from lminvert.invert.policies import STREAM_FLOOR, STREAMS, LinearPolicy
+
+    policy = LinearPolicy()
+    policy.begin_prompt(torch.zeros(5, 4))
+    assert policy._stream_shares() == dict.fromkeys(STREAMS, 1.0)
+    near = torch.arange(1000.0)  # scores (lowest first): the token (0) ranks first
+    far = -near  # ... last
+    for t in range(1, 4):
+        order = torch.tensor([9, 8, 7, 0, 5])  # the proposal's 4th
+        policy._first_scores = {"secant": far, "reading": near, "proposal": order}
+        policy.accepted(t, 0)
+    shares = policy._stream_shares()
+    assert shares["reading"] == 1.0
+    assert shares["secant"] == STREAM_FLOOR
+    assert shares["proposal"] == pytest.approx(2 ** (1 - math.log2(5)))
+    policy.begin_prompt(torch.zeros(5, 4))  # a new prompt: no record
+    assert policy._stream_shares() == dict.fromkeys(STREAMS, 1.0)

@@ -28,8 +28,7 @@ from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
 from .context import batch_scale
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
-from .reader import load_reader
-from .reading import reading_map
+from .reader import reading_for
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
 from .speculation import Speculator
@@ -124,8 +123,7 @@ def invert_prompts(
     wants_prior = not exhaustive and any(policy.uses_next_tokens for policy in policies)
     reading = None
     if wants_prior and any(p.uses_reading for p in policies):  # the reading network where one was trained
-        network = load_reader(model, layer)
-        reading = network if network is not None else reading_map(model, layer)
+        reading = reading_for(model, layer)
     settings = Settings(
         calibration=calibration,
         budget=vocab if config.max_candidates is None or config.certify else max(1, min(vocab, config.max_candidates)),
@@ -138,7 +136,7 @@ def invert_prompts(
         table_norms=None if table is None else squared_norms(model, f"table-{layer.name}", table),
     )
     for policy in policies:  # what a policy keeps per model and layer (the position-1 map's norms), like the tables
-        policy.prepare(model, layer, first_table=table is not None)
+        policy.prepare(model, layer, first_table=table is not None, reading=reading)
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)
     searches = [

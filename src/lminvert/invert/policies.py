@@ -18,12 +18,14 @@ Position 0 has no prefix: policies that can use it rank it with the first-positi
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from ..models import Layer, LoadedModel
 from .context import PositionContext, wide_dtype
 from .proposal import merge
+from .reading import Reading, features, read
 from .secant import centre, fit_secant_map, projected_norms
 from .tables import position1_projection, squared_norms
 
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 TRUSTED = 0.75  # the proposal's recent hit rate above which a position's first batch is its top ``trusted`` alone
 CARRY = 0.75  # the carried ranking's recent hit rate from which its top ``carried`` join a position's first batch
 SOURCE_FLOOR = 1 / 16  # the least weight a source of the proposal's order keeps in the merge (it can recover)
+STREAMS = ("secant", "reading", "proposal")  # the rankings a position's later batches draw from
+STREAM_FLOOR = 1 / 16  # the least part of a later batch a ranking keeps (it can recover)
 RECENT = 3  # positions whose ranks size a trusted first batch: the next power of two above their worst rank
 
 
@@ -46,9 +50,12 @@ class Policy:
     uses_next_tokens = False  # the engine then fills ``ctx.next_tokens`` (the model's own next-token order)
     uses_reading = False  # ... beside the reading's order (:mod:`.reading`), as a second source
 
-    def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
+    def prepare(
+        self, model: LoadedModel, layer: Layer, first_table: bool = True, reading: Reading | None = None
+    ) -> None:
         """Called once before inverting with ``model`` at ``layer`` (load cached priors here); ``first_table``:
-        position 0 is decided by the first-position table."""
+        position 0 is decided by the first-position table; ``reading``: the map or network the proposal reads each
+        position's token with (when :attr:`uses_reading`)."""
 
     def begin_prompt(self, states: torch.Tensor) -> None:
         """Called before the first position of each prompt, with its observed states ``[T, d]``."""
@@ -69,6 +76,11 @@ def _remaining(ctx: PositionContext, generator: torch.Generator | None, batch: i
     if generator is not None:  # the generator lives on the CPU: the same draws on every device
         unseen = unseen[torch.randperm(len(unseen), generator=generator).to(unseen.device)]
     return unseen[:batch]
+
+
+def _nearest(score: torch.Tensor, top: int) -> torch.Tensor:
+    """The ``top`` lowest entries of ``score`` ``[V]``, lowest first (a partial sort unless that is half of it)."""
+    return score.argsort() if top >= len(score) // 2 else score.topk(top, largest=False).indices
 
 
 class SweepPolicy(Policy):
@@ -200,9 +212,8 @@ class LinearPolicy(Policy):
       per position; layer 15 22 -> 21; the secant policy alone keeps 4,096);
     * ``lm_prior`` - also rank by the model's own next-token distribution at the position, read from the observed
       states (:mod:`.proposal`, given by the engine as ``ctx.next_tokens``): the first batch of a position is its most
-      likely tokens, and every later batch adds as many from that order as from the linear ranking, scaled by how
-      often the prior ranked the recovered token in its top ``4 * first`` at the previous positions (random token
-      ids: soon none);
+      likely tokens (as many as the prior ranked the recovered token in its top ``4 * first`` at the previous
+      positions), and every later batch draws from that order beside the other rankings (see ``reread``);
     * ``norm_rank`` - the ranking's squared row norms ``||e_v J||^2`` are recomputed at every refit from the top
       ``norm_rank`` eigenpairs of ``J J^T`` (:func:`.secant.projected_norms`; exact ones cost |V|·d² flops, ~0.22 s
       on this project's 2-core CPU for SmolLM2, ~50 ms so). They used to be exact every 4th refit and kept in
@@ -222,6 +233,16 @@ class LinearPolicy(Policy):
       at first, then each source weighted by its recent hit rate in this prompt (top ``4 * first``, each position
       weighing half; :data:`SOURCE_FLOOR` at least), so that on random token ids, where the next-token prior misses,
       the reading's ranks are not doubled by it;
+    * ``reread`` - a position's later batches also draw from the reading recentred on the candidates verified at
+      this position: what it reads from the observed state, less its mean error on their states (what it reads from
+      each minus its input vector; :meth:`_reread_scores`). At the last layers the reading's error is largely shared
+      by the tokens of one position: SmolLM2 layer 30, a held-out random-id prompt's positions that took 2,288 /
+      2,552 / 4,016 candidates had the token at reading ranks 2,978 / 342 / 307 and recentred ranks 81 / 11 / 101.
+      Each later batch is split between the secant ranking, this one and the proposal order by their records in the
+      prompt (:meth:`_stream_shares`: each one's first ranking at the positions that needed one; the best gets the
+      whole batch size, another ``2**-(its mean log2 rank - the best's)`` of it, at least :data:`STREAM_FLOOR`).
+      Same-run A/B on 7 benchmark and 7 held-out prompts (docs/results.md): candidates per position at layer 30
+      43.5 / 103.1 -> 41.4 / 37.8, layer 27 11.8 / 49.9 -> 6.3 / 20.0; layers 3-21 within +-0.9;
     * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
       ``carried`` of the secant ranking with the offset carried over from the previous position (the mean of
       ``h - e_v J`` over its verified pairs: no forward needed to estimate it), and only ``anchors`` random entries
@@ -260,12 +281,13 @@ class LinearPolicy(Policy):
         carried: int = 16,
         anchors: int = 4,
         local_from: int = 64,
+        reread: bool = True,
     ) -> None:
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.memory, self.ridge, self.prior, self.outlier = batch, memory, ridge, prior, outlier
         self.fresh, self.explore_max, self.lm_prior, self.reading = fresh, explore_max, lm_prior, reading
         self.trusted, self.norm_rank = trusted, norm_rank
-        self.carried, self.anchors, self.local_from = carried, anchors, local_from
+        self.carried, self.anchors, self.local_from, self.reread = carried, anchors, local_from, reread
         self._local: tuple[torch.Tensor, torch.Tensor] | None = None  # (J, norms) of this position's pairs alone
         self._lm_order: torch.Tensor | None = None
         self._sources: torch.Tensor | None = None  # [sources, depth]: each source's own order at this position
@@ -281,6 +303,13 @@ class LinearPolicy(Policy):
         self._carried_order: torch.Tensor | None = None  # this position's ranking with it (for its hit rate)
         self._carried_share = 0.0  # recent success of that ranking in this prompt (earned: 0 at first)
         self._prior: tuple[torch.Tensor, torch.Tensor] | None = None  # (J, P_sq) at position 1, set by prepare()
+        self._read: Reading | None = None  # the proposal's reading (map or network), set by prepare()
+        self._observed: torch.Tensor | None = None  # the prompt's observed states [T, d]
+        self._readings: torch.Tensor | None = None  # what the reading reads from them [T, d] (when first needed)
+        self._first_scores: dict[str, torch.Tensor] = {}  # the first rankings at this position
+        self._stream_logs: dict[str, float] = {}  # each ranking's recent log2(2 + rank of the token) in this prompt
+        self._misread: tuple[torch.Tensor | None, int, int] = (None, 0, 0)  # this position: sum of (read - e_v) over
+        # the candidates read, how many, how many verified pairs were looked at
 
     @property
     def uses_next_tokens(self) -> bool:  # type: ignore[override]
@@ -290,8 +319,11 @@ class LinearPolicy(Policy):
     def uses_reading(self) -> bool:  # type: ignore[override]
         return self.lm_prior and self.reading
 
-    def prepare(self, model: LoadedModel, layer: Layer, first_table: bool = True) -> None:
+    def prepare(
+        self, model: LoadedModel, layer: Layer, first_table: bool = True, reading: Reading | None = None
+    ) -> None:
         self._prior = None
+        self._read = reading if self.reread else None
         self._vocab_sq = squared_norms(model, "vocabulary", model.probe.vocab_matrix(torch.float32))
         model.probe.vocab_dots(torch.zeros(model.probe.hidden_size))  # makes the ranking's float16 copy, if any
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
@@ -305,6 +337,8 @@ class LinearPolicy(Policy):
         self._source_shares = []
         self._recent = []
         self._carried, self._carried_order, self._carried_share = None, None, 0.0
+        self._observed, self._readings = states, None
+        self._first_scores, self._stream_logs = {}, {}
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Centred (embedding, state) pairs of this position, without outliers.
@@ -357,18 +391,26 @@ class LinearPolicy(Policy):
     ) -> torch.Tensor:
         """The vocabulary entries nearest the target by predicted distance ``||a + e_v J - h||`` (``a``: this
         position's offset unless given; ``J`` and its row norms: the fit's unless ``model`` gives them), nearest first:
-        enough of them to hold ``unseen`` not verified yet (a partial sort: the ranking is scored every round)."""
+        enough of them to hold ``unseen`` not verified yet."""
+        return _nearest(self._secant_scores(ctx, offset, model), unseen + ctx.checked)
+
+    def _secant_scores(
+        self,
+        ctx: PositionContext,
+        offset: torch.Tensor | None = None,
+        model: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``[V]``: ``||e_v J - r||^2 - ||r||^2`` with ``r`` the target less the offset (see :meth:`_ranking`)."""
         jac, norms = (self._J, self._P_sq) if model is None else model
         assert jac is not None and norms is not None
         residual = ctx.target.float() - (self._offset(ctx, jac) if offset is None else offset)
-        score = norms - 2.0 * ctx.probe.vocab_dots(jac.float() @ residual)
-        top = unseen + ctx.checked  # score: ||e_v J - r||^2 - ||r||^2
-        return score.argsort() if top >= len(score) // 2 else score.topk(top, largest=False).indices
+        return norms - 2.0 * ctx.probe.vocab_dots(jac.float() @ residual)
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         rounds = ctx.rounds
         if rounds == 0:
             self._fitted_on, self._local = 0, None
+            self._misread = (None, 0, 0)
             self._take_order(ctx)
             if self._J is None:
                 return _remaining(ctx, ctx.generator, self.explore_first * ctx.scale)
@@ -391,18 +433,61 @@ class LinearPolicy(Policy):
         if self._J is None or (rounds >= 2 and ctx.checked >= 2 * self._fitted_on):
             self._fit(ctx)  # refit whenever this position's data has doubled
         size = min(self.batch, self.first * self.growth ** (rounds - 1)) * ctx.scale
-        picks = ctx.unseen(self._ranking(ctx, size), size)
+        share = self._stream_shares()  # each ranking's part of the batch, by its record in this prompt
+        scores = {"secant": self._secant_scores(ctx)}
+        if self._read is not None and ctx.position > 0:  # the reading, less its error on this position's candidates
+            scores["reading"] = self._reread_scores(ctx)
+        if rounds == 1:  # the first rankings of the position: their records learn from them
+            self._first_scores = dict(scores)
+            if self._lm_order is not None:
+                self._first_scores["proposal"] = self._lm_order
+        count = max(1, round(size * share["secant"]))
+        picks = ctx.unseen(_nearest(scores["secant"], count + ctx.checked), count)
         if self._local is not None:  # half from the fit of this position alone
-            alone = ctx.unseen(self._ranking(ctx, size, model=self._local), size)
-            picks = torch.cat([picks[: size - size // 2], alone[~torch.isin(alone, picks[: size - size // 2])]])[:size]
-        lm_size = round(size * self._lm_share)
-        if self._lm_order is not None and lm_size > 0:
-            picks = torch.cat([picks, ctx.unseen(self._lm_order, lm_size)]).unique()
+            alone = ctx.unseen(self._ranking(ctx, count, model=self._local), count)
+            half = count - count // 2
+            picks = torch.cat([picks[:half], alone[~torch.isin(alone, picks[:half])]])[:count]
+        if "reading" in scores:
+            count = max(1, round(size * share["reading"]))
+            reread = ctx.unseen(_nearest(scores["reading"], count + ctx.checked), count)
+            picks = torch.cat([picks, reread[~torch.isin(reread, picks)]])
+        if self._lm_order is not None:
+            count = max(1, round(size * share["proposal"]))
+            picks = torch.cat([picks, ctx.unseen(self._lm_order, count)]).unique()
         if rounds >= 2 and ctx.checked < self.explore_max:
             # the ranking missed: add unbiased samples (as many as we have) so the next fit is local
             extra = max(self.explore * ctx.scale, min(ctx.checked, self.explore_max - ctx.checked))
             picks = torch.cat([picks, _remaining(ctx, ctx.generator, extra)]).unique()
         return picks
+
+    def _reread_scores(self, ctx: PositionContext) -> torch.Tensor:
+        """``[V]``: each input vector's squared distance (less a constant) to the reading of this position's observed
+        state less the reading's mean error on this position's verified candidates (what it reads from their states
+        minus their input vectors; attention sinks left out). Each verified
+        candidate's state is read once (a network's forward costs ~6% of its verification's on SmolLM2)."""
+        assert self._read is not None and self._observed is not None and self._vocab_sq is not None
+        t = ctx.position
+        if self._readings is None:
+            self._readings = read(self._read, features(self._observed).float()).float()
+        total, count, used = self._misread
+        ids, states = ctx.all_ids()[used:], ctx.all_states()[used:]
+        keep = states.norm(dim=1) <= self.outlier * float(ctx.target.norm())
+        if keep.any():
+            vocab = ctx.probe.vocab_matrix(torch.float32)
+            error = read(self._read, features(states[keep], self._observed[t - 1]).float()).float() - vocab[ids[keep]]
+            total = error.sum(0) if total is None else total + error.sum(0)
+            count += int(keep.sum())
+        self._misread = (total, count, used + len(ids))
+        reading = self._readings[t] if total is None else self._readings[t] - total / count
+        return self._vocab_sq - 2.0 * ctx.probe.vocab_dots(reading)
+
+    def _stream_shares(self) -> dict[str, float]:
+        """Each ranking's part of a later batch (secant, recentred reading, proposal order): the best by its record in
+        this prompt gets all of ``size``, another ``2**-(its mean log2 rank - the best's)`` of it, at least
+        :data:`STREAM_FLOOR` (so that it can recover); before any record, all of it each."""
+        logs = self._stream_logs
+        best = min(logs.values(), default=0.0)
+        return {name: max(STREAM_FLOOR, 2.0 ** (best - logs[name])) if name in logs else 1.0 for name in STREAMS}
 
     def _trusted_size(self) -> int:
         """A trusted first batch: the next power of two above the worst rank the proposal gave the last ``RECENT``
@@ -432,6 +517,15 @@ class LinearPolicy(Policy):
         self._lm_order = merge(self._sources, [max(SOURCE_FLOOR, share) for share in self._source_shares])
 
     def accepted(self, position: int, token_id: int) -> None:
+        for name, ranking in self._first_scores.items():  # the token's rank in each of the position's first rankings
+            if name == "proposal":
+                found = (ranking == token_id).nonzero()
+                rank = int(found[0, 0]) if len(found) else 2 * len(ranking)
+            else:
+                rank = int((ranking < ranking[token_id]).sum())
+            record = math.log2(2 + rank)
+            self._stream_logs[name] = 0.5 * self._stream_logs.get(name, record) + 0.5 * record
+        self._first_scores = {}
         if self._sources is not None:
             depth = 4 * self.first
             hits = (self._sources[:, :depth] == token_id).any(dim=1).tolist()

@@ -31,7 +31,7 @@ from ..corpora import sample_prompts
 from ..errors import LminvertError
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
-from .reading import features
+from .reading import Reading, features, reading_map
 from .tables import read_tables, squared_norms, write_tables
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,13 @@ def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
             net = net.to(model.device).eval().requires_grad_(False)
         model.memo[key] = net
     return model.memo[key]
+
+
+def reading_for(model: LoadedModel, layer: Layer) -> Reading:
+    """What the proposal reads each position's token with: the reading network where one is cached, else the linear
+    reading map (built and cached on first use)."""
+    network = load_reader(model, layer)
+    return network if network is not None else reading_map(model, layer)
 
 
 def training_prompts(model: LoadedModel, text: int, random: int, length: int, seed: int) -> list[list[int]]:

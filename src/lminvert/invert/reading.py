@@ -36,11 +36,24 @@ RIDGE = 1e-6  # relative to the features' energy
 SEED = 123  # the training prompts' draw (the evaluation prompts use seed 0)
 
 
-def features(states: torch.Tensor) -> torch.Tensor:
-    """``[T, 2d + 1]``: each position's unit state, the previous position's (zeros before the first), and a 1."""
+Reading = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # a linear map ``[2d + 1, d]`` or a network
+
+
+def features(states: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, 2d + 1]``: each position's unit state, the previous position's (zeros before the first), and a 1. With
+    ``previous`` (a state ``[d]``), the rows are alternatives at one position (candidates' states) and all follow it."""
     unit = states.double() / states.double().norm(dim=1, keepdim=True).clamp_min(1e-30)
-    previous = torch.cat([torch.zeros_like(unit[:1]), unit[:-1]])
-    return torch.cat([unit, previous, torch.ones_like(unit[:, :1])], dim=1)
+    if previous is None:
+        before = torch.cat([torch.zeros_like(unit[:1]), unit[:-1]])
+    else:
+        before = (previous.double() / previous.double().norm().clamp_min(1e-30)).to(unit.device).expand_as(unit)
+    return torch.cat([unit, before, torch.ones_like(unit[:, :1])], dim=1)
+
+
+def read(weights: Reading, inputs: torch.Tensor) -> torch.Tensor:
+    """The input vectors ``[N, d]`` that the map or network ``weights`` reads from ``inputs`` (:func:`features`)."""
+    with torch.no_grad():
+        return weights(inputs) if callable(weights) else inputs @ weights
 
 
 def training_prompts(model: LoadedModel) -> list[list[int]]:
@@ -70,15 +83,11 @@ def reading_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
     return cached(model, layer, "reading-map", build)
 
 
-def reading_orders(
-    model: LoadedModel, weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor, depth: int
-) -> torch.Tensor:
+def reading_orders(model: LoadedModel, weights: Reading, states: torch.Tensor, depth: int) -> torch.Tensor:
     """``[T, depth]``: at every position of one prompt, the ``depth`` tokens whose input vectors lie nearest the
     prediction from the observed ``states`` ``[T, d]`` (nearest first): of the linear map ``weights``, or of a
     reading network (:mod:`.reader`)."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    inputs = features(states.to(vocab.device)).float()
-    with torch.no_grad():
-        predicted = weights(inputs) if callable(weights) else inputs @ weights
+    predicted = read(weights, features(states.to(vocab.device)).float())
     score = squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted @ vocab.T  # ||e_v - p||^2 - ||p||^2
     return score.topk(depth, dim=1, largest=False).indices
