@@ -73,9 +73,20 @@ def test_the_cli_skips_layers_with_a_cached_network_unless_told_to_retrain(isola
     assert settings == [{}, {}, {}]  # the default softmax
     assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--negatives", "0"]) == 0
     assert settings[-1] == {"negatives": 0}  # the whole vocabulary
+    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--random-prompts", "40"]) == 0
+    assert settings[-1] == {"random": 40}
 
 
-@pytest.mark.parametrize("option", [["--retrain"], ["--negatives", "0"], ["--reader", "1", "--negatives", "-1"]])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--retrain"],
+        ["--negatives", "0"],
+        ["--reader", "1", "--negatives", "-1"],
+        ["--random-prompts", "10"],
+        ["--reader", "1", "--random-prompts", "-1"],
+    ],
+)
 def test_training_options_need_reader_layers(cli, option):
     proc = cli("models", "--prepare", "tiny-llama", *option)
     assert proc.returncode != 0 and "--reader" in proc.stderr and "Traceback" not in proc.stderr

@@ -35,6 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"with --reader: vocabulary rows drawn into each training step's softmax (default {reader.NEGATIVES}, a "
         "few times faster; 0: the whole vocabulary, which read SmolLM2's last layer better)",
     )
+    parser.add_argument(
+        "--random-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"with --reader: random-id training prompts beside the {reader.TEXT_PROMPTS} text windows (default "
+        f"{reader.RANDOM_PROMPTS}; 4000 read SmolLM2's last layer's random ids far better, at 3x the training time)",
+    )
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --reader: the model's dtype")
     parser.add_argument("--device", default="auto", help="with --reader: where the model runs")
     parser.set_defaults(func=run)
@@ -45,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError("--reader needs --prepare ALIAS (the model to train the reading network for)")
     if args.negatives is not None and (not args.reader or args.negatives < 0):
         raise LminvertError("--negatives needs --reader LAYERS and a count of at least 0 (0: the whole vocabulary)")
+    if args.random_prompts is not None and (not args.reader or args.random_prompts < 0):
+        raise LminvertError("--random-prompts needs --reader LAYERS and a count of at least 0")
     if args.retrain and not args.reader:
         raise LminvertError("--retrain needs --reader LAYERS (the layers to train the reading network at again)")
     if args.prepare:
@@ -95,5 +105,6 @@ def _train_readers(args: argparse.Namespace) -> None:
         if path.is_file() and not args.retrain:  # idempotent: `make readers` run twice trains nothing the second time
             print(f"{args.prepare}: reading network for layer {layer.name} already cached in {path} (--retrain: again)")
             continue
-        reader.train_reader(model, layer, **({} if args.negatives is None else {"negatives": args.negatives}))
+        options = {"negatives": args.negatives, "random": args.random_prompts}
+        reader.train_reader(model, layer, **{name: value for name, value in options.items() if value is not None})
         print(f"{args.prepare}: reading network for layer {layer.name} cached")
