@@ -37,10 +37,10 @@ def test_carried_offset_ranks_random_ids_and_never_changes_the_answer(smollm2, m
     offset carried from the previous position: it finds tokens at once somewhere, and the answer is the same without
     it. (With the linear reading map: a reading network cached for the layer reads random ids at once, and the
     rankings tested here would not be needed.)"""
-    from lminvert.invert import engine
+    from lminvert.invert import reader
     from lminvert.invert.engine import invert_prompts
 
-    monkeypatch.setattr(engine, "load_reader", lambda model, layer: None)
+    monkeypatch.setattr(reader, "load_reader", lambda model, layer: None)
     from lminvert.invert.policies import LinearPolicy
 
     class Recorded(LinearPolicy):
@@ -102,10 +102,10 @@ def test_a_positions_own_fit_ranks_its_later_batches_and_never_changes_the_answe
     """Where the fit pooled over the last positions keeps missing (random ids), a fit on the position's own pairs
     ranks half of each later batch (``local_from``): it runs, and the answer is the same without it. (With the
     linear reading map, as above.)"""
-    from lminvert.invert import engine
+    from lminvert.invert import reader
     from lminvert.invert.engine import invert_prompts
 
-    monkeypatch.setattr(engine, "load_reader", lambda model, layer: None)
+    monkeypatch.setattr(reader, "load_reader", lambda model, layer: None)
     from lminvert.invert.policies import LinearPolicy
 
     class Recorded(LinearPolicy):
