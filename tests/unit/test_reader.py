@@ -35,8 +35,8 @@ def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(is
     assert hits >= 3
     # inversion proposes from it (instead of the linear map) and stays exact
     seen = []
-    real = proposal_module.reading_orders
-    monkeypatch.setattr(proposal_module, "reading_orders", lambda m, w, s, d: seen.append(w) or real(m, w, s, d))
+    real = proposal_module.read
+    monkeypatch.setattr(proposal_module, "read", lambda w, s: seen.append(w) or real(w, s))
     (result,) = invert(again, encode(again, [fresh[0]], layer))
     assert result.token_ids == fresh[0] and result.uncertain_positions == []
     assert seen and all(w is loaded for w in seen)

@@ -149,8 +149,6 @@ def invert_prompts(
         )
         for s, policy, c in zip(states, policies, clean, strict=True)
     ]
-    for search in searches:
-        search.policy.begin_prompt(search.targets)
     prior, prior_share = None, 0.0
     if wants_prior:
         start_prior = time.perf_counter()
@@ -159,6 +157,8 @@ def invert_prompts(
         if config.speculate:
             for i, search in enumerate(searches):
                 search.speculator = Speculator(prior.firsts(i), settings.scale)
+    for i, search in enumerate(searches):
+        search.policy.begin_prompt(search.targets, None if prior is None else prior.readings(i))
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
     prefix = probe.prefixes([[]] * len(live), layer)
     t = 0

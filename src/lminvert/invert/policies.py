@@ -25,7 +25,7 @@ import torch
 from ..models import Layer, LoadedModel
 from .context import PositionContext, wide_dtype
 from .proposal import merge
-from .reading import Reading, features, read
+from .reading import Reading, read
 from .secant import centre, fit_secant_map, projected_norms
 from .tables import position1_projection, squared_norms
 
@@ -57,8 +57,9 @@ class Policy:
         position 0 is decided by the first-position table; ``reading``: the map or network the proposal reads each
         position's token with (when :attr:`uses_reading`)."""
 
-    def begin_prompt(self, states: torch.Tensor) -> None:
-        """Called before the first position of each prompt, with its observed states ``[T, d]``."""
+    def begin_prompt(self, states: torch.Tensor, readings: torch.Tensor | None = None) -> None:
+        """Called before the first position of each prompt, with its observed states ``[T, d]`` and, when the engine
+        computed them for the proposal, what the reading reads from each (``[T, d]``: ``NextTokenPrior.readings``)."""
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         raise NotImplementedError
@@ -81,6 +82,11 @@ def _remaining(ctx: PositionContext, generator: torch.Generator | None, batch: i
 def _nearest(score: torch.Tensor, top: int) -> torch.Tensor:
     """The ``top`` lowest entries of ``score`` ``[V]``, lowest first (a partial sort unless that is half of it)."""
     return score.argsort() if top >= len(score) // 2 else score.topk(top, largest=False).indices
+
+
+def _unseen_nearest(ctx: PositionContext, score: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` entries of lowest ``score`` ``[V]`` not verified yet at this position, lowest first."""
+    return ctx.unseen(_nearest(score, count + ctx.checked), count)
 
 
 class SweepPolicy(Policy):
@@ -329,7 +335,7 @@ class LinearPolicy(Policy):
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
             self._prior = position1_projection(model, layer)
 
-    def begin_prompt(self, states: torch.Tensor) -> None:
+    def begin_prompt(self, states: torch.Tensor, readings: torch.Tensor | None = None) -> None:
         self._pool, self._J, self._P_sq = [], None, None
         if self._prior is not None:
             self._J, self._P_sq = self._prior
@@ -337,7 +343,7 @@ class LinearPolicy(Policy):
         self._source_shares = []
         self._recent = []
         self._carried, self._carried_order, self._carried_share = None, None, 0.0
-        self._observed, self._readings = states, None
+        self._observed, self._readings = states, readings
         self._first_scores, self._stream_logs = {}, {}
 
     def _centred(self, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,25 +388,14 @@ class LinearPolicy(Policy):
             ids, states = ids[keep], states[keep]
         return (states - ctx.probe.vocab_matrix(torch.float32)[ids] @ jac.float()).mean(0)
 
-    def _ranking(
-        self,
-        ctx: PositionContext,
-        unseen: int,
-        offset: torch.Tensor | None = None,
-        model: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The vocabulary entries nearest the target by predicted distance ``||a + e_v J - h||`` (``a``: this
-        position's offset unless given; ``J`` and its row norms: the fit's unless ``model`` gives them), nearest first:
-        enough of them to hold ``unseen`` not verified yet."""
-        return _nearest(self._secant_scores(ctx, offset, model), unseen + ctx.checked)
-
     def _secant_scores(
         self,
         ctx: PositionContext,
         offset: torch.Tensor | None = None,
         model: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``[V]``: ``||e_v J - r||^2 - ||r||^2`` with ``r`` the target less the offset (see :meth:`_ranking`)."""
+        """``[V]``: the predicted distance ``||a + e_v J - h||^2`` to the target ``h``, less ``||h - a||^2`` (``a``:
+        this position's offset unless given; ``J`` and its row norms: the fit's unless ``model`` gives them)."""
         jac, norms = (self._J, self._P_sq) if model is None else model
         assert jac is not None and norms is not None
         residual = ctx.target.float() - (self._offset(ctx, jac) if offset is None else offset)
@@ -421,7 +416,8 @@ class LinearPolicy(Policy):
             likely = round(explore * self._lm_share) if self._lm_order is not None else 0
             picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
             if not trusted and self._carried is not None and self.carried > 0:
-                self._carried_order = self._ranking(ctx, self.carried * ctx.scale, self._carried)
+                carried = self._secant_scores(ctx, self._carried)
+                self._carried_order = _nearest(carried, self.carried * ctx.scale + ctx.checked)
                 if self._carried_share >= CARRY:  # it keeps hitting: its top few, and fewer random anchors
                     ranked = ctx.unseen(self._carried_order, self.carried * ctx.scale)
                     picks = torch.cat([picks, ranked[~torch.isin(ranked, picks)]])
@@ -442,14 +438,14 @@ class LinearPolicy(Policy):
             if self._lm_order is not None:
                 self._first_scores["proposal"] = self._lm_order
         count = max(1, round(size * share["secant"]))
-        picks = ctx.unseen(_nearest(scores["secant"], count + ctx.checked), count)
+        picks = _unseen_nearest(ctx, scores["secant"], count)
         if self._local is not None:  # half from the fit of this position alone
-            alone = ctx.unseen(self._ranking(ctx, count, model=self._local), count)
+            alone = _unseen_nearest(ctx, self._secant_scores(ctx, model=self._local), count)
             half = count - count // 2
             picks = torch.cat([picks[:half], alone[~torch.isin(alone, picks[:half])]])[:count]
         if "reading" in scores:
             count = max(1, round(size * share["reading"]))
-            reread = ctx.unseen(_nearest(scores["reading"], count + ctx.checked), count)
+            reread = _unseen_nearest(ctx, scores["reading"], count)
             picks = torch.cat([picks, reread[~torch.isin(reread, picks)]])
         if self._lm_order is not None:
             count = max(1, round(size * share["proposal"]))
@@ -467,14 +463,14 @@ class LinearPolicy(Policy):
         candidate's state is read once (a network's forward costs ~6% of its verification's on SmolLM2)."""
         assert self._read is not None and self._observed is not None and self._vocab_sq is not None
         t = ctx.position
-        if self._readings is None:
-            self._readings = read(self._read, features(self._observed).float()).float()
+        if self._readings is None:  # not given by the engine's proposal
+            self._readings = read(self._read, self._observed)
         total, count, used = self._misread
         ids, states = ctx.all_ids()[used:], ctx.all_states()[used:]
         keep = states.norm(dim=1) <= self.outlier * float(ctx.target.norm())
         if keep.any():
             vocab = ctx.probe.vocab_matrix(torch.float32)
-            error = read(self._read, features(states[keep], self._observed[t - 1]).float()).float() - vocab[ids[keep]]
+            error = read(self._read, states[keep], self._observed[t - 1]) - vocab[ids[keep]]
             total = error.sum(0) if total is None else total + error.sum(0)
             count += int(keep.sum())
         self._misread = (total, count, used + len(ids))

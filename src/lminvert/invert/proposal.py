@@ -13,12 +13,12 @@ time, never exactness. Logits are ranked in float32 whatever the model's precisi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..models import Layer, LoadedModel
-from .reading import reading_orders
+from .reading import Reading, nearest_inputs, read
 
 TOKENS = 8192  # positions x prompts per forward of the upper blocks (bounds its activations)
 
@@ -53,13 +53,14 @@ class NextTokenPrior:
         layer: Layer,
         observed: Sequence[torch.Tensor],
         depth: int = 2048,
-        reading: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
+        reading: Reading | None = None,
     ) -> None:
         probe = model.probe
         self.depth = min(depth, probe.vocab_size)
         self.rows = list(range(len(observed)))  # which prompts are still being inverted
         self._orders: list[torch.Tensor] = []  # per prompt [T_i - 1, sources, depth]: positions 1..T_i-1
         self._firsts: list[list[list[int]]] = []  # per prompt and position 1..T_i-1: each source's first guess
+        self._readings: list[torch.Tensor | None] = []  # per prompt [T_i, d]: what the reading reads, when given
         per_batch = max(1, TOKENS // max(1, max(len(s) for s in observed)))
         for first in range(0, len(observed), per_batch):
             group = list(observed[first : first + per_batch])
@@ -73,11 +74,14 @@ class NextTokenPrior:
                 order = logits.float().topk(self.depth, dim=-1).indices
                 firsts = order[:, :1]
                 if reading is not None:  # what the position's own state reads as: a second source
-                    read = reading_orders(model, reading, s.to(probe.device), self.depth)[1:].to(order.device)
-                    firsts = torch.cat([read[:, :1], firsts], dim=1)
-                    order = torch.stack([order, read], dim=1)
+                    vectors = read(reading, s.to(probe.device))
+                    ranked = nearest_inputs(model, vectors, self.depth)[1:].to(order.device)
+                    firsts = torch.cat([ranked[:, :1], firsts], dim=1)
+                    order = torch.stack([order, ranked], dim=1)
+                    self._readings.append(vectors)
                 else:
                     order = order[:, None]
+                    self._readings.append(None)
                 self._orders.append(order)
                 self._firsts.append(firsts.tolist())
 
@@ -93,6 +97,11 @@ class NextTokenPrior:
         """Prompt ``prompt``'s first guesses at positions 1..T-1 (row ``t - 1``), one per source: the reading map's
         (when given), then the model's next-token prior's (:mod:`.speculation` verifies them in chains)."""
         return self._firsts[prompt]
+
+    def readings(self, prompt: int) -> torch.Tensor | None:
+        """Prompt ``prompt``'s readings ``[T, d]``: the input vector the reading reads from each position's observed
+        state (float32; None without a reading)."""
+        return self._readings[prompt]
 
     def select(self, keep: Sequence[int]) -> None:
         """Only prompts ``keep`` (indices into the current rows) are inverted from now on."""

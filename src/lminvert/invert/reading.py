@@ -50,10 +50,12 @@ def features(states: torch.Tensor, previous: torch.Tensor | None = None) -> torc
     return torch.cat([unit, before, torch.ones_like(unit[:, :1])], dim=1)
 
 
-def read(weights: Reading, inputs: torch.Tensor) -> torch.Tensor:
-    """The input vectors ``[N, d]`` that the map or network ``weights`` reads from ``inputs`` (:func:`features`)."""
+def read(weights: Reading, states: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+    """The input vectors ``[N, d]`` (float32) that the map or network ``weights`` reads from ``states`` (the rows of
+    :func:`features`, with ``previous`` as there)."""
+    inputs = features(states, previous).float()
     with torch.no_grad():
-        return weights(inputs) if callable(weights) else inputs @ weights
+        return (weights(inputs) if callable(weights) else inputs @ weights).float()
 
 
 def training_prompts(model: LoadedModel) -> list[list[int]]:
@@ -87,7 +89,11 @@ def reading_orders(model: LoadedModel, weights: Reading, states: torch.Tensor, d
     """``[T, depth]``: at every position of one prompt, the ``depth`` tokens whose input vectors lie nearest the
     prediction from the observed ``states`` ``[T, d]`` (nearest first): of the linear map ``weights``, or of a
     reading network (:mod:`.reader`)."""
+    return nearest_inputs(model, read(weights, states.to(model.probe.device)), depth)
+
+
+def nearest_inputs(model: LoadedModel, predicted: torch.Tensor, depth: int) -> torch.Tensor:
+    """``[N, depth]``: the ``depth`` tokens whose input vectors lie nearest each row of ``predicted`` ``[N, d]``."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    predicted = read(weights, features(states.to(vocab.device)).float())
-    score = squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted @ vocab.T  # ||e_v - p||^2 - ||p||^2
-    return score.topk(depth, dim=1, largest=False).indices
+    score = squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted.to(vocab.device) @ vocab.T
+    return score.topk(depth, dim=1, largest=False).indices  # ||e_v - p||^2 - ||p||^2, nearest first
