@@ -40,7 +40,7 @@ from evalset import evaluation_prompts
 from lminvert.forward import encode
 from lminvert.invert import invert
 from lminvert.invert.baseline import sequential_baseline
-from lminvert.invert.reader import load_reader
+from lminvert.invert.reader import load_reader, reading_for
 from lminvert.invert.tables import first_position_table, second_position_map
 from lminvert.invert.tolerance import calibrate
 
@@ -102,13 +102,14 @@ def main() -> int:
             first_position_table(m, layer, progress=False)
             second_position_map(m, layer)
             calibration = calibrate(m, layer)
+            reading_for(m, layer)  # the reading network where one is cached, else the linear map (built here)
             entry["precompute_seconds"][dtype] = time.perf_counter() - t0
             entry["calibration"][dtype] = calibration.as_dict()
             reads = "reading network" if load_reader(m, layer) is not None else "linear reading map"
             entry.setdefault("reading", {})[dtype] = reads
             print(
-                f"  {dtype}: tables + calibration {entry['precompute_seconds'][dtype]:.1f} s (cached); measured "
-                f"disagreement {calibration.cached:.1e} (cached forward), {calibration.plain:.1e} (plain); "
+                f"  {dtype}: tables, reading, calibration {entry['precompute_seconds'][dtype]:.1f} s (cached); "
+                f"measured disagreement {calibration.cached:.1e} (cached forward), {calibration.plain:.1e} (plain); "
                 f"smallest gap {calibration.gap:.1e} (relative); states read by the {reads}"
             )
         if len(models) > 1:
