@@ -90,6 +90,13 @@ def main() -> int:
         "prompts": [{"kind": p.kind, "ids": list(p.ids)} for p in prompts],
         "layers": {},
     }
+    missing = [layer.name for layer in layers if int(layer) > 0 and load_reader(model, layer) is None]
+    if missing:  # the figures of docs/results.md's headline were measured with networks at every 3rd layer
+        print(
+            f"no reading network cached at layer(s) {', '.join(missing)}: those layers read positions with the linear "
+            f"map (a fresh machine's figures: random-id prompts are slower); `lminvert models --prepare {args.model} "
+            f"--reader {','.join(missing)}` trains them (SmolLM2: `make readers`, ~100 min on a 2-core CPU)"
+        )
     print(
         f"{args.model}: {len(prompts)} prompts of {args.length} tokens "
         f"({', '.join(sorted({p.kind for p in prompts}))}), threads={torch.get_num_threads()}"
