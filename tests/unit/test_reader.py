@@ -60,9 +60,14 @@ def test_the_cli_skips_layers_with_a_cached_network_unless_told_to_retrain(isola
     train_reader(model, model.probe.layer(1), text=0, random=4, length=6, epochs=1, hidden=16, progress=False)
     trained = []
     settings = []
-    monkeypatch.setattr(
-        reader, "train_reader", lambda m, layer, **kw: (trained.append(int(layer)), settings.append(kw))
-    )
+
+    def fake(m, layers, **kw):
+        for layer in layers:
+            trained.append(int(layer))
+            settings.append(kw)
+        return {layer: None for layer in layers}
+
+    monkeypatch.setattr(reader, "train_readers", fake)
     assert main(["models", "--prepare", "tiny-llama", "--reader", "1,2", "--device", "cpu"]) == 0
     assert trained == [2]  # layer 1's network is cached, layer 2 has none
     assert "layer 1 already cached" in capsys.readouterr().out
@@ -75,6 +80,30 @@ def test_the_cli_skips_layers_with_a_cached_network_unless_told_to_retrain(isola
     assert settings[-1] == {"negatives": 0}  # the whole vocabulary
     assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--random-prompts", "40"]) == 0
     assert settings[-1] == {"random": 40}
+
+
+def test_readers_for_several_layers_share_one_pass_of_forwards(isolated_cache, monkeypatch):
+    """train_readers computes the training prompts' states once for all its layers (as many as STATES_BYTES holds)
+    and trains each layer's network exactly as train_reader alone does."""
+    from lminvert import forward
+    from lminvert.invert import reader
+
+    model = lminvert.load_model("tiny-llama")
+    layers = [model.probe.layer(1), model.probe.layer(2)]
+    settings = {"text": 0, "random": 8, "length": 6, "epochs": 1, "hidden": 16}
+    alone = [train_reader(model, layer, progress=False, **settings).state_dict() for layer in layers]
+    passes = []
+    real = forward.prompt_states
+    monkeypatch.setattr(reader, "prompt_states", lambda *a, **kw: passes.append(a[2]) or real(*a, **kw))
+    together = reader.train_readers(model, list(reversed(layers)), progress=False, **settings)
+    assert passes == [layers]  # one pass, for both layers
+    for layer, weights in zip(layers, alone, strict=True):
+        shared = together[layer].state_dict().values()
+        assert all(torch.equal(a, b) for a, b in zip(weights.values(), shared, strict=True))
+    monkeypatch.setattr(reader, "STATES_BYTES", 1)  # room for one layer's states at a time: one pass per layer
+    passes.clear()
+    reader.train_readers(model, layers, progress=False, **settings)
+    assert passes == [[layers[0]], [layers[1]]]
 
 
 @pytest.mark.parametrize(

@@ -100,11 +100,14 @@ def run(args: argparse.Namespace) -> int:
 def _train_readers(args: argparse.Namespace) -> None:
     model = load_model(args.prepare, dtype=args.dtype, device=args.device)
     layers = model.probe.layers(args.reader)  # an unknown layer: a one-line error
+    wanted = []
     for layer in layers:
         path = table_path(model, layer, reader.KIND)
         if path.is_file() and not args.retrain:  # idempotent: `make readers` run twice trains nothing the second time
             print(f"{args.prepare}: reading network for layer {layer.name} already cached in {path} (--retrain: again)")
-            continue
-        options = {"negatives": args.negatives, "random": args.random_prompts}
-        reader.train_reader(model, layer, **{name: value for name, value in options.items() if value is not None})
+        else:
+            wanted.append(layer)
+    options = {"negatives": args.negatives, "random": args.random_prompts}
+    # one pass of forwards for all of them (each layer's network is cached as soon as it is trained)
+    for layer in reader.train_readers(model, wanted, **{k: v for k, v in options.items() if v is not None}):
         print(f"{args.prepare}: reading network for layer {layer.name} cached")
