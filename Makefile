@@ -36,16 +36,18 @@ test: setup
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
-# Reading networks for the default model at every 3rd layer (inversion uses each where it is cached; bench-invert's
-# figures in docs/results.md were measured with them): minutes per layer on a 2-core CPU; layers already cached are
-# skipped, so an interrupted run resumes. Layer 30 with the whole vocabulary in each step's softmax and 4,000 random-id
-# training prompts instead of 1,000 (30 min here, against 10 with the defaults; each change read that layer's random
-# token ids with a fraction of the candidates: docs/results.md).
+# Reading networks for the default model at every 3rd layer (inversion uses each where it is cached): minutes per
+# layer on a 2-core CPU, ~3x less where its bfloat16 products are native (docs/results.md); layers already cached are
+# skipped, so an interrupted run resumes and a second run trains nothing. Layer 30 with the whole vocabulary in each
+# step's softmax and 4,000 random-id training prompts instead of 1,000 (each change read that layer's random token ids
+# with a fraction of the candidates: docs/results.md).
 readers: setup
-	$(BIN)/lminvert models --prepare smollm2-135m --reader 3,6,9,12,15,18,21,24,27
-	$(BIN)/lminvert models --prepare smollm2-135m --reader 30 --negatives 0 --random-prompts 4000
+	$(BIN)/lminvert -v models --prepare smollm2-135m --reader 3,6,9,12,15,18,21,24,27
+	$(BIN)/lminvert -v models --prepare smollm2-135m --reader 30 --negatives 0 --random-prompts 4000
 
-bench-invert: setup
+# The inversion targets are measured with the reading networks (`readers`, trained once and cached; without them
+# a fresh machine's random-id prompts are slower: `python benchmarks/bench_invert.py` alone measures that case).
+bench-invert: readers
 	$(BIN)/python benchmarks/bench_invert.py
 
 bench-collisions: setup

@@ -13,11 +13,13 @@ same-run A/B), and 4,000 random-id training prompts instead of 1,000 (``random=4
 candidates per position again: 41.4 -> 8.7 on the benchmark prompts, 37.8 -> 20.7 on held-out ones (the random-id
 prompts 7-20x fewer; one text prompt 26 -> 54; same-run A/B), so ``make readers`` trains that layer with both.
 
-Training costs minutes per layer (SmolLM2 on this project's 2-core CPU: the forwards of 120,000 tokens, ~1.5 min at
-layer 9 and ~6 min at layer 30, then ~1 min per epoch; an epoch over the whole vocabulary took ~3 min), so it never
-happens implicitly: ``lminvert models --prepare ALIAS --reader LAYERS`` (or :func:`train_reader`) trains and caches it
-beside the tables, and inversion uses it wherever it is cached, instead of the linear map. Like the linear map it is
-a proposal, not a decision: every candidate is still verified, so a poor reading costs time, never exactness.
+Training costs minutes per layer (SmolLM2 on this project's 2-core CPU: the forwards of 120,000 tokens, ~1 min at
+layer 9 and ~5 min at layer 30, then ~45 s per epoch in float32, ~3 min over the whole vocabulary), ~2.5-3x less with
+its products in bfloat16 where those are native (:func:`bfloat16_training`; the same held-out ranks,
+``benchmarks/bench_reader.py``), so it never happens implicitly: ``lminvert models --prepare ALIAS --reader LAYERS``
+(or :func:`train_reader`) trains and caches it beside the tables, and inversion uses it wherever it is cached,
+instead of the linear map. Like the linear map it is a proposal, not a decision: every candidate is still verified,
+so a poor reading costs time, never exactness.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..corpora import sample_prompts
 from ..errors import LminvertError
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
+from ..models.halfmath import half_speed
 from .reading import Reading, features, reading_map
 from .tables import read_tables, squared_norms, write_tables
 
@@ -72,6 +75,13 @@ def _scores(
     others = 1.0 - nn.functional.one_hot(targets, len(columns)).to(logits.dtype)
     logits = logits + math.log(size / len(columns)) * others
     return logits, targets
+
+
+def bfloat16_training(device: torch.device) -> bool:
+    """Whether training runs its products in bfloat16 (``torch.autocast``; weights, optimiser and loss stay float32):
+    on a GPU, and on a CPU whose bfloat16 GEMMs are native (at most 0.75x float32's time; this project's AVX512-BF16
+    CPU: ~0.3x; an AVX2 CPU emulates them at ~4x)."""
+    return device.type == "cuda" or (device.type == "cpu" and half_speed(torch.bfloat16) <= 0.75)
 
 
 def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
@@ -125,7 +135,9 @@ def train_reader(
     lr: float = 1e-3,
     negatives: int = NEGATIVES,
     progress: bool = True,
-    states: Sequence[dict[Layer, torch.Tensor]] | None = None,
+    data: tuple[list[list[int]], Sequence[dict[Layer, torch.Tensor]]] | None = None,
+    bfloat16: bool | None = None,
+    cache: bool = True,
 ) -> nn.Module:
     """Train the reading network for ``layer`` on sampled text and random ids, cache it, and return it.
 
@@ -133,17 +145,23 @@ def train_reader(
     replacement (the other rows' logits raised by ``log(|V| / drawn)``, so the sum estimates the whole vocabulary's);
     ``negatives=0`` or at least the vocabulary's size: the whole vocabulary. The vocabulary product is most of a step's
     cost: with 8,192 of SmolLM2's 49,152 rows an epoch took ~1 min on this project's CPU, against ~3 min over the whole
-    vocabulary (two separate runs). ``states``: the training prompts' states at ``layer`` (among others), computed
-    already (:func:`train_readers` computes them once for several layers)."""
+    vocabulary (two separate runs). ``data``: the training prompts and their states at ``layer`` (among others),
+    computed already (:func:`train_readers` computes them once for several layers; ``text``, ``random`` and ``length``
+    are then unused). ``bfloat16``: the products in bfloat16
+    (None: where :func:`bfloat16_training` says they are fast). ``cache=False``: neither written to the cache nor
+    used by this model's inversions (an experiment's network)."""
     start = time.perf_counter()
     probe = model.probe
-    prompts = training_prompts(model, text, random, length, seed)
-    if states is None:
-        states = prompt_states(model, prompts, [layer], progress=progress)
+    if data is None:
+        prompts = training_prompts(model, text, random, length, seed)
+        data = prompts, prompt_states(model, prompts, [layer], progress=progress)
+    prompts, states = data
     inputs = torch.cat([features(s[layer])[1:] for s in states]).float()  # position 0: the first-position table's
     tokens = torch.cat([torch.tensor(p[1:]) for p in prompts]).to(probe.device)
     vocab = probe.vocab_matrix(torch.float32)
     norms = squared_norms(model, "vocabulary", vocab)
+    if bfloat16 is None:
+        bfloat16 = bfloat16_training(probe.device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = _network(inputs.shape[1], hidden, vocab.shape[1]).to(probe.device)
@@ -154,22 +172,36 @@ def train_reader(
             total = 0.0
             for first in range(0, len(order), BATCH):
                 rows = order[first : first + BATCH]
-                logits, targets = _scores(net(inputs[rows]), tokens[rows], vocab, norms, negatives)
-                loss = nn.functional.cross_entropy(logits, targets)
+                with torch.autocast(probe.device.type, dtype=torch.bfloat16, enabled=bfloat16):
+                    logits, targets = _scores(net(inputs[rows]), tokens[rows], vocab, norms, negatives)
+                loss = nn.functional.cross_entropy(logits.float(), targets)
                 optimiser.zero_grad()
                 loss.backward()
                 optimiser.step()
                 total += float(loss.detach()) * len(rows)
             log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, total / len(order))
     net = net.eval().requires_grad_(False)
-    write_tables(model, layer, KIND, net.state_dict())  # a hooked model keeps it in memory only, like the tables
-    model.memo[(KIND, int(layer), model.dtype)] = net
-    log.info("trained the reading network for layer %s in %.1f s", layer.name, time.perf_counter() - start)
+    if cache:
+        write_tables(model, layer, KIND, net.state_dict())  # a hooked model keeps it in memory only, like the tables
+        model.memo[(KIND, int(layer), model.dtype)] = net
+    log.info(
+        "trained the reading network for layer %s in %.1f s (%s products)",
+        layer.name,
+        time.perf_counter() - start,
+        "bfloat16" if bfloat16 else "float32",
+    )
     return net
 
 
 def train_readers(
-    model: LoadedModel, layers: Sequence[Layer], progress: bool = True, **options
+    model: LoadedModel,
+    layers: Sequence[Layer],
+    text: int = TEXT_PROMPTS,
+    random: int = RANDOM_PROMPTS,
+    length: int = LENGTH,
+    seed: int = SEED,
+    progress: bool = True,
+    **options,
 ) -> dict[Layer, nn.Module]:
     """:func:`train_reader` at each of ``layers`` with the same ``options``, the training prompts' states computed by
     one forward for as many layers as :data:`STATES_BYTES` holds (a forward to layer 27 computes layers 3-24 on its
@@ -177,9 +209,7 @@ def train_readers(
     one pass for all 14.5 s (``make readers``' forwards at those layers: ~12 min -> ~2.5 min at the default 5,000)."""
     if not layers:
         return {}
-    settings = {"text": TEXT_PROMPTS, "random": RANDOM_PROMPTS, "length": LENGTH, "seed": SEED}
-    settings.update({name: options[name] for name in settings if name in options})
-    prompts = training_prompts(model, settings["text"], settings["random"], settings["length"], settings["seed"])
+    prompts = training_prompts(model, text, random, length, seed)
     per_layer = 4 * model.probe.hidden_size * sum(len(p) for p in prompts)  # float32 states of one layer
     group = max(1, STATES_BYTES // per_layer)
     ordered = sorted(layers)
@@ -188,6 +218,7 @@ def train_readers(
         chunk = ordered[first : first + group]
         states = prompt_states(model, prompts, chunk, progress=progress)
         for layer in chunk:
-            trained[layer] = train_reader(model, layer, progress=progress, states=states, **options)
+            data = prompts, states
+            trained[layer] = train_reader(model, layer, seed=seed, progress=progress, data=data, **options)
         del states
     return trained
