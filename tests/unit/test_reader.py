@@ -80,6 +80,8 @@ def test_the_cli_skips_layers_with_a_cached_network_unless_told_to_retrain(isola
     assert settings[-1] == {"negatives": 0}  # the whole vocabulary
     assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--random-prompts", "40"]) == 0
     assert settings[-1] == {"random": 40}
+    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--products", "float32"]) == 0
+    assert settings[-1] == {"bfloat16": False}
 
 
 def test_readers_for_several_layers_share_one_pass_of_forwards(isolated_cache, monkeypatch):
@@ -141,6 +143,7 @@ def test_training_runs_its_products_in_bfloat16_where_they_are_fast(isolated_cac
         ["--reader", "1", "--negatives", "-1"],
         ["--random-prompts", "10"],
         ["--reader", "1", "--random-prompts", "-1"],
+        ["--products", "float32"],
     ],
 )
 def test_training_options_need_reader_layers(cli, option):

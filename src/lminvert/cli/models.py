@@ -43,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"with --reader: random-id training prompts beside the {reader.TEXT_PROMPTS} text windows (default "
         f"{reader.RANDOM_PROMPTS}; 4000 read SmolLM2's last layer's random ids far better, at 3x the training time)",
     )
+    parser.add_argument(
+        "--products",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="with --reader: the precision of training's products (default auto: bfloat16 on a GPU and on a CPU with "
+        "native bfloat16 GEMMs, 2-2.7x faster there and the same held-out ranks; float32 elsewhere)",
+    )
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --reader: the model's dtype")
     parser.add_argument("--device", default="auto", help="with --reader: where the model runs")
     parser.set_defaults(func=run)
@@ -55,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError("--negatives needs --reader LAYERS and a count of at least 0 (0: the whole vocabulary)")
     if args.random_prompts is not None and (not args.reader or args.random_prompts < 0):
         raise LminvertError("--random-prompts needs --reader LAYERS and a count of at least 0")
+    if args.products is not None and not args.reader:
+        raise LminvertError("--products needs --reader LAYERS (the layers whose training it sets)")
     if args.retrain and not args.reader:
         raise LminvertError("--retrain needs --reader LAYERS (the layers to train the reading network at again)")
     if args.prepare:
@@ -107,7 +116,8 @@ def _train_readers(args: argparse.Namespace) -> None:
             print(f"{args.prepare}: reading network for layer {layer.name} already cached in {path} (--retrain: again)")
         else:
             wanted.append(layer)
-    options = {"negatives": args.negatives, "random": args.random_prompts}
+    products = {None: None, "auto": None, "float32": False, "bfloat16": True}[args.products]
+    options = {"negatives": args.negatives, "random": args.random_prompts, "bfloat16": products}
     # one pass of forwards for all of them (each layer's network is cached as soon as it is trained)
     for layer in reader.train_readers(model, wanted, **{k: v for k, v in options.items() if v is not None}):
         print(f"{args.prepare}: reading network for layer {layer.name} cached")
