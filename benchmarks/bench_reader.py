@@ -23,8 +23,7 @@ import lminvert
 from lminvert.corpora import sample_prompts
 from lminvert.forward import prompt_states
 from lminvert.invert import reader
-from lminvert.invert.reading import read, reading_map
-from lminvert.invert.tables import squared_norms
+from lminvert.invert.reading import input_distances, read, reading_map
 
 
 def options(text: str) -> dict:
@@ -52,15 +51,13 @@ def main() -> None:
     observed = {
         kind: [s[layer] for s in prompt_states(model, ps, [layer], progress=False)] for kind, ps in held.items()
     }
-    vocab = model.probe.vocab_matrix(torch.float32)
-    norms = squared_norms(model, "vocabulary", vocab)
 
     def show(name: str, weights, seconds: float) -> None:
         parts = []
         for kind, prompts in held.items():
             ranks = []
             for ids, states in zip(prompts, observed[kind], strict=True):
-                score = norms[None] - 2 * read(weights, states) @ vocab.T
+                score = input_distances(model, read(weights, states))
                 ranks += [int((score[t] < score[t, ids[t]]).sum()) for t in range(1, len(ids))]
             log2 = statistics.mean(math.log2(2 + r) for r in ranks)
             top1, top64 = (sum(r < k for r in ranks) / len(ranks) for k in (1, 64))
@@ -71,13 +68,7 @@ def main() -> None:
     print(f"{args.model} layer {layer.name}, threads={torch.get_num_threads()}; rank of the true token, held out:")
     show("linear reading map", reading_map(model, layer), 0.0)
     start = time.perf_counter()
-    prompts = reader.training_prompts(
-        model,
-        base.get("text", reader.TEXT_PROMPTS),
-        base.get("random", reader.RANDOM_PROMPTS),
-        base.get("length", reader.LENGTH),
-        base.get("seed", reader.SEED),
-    )
+    prompts = reader.training_prompts(model, **{k: base[k] for k in ("text", "random", "length", "seed") if k in base})
     states = prompt_states(model, prompts, [layer], progress=False)
     print(f"  forwards of the {len(prompts)} training prompts: {time.perf_counter() - start:.0f} s", flush=True)
     for variant in variants:

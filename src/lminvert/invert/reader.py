@@ -32,11 +32,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..corpora import sample_prompts
-from ..errors import LminvertError
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from ..models.halfmath import half_speed
+from . import reading
 from .reading import Reading, features, reading_map
 from .tables import read_tables, squared_norms, write_tables
 
@@ -111,16 +110,11 @@ def reading_for(model: LoadedModel, layer: Layer) -> Reading:
     return network if network is not None else reading_map(model, layer)
 
 
-def training_prompts(model: LoadedModel, text: int, random: int, length: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, model.probe.vocab_size, (random, length), generator=gen).tolist()
-    if model.tokenizer is not None and text:
-        try:
-            windows, _ = sample_prompts(model.tokenizer, "mixed", text, max_tokens=length, seed=seed)
-            prompts += [list(p.ids) for p in windows if len(p.ids) >= 2 and max(p.ids) < model.probe.vocab_size]
-        except LminvertError as exc:  # a tokenizer the corpora cannot serve: random ids alone
-            log.info("reading network without text (%s)", exc)
-    return prompts
+def training_prompts(
+    model: LoadedModel, text: int = TEXT_PROMPTS, random: int = RANDOM_PROMPTS, length: int = LENGTH, seed: int = SEED
+) -> list[list[int]]:
+    """The reading network's training prompts: :func:`.reading.training_prompts` with the network's defaults."""
+    return reading.training_prompts(model, text, random, length, seed)
 
 
 def train_reader(
@@ -147,9 +141,9 @@ def train_reader(
     cost: with 8,192 of SmolLM2's 49,152 rows an epoch took ~1 min on this project's CPU, against ~3 min over the whole
     vocabulary (two separate runs). ``data``: the training prompts and their states at ``layer`` (among others),
     computed already (:func:`train_readers` computes them once for several layers; ``text``, ``random`` and ``length``
-    are then unused). ``bfloat16``: the products in bfloat16
-    (None: where :func:`bfloat16_training` says they are fast). ``cache=False``: neither written to the cache nor
-    used by this model's inversions (an experiment's network)."""
+    are then unused). ``bfloat16``: the products in bfloat16 (None: where :func:`bfloat16_training` says they are
+    fast). ``cache=False``: neither written to the cache nor used by this model's inversions (an experiment's
+    network)."""
     start = time.perf_counter()
     probe = model.probe
     if data is None:
@@ -216,9 +210,8 @@ def train_readers(
     trained: dict[Layer, nn.Module] = {}
     for first in range(0, len(ordered), group):
         chunk = ordered[first : first + group]
-        states = prompt_states(model, prompts, chunk, progress=progress)
+        data = prompts, prompt_states(model, prompts, chunk, progress=progress)
         for layer in chunk:
-            data = prompts, states
             trained[layer] = train_reader(model, layer, seed=seed, progress=progress, data=data, **options)
-        del states
+        del data
     return trained

@@ -58,16 +58,24 @@ def read(weights: Reading, states: torch.Tensor, previous: torch.Tensor | None =
         return (weights(inputs) if callable(weights) else inputs @ weights).float()
 
 
-def training_prompts(model: LoadedModel) -> list[list[int]]:
-    """Text windows (when the model has a tokenizer) and random token ids, ``LENGTH`` tokens each."""
-    gen = torch.Generator().manual_seed(SEED)
-    prompts = torch.randint(0, model.probe.vocab_size, (RANDOM_PROMPTS, LENGTH), generator=gen).tolist()
-    if model.tokenizer is not None:
+def training_prompts(
+    model: LoadedModel,
+    text: int = TEXT_PROMPTS,
+    random: int = RANDOM_PROMPTS,
+    length: int = LENGTH,
+    seed: int = SEED,
+) -> list[list[int]]:
+    """``random`` prompts of random token ids, then ``text`` sampled text windows (when the model has a tokenizer the
+    corpora can serve; those of at least 2 tokens), ``length`` tokens each, drawn with ``seed``: what the reading map
+    (these defaults) and a reading network (:mod:`.reader`, its own) are fitted on."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.probe.vocab_size, (random, length), generator=gen).tolist()
+    if model.tokenizer is not None and text:
         try:
-            text, _ = sample_prompts(model.tokenizer, "mixed", TEXT_PROMPTS, max_tokens=LENGTH, seed=SEED)
-            prompts += [list(p.ids) for p in text if max(p.ids) < model.probe.vocab_size]
+            windows, _ = sample_prompts(model.tokenizer, "mixed", text, max_tokens=length, seed=seed)
+            prompts += [list(p.ids) for p in windows if len(p.ids) >= 2 and max(p.ids) < model.probe.vocab_size]
         except LminvertError as exc:  # a tokenizer the corpora cannot serve: random ids alone
-            log.info("reading map without text (%s)", exc)
+            log.info("training prompts without text (%s)", exc)
     return prompts
 
 
@@ -94,6 +102,11 @@ def reading_orders(model: LoadedModel, weights: Reading, states: torch.Tensor, d
 
 def nearest_inputs(model: LoadedModel, predicted: torch.Tensor, depth: int) -> torch.Tensor:
     """``[N, depth]``: the ``depth`` tokens whose input vectors lie nearest each row of ``predicted`` ``[N, d]``."""
+    return input_distances(model, predicted).topk(depth, dim=1, largest=False).indices  # nearest first
+
+
+def input_distances(model: LoadedModel, predicted: torch.Tensor) -> torch.Tensor:
+    """``[N, |V|]``: ``||e_v - p||^2 - ||p||^2`` for each row ``p`` of ``predicted`` and every token's input vector
+    ``e_v`` (the same order as the distance; float32, on the model's device)."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    score = squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted.to(vocab.device) @ vocab.T
-    return score.topk(depth, dim=1, largest=False).indices  # ||e_v - p||^2 - ||p||^2, nearest first
+    return squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted.to(vocab.device) @ vocab.T
