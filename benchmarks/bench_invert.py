@@ -10,7 +10,9 @@ mean c/p: candidates verified per position; explored: mean share of the vocabula
 wrong without an uncertain flag (must be 0); med fwd: median forwards per prompt (verification, confirmation, prefix
 extension: on a GPU the sequential rounds that set the time); spec: share of positions decided from a chain of first
 guesses (speculative verification); % r/v/e/o: time in ranking / verification / prefix extension / other.
-A policy ``linear-`` is ``linear`` without speculation, ``linear@16`` with candidate batches 16x a CPU's.
+A policy ``linear-`` is ``linear`` without speculation, ``linear@16`` with candidate batches 16x a CPU's,
+``linear.f32`` without screening (every candidate verified in float32; the default screens a float32 model's large
+batches with bfloat16 GEMMs on a CPU that has native ones, :mod:`lminvert.invert.engine`).
 
     python benchmarks/bench_invert.py --layers 0,3,6,9,12,15,18,21,24,27,30 --bruteforce 0 --baseline 0   # depth
     python benchmarks/bench_invert.py --layers 15 --long 500 --bruteforce 0 --baseline 0   # cost against length
@@ -277,10 +279,18 @@ def _verification_cost(models, layer, ids, batch=64, reps=5) -> dict:
 
 
 def _policy(spec: str) -> dict:
-    """``linear``, ``linear@16`` (candidate batches 16x a CPU's, whatever the device) or ``linear-`` (no speculative
-    verification) as invert() arguments."""
+    """``linear``, ``linear@16`` (candidate batches 16x a CPU's, whatever the device), ``linear-`` (no speculative
+    verification) or ``linear.f32`` (no screening), combined in that order, as invert() arguments."""
     name, _, scale = spec.partition("@")
-    return {"policy": name.rstrip("-"), "batch_scale": int(scale) if scale else None, "speculate": name[-1:] != "-"}
+    name, dot, unscreened = name.partition(".")
+    if dot and unscreened != "f32":
+        raise SystemExit(f"unknown policy suffix .{unscreened} in {spec}: .f32 (no screening) is the only one")
+    return {
+        "policy": name.rstrip("-"),
+        "batch_scale": int(scale) if scale else None,
+        "speculate": name[-1:] != "-",
+        "screen": False if dot else None,
+    }
 
 
 def _together(model, layer, args) -> dict:

@@ -71,6 +71,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cost; default: only for a model whose computation is edited by forward hooks, where injectivity cannot "
         "be assumed)",
     )
+    parser.add_argument(
+        "--screen",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a float32 model's large candidate batches first with bfloat16 GEMMs and verify in float32 only the "
+        "candidates near the observed state (speed only, never the answer; default: on a CPU with native bfloat16 "
+        "GEMMs)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_ray_arg(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         together=args.together,
         tolerance_scale=args.tolerance_scale,
         certify=args.certify,
+        screen=args.screen,
         progress=not args.json,
         executor=executor_from_args(args),
     )

@@ -46,6 +46,7 @@ def invert(
     executor: str | Executor | None = None,
     batch_scale: int | None = None,
     speculate: bool = True,
+    screen: bool | None = None,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -62,7 +63,10 @@ def invert(
     verification forward costs about the same for 1 or 1,024 candidates; see
     :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer. ``speculate``: verify the
     next positions' first guesses in the same forward as a position's first candidates
-    (:mod:`lminvert.invert.speculation`); speed only, never the answer.
+    (:mod:`lminvert.invert.speculation`); speed only, never the answer. ``screen``: a float32 model's large candidate
+    batches first run with bfloat16 GEMMs and only the candidates near the target are verified in float32, the rest
+    before a position would be given up (:mod:`lminvert.invert.engine`); speed only, never the answer. ``None``
+    (default): where it pays, a CPU with native bfloat16 GEMMs (:attr:`lminvert.models.LayerProbe.can_screen`).
 
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
@@ -84,6 +88,11 @@ def invert(
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
+    if screen and model.dtype != "float32":
+        raise LminvertError(
+            f"screening runs a float32 model's candidate batches in bfloat16; this model is {model.dtype} already: "
+            "leave screen unset"
+        )
     resolved = check_compatible(states, model, layer)
     if certify is None:
         certify = has_hooks(model.model)
@@ -105,6 +114,7 @@ def invert(
         progress=progress,
         batch_scale=batch_scale,
         speculate=speculate,
+        screen=screen,
     )
     generator = torch.Generator().manual_seed(seed + 1)
     ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}

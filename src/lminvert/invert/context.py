@@ -48,6 +48,7 @@ class PositionContext:
     states: list[torch.Tensor] = field(default_factory=list)  # their verified states (float32), per batch
     dists: list[torch.Tensor] = field(default_factory=list)  # their distances to target (wide dtype), per batch
     given: int = 0  # batches recorded that no policy proposed (a chain's state: :mod:`.speculation`)
+    screened: int = 0  # candidates screened out (seen, not verified, not recorded: :mod:`.search`)
     best_id: int = -1
     best_dist: float = float("inf")
     best_state: torch.Tensor | None = None
@@ -62,6 +63,11 @@ class PositionContext:
     @property
     def checked(self) -> int:
         return int(sum(len(i) for i in self.ids))
+
+    @property
+    def forwarded(self) -> int:
+        """Candidates run through the model at this position: verified, or screened out."""
+        return self.checked + self.screened
 
     @property
     def rounds(self) -> int:
@@ -92,6 +98,8 @@ class PositionContext:
         self.ids.append(ids)
         self.states.append(states)
         self.dists.append(dists)
+        if not len(ids):  # a screened batch none of whose candidates was verified
+            return
         value, index = dists.min(dim=0)
         value = float(value)  # one host sync per batch
         if value < self.best_dist:

@@ -10,6 +10,10 @@ Prompts advance in lockstep, so all prefixes have the same length and share one 
 that finished position t waits (costing nothing) for the others. One prompt is the special case N = 1. If
 nothing passes within the budget, the closest verified candidate is kept and the position is marked uncertain.
 
+Screening (``InvertConfig.screen``; by default a float32 model on a CPU with native bfloat16 GEMMs): a later batch of
+``SCREEN_FROM`` candidates or more first runs with bfloat16 GEMMs (:meth:`LayerProbe.screening`, 2.5-3x faster
+here), and only its candidates near the target are verified (:mod:`.search`); the prefix keeps float32 keys.
+
 Shared work (a verification forward serving several prompts, the prefix extension, the next-token prior: one
 forward of the upper blocks before position 0, counted as position 0's ranking) is split evenly among the prompts
 it served in each prompt's time split, so the prompts' seconds add up to the wall time.
@@ -17,10 +21,11 @@ it served in each prompt's time split, so the prompts' seconds add up to the wal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,7 +38,7 @@ from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
 from .speculation import Speculator
 from .tables import first_position_table, squared_norms
-from .tolerance import calibrate
+from .tolerance import calibrate, screen_calibration
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,10 @@ POSITIONS = 1 << 19  # candidate rows x prefix length per verification forward (
 # it starts from kept keys (:mod:`lminvert.models.observed`; None: to the end). SmolLM2 bfloat16, layer 15, the 7
 # benchmark prompts, same run: median 1.63 / 1.38 / 1.25 / 1.36 s for all / 8 / 4 / 2 (forwards 208 / 210 / 212 / 226)
 PLAIN_AHEAD: int | None = 4
+# candidates of a verification forward from which it is screened: SmolLM2 layer 30, this project's CPU, one forward of
+# 16 / 64 / 256 / 512 candidates in float32 53 / 106 / 322 / 609 ms, with bfloat16 GEMMs 23 / 42 / 106 / 207 ms; the
+# few verified in full then cost one small float32 forward (~25-50 ms)
+SCREEN_FROM = 64
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ class InvertConfig:
     progress: bool = False
     speculate: bool = True  # verify the next positions' first guesses in chains (:mod:`.speculation`; speed only)
     batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
+    screen: bool | None = None  # screen large batches with bfloat16 GEMMs (speed only); None: where it pays
 
 
 def _make_policy(config: InvertConfig) -> Policy:
@@ -120,6 +130,8 @@ def invert_prompts(
     if config.first_table and policies[0].uses_first_table and not exhaustive:
         table = first_position_table(model, layer, progress=config.progress)
     calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
+    if not exhaustive and (probe.can_screen if config.screen is None else config.screen):
+        calibration = replace(calibration, screen=screen_calibration(model, layer))
     wants_prior = not exhaustive and any(policy.uses_next_tokens for policy in policies)
     reading = None
     if wants_prior and any(p.uses_reading for p in policies):  # the reading network where one was trained
@@ -226,15 +238,21 @@ class Verified:
         return out
 
 
-def _verify(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Tensor | None) -> Verified:
+def _verify(
+    probe: LayerProbe, prefix: Prefix, ids: torch.Tensor, rows: torch.Tensor | None, screen: bool = False
+) -> Verified:
     """Verified states (float32) of candidates ``ids`` (on prefix rows ``rows``), in as few forwards as memory allows:
-    each forward copies its rows' prefix keys and values, so rows x prefix length stays under ``POSITIONS``."""
+    each forward copies its rows' prefix keys and values, so rows x prefix length stays under ``POSITIONS``.
+    ``screen``: screened states (bfloat16 GEMMs), without keys."""
     step = max(1, POSITIONS // (prefix.length + 1))
     states, chunks = [], []
-    with torch.no_grad():
+    with torch.no_grad(), probe.screening() if screen else contextlib.nullcontext():
         for i in range(0, len(ids), step):
             part = None if rows is None else rows[i : i + step]
-            out, new = probe.continuation(prefix, token_ids=ids[i : i + step], rows=part, keys=True)
+            if screen:
+                out, new = probe.continuation(prefix, token_ids=ids[i : i + step], rows=part), None
+            else:
+                out, new = probe.continuation(prefix, token_ids=ids[i : i + step], rows=part, keys=True)
             states.append(out)
             chunks.append((i, new))
     return Verified(torch.cat(states).float(), tuple(chunks))
@@ -305,19 +323,53 @@ def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearc
     riding = {row for row, _, _ in chained}
     plain = [(row, ids) for row, ids in proposals if row not in riding]
     if plain:
-        ids = torch.cat([p[1] for p in plain])
-        start = time.perf_counter()
-        verified = _verify(probe, prefix, ids, _prefix_rows(prefix, plain, ids.device))
-        share = (time.perf_counter() - start) / len(plain)
-        offset = 0
-        for (row, mine), part in zip(plain, verified.states.split([len(p[1]) for p in plain]), strict=True):
-            with group[row].clock("verification"):
-                group[row].verified(mine, part, lambda inside, at=offset: verified.keys([at + i for i in inside]))
-            group[row].clock.add("verification", share)
-            group[row].clock.forwards += len(verified.chunks)
-            offset += len(mine)
+        _verify_batches(probe, prefix, group, plain)
     if chained:
         _verify_chains(probe, prefix, group, chained, tree)
+
+
+def _verify_batches(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], plain: list) -> None:
+    """Verify the one-token batches ``(row, ids)`` of ``plain`` and record them. Where the searches that screen
+    propose ``SCREEN_FROM`` candidates or more, their batches first run in one forward with bfloat16 GEMMs, and only
+    each one's picks (:meth:`PromptSearch.screen_picks`) join the others' batches in the float32 forward."""
+    start = time.perf_counter()
+    fast = [(row, ids) for row, ids in plain if group[row].screens]
+    if sum(len(ids) for _, ids in fast) < SCREEN_FROM:
+        fast = []
+    picks, forwards = {}, 0
+    if fast:
+        ids = torch.cat([p[1] for p in fast])
+        screened = _verify(probe, prefix, ids, _prefix_rows(prefix, fast, ids.device), screen=True)
+        forwards += len(screened.chunks)
+        for (row, _), part in zip(fast, screened.states.split([len(p[1]) for p in fast]), strict=True):
+            picks[row] = (group[row].screen_picks(part), part)
+    full = [(row, ids[picks[row][0]] if row in picks else ids) for row, ids in plain]
+    full = [(row, ids) for row, ids in full if len(ids)]
+    offsets, offset = {}, 0
+    for row, mine in full:
+        offsets[row] = offset
+        offset += len(mine)
+    verified = None
+    if full:
+        ids = torch.cat([p[1] for p in full])
+        verified = _verify(probe, prefix, ids, _prefix_rows(prefix, full, ids.device))
+        forwards += len(verified.chunks)
+    states = verified.states if verified is not None else torch.empty(0, probe.hidden_size)
+    share = (time.perf_counter() - start) / len(plain)
+    for row, mine in plain:
+        search, at = group[row], offsets.get(row, 0)
+
+        def keys_of(inside: list[int], at: int = at) -> list[NewKeys | None]:
+            return [] if verified is None else verified.keys([at + i for i in inside])
+
+        with search.clock("verification"):
+            if row in picks:
+                chosen, part = picks[row]
+                search.screened(mine, part, chosen, states[at : at + len(chosen)], keys_of)
+            else:
+                search.verified(mine, states[at : at + len(mine)], keys_of)
+        search.clock.add("verification", share)
+        search.clock.forwards += forwards
 
 
 def _prefix_rows(prefix: Prefix, batches: list, device: torch.device) -> torch.Tensor | None:

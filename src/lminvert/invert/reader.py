@@ -34,7 +34,7 @@ from torch import nn
 
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
-from ..models.halfmath import half_speed
+from ..models.halfmath import native_bfloat16
 from . import reading
 from .reading import Reading, features, reading_map
 from .tables import read_tables, squared_norms, write_tables
@@ -79,8 +79,8 @@ def _scores(
 def bfloat16_training(device: torch.device) -> bool:
     """Whether training runs its products in bfloat16 (``torch.autocast``; weights, optimiser and loss stay float32):
     on a GPU, and on a CPU whose bfloat16 GEMMs are native (at most 0.75x float32's time; this project's AVX512-BF16
-    CPU: ~0.3x; an AVX2 CPU emulates them at ~4x)."""
-    return device.type == "cuda" or (device.type == "cpu" and half_speed(torch.bfloat16) <= 0.75)
+    CPU: ~0.3x; an AVX2 CPU emulates them at ~4x): :func:`lminvert.models.halfmath.native_bfloat16`."""
+    return native_bfloat16(device)
 
 
 def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:

@@ -16,6 +16,9 @@ class PositionResult:
     earlier position of the prompt was such a guess (everything after it was found given the guess).
     ``confirmed`` counts the candidates whose states were recomputed by a plain uncached forward of prefix +
     candidate (see :mod:`lminvert.invert.search`); ``plain_distance`` is the accepted token's distance under it.
+    ``candidates_checked`` counts every candidate run through the model at the position, ``screened_out`` of them
+    only with bfloat16 GEMMs (screening, :mod:`lminvert.invert.engine`: their screened states ruled them out; never
+    the accepted token).
     """
 
     token_id: int
@@ -41,6 +44,7 @@ class PositionResult:
     ranking_seconds: float = 0.0  # proposing candidates (fits, ranking, the next-token prior)
     verification_seconds: float = 0.0  # batched forwards of the candidates and their distances
     extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
+    screened_out: int = 0  # candidates only screened (bfloat16 GEMMs), counted in candidates_checked
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class InversionResult:
             "explored_fraction": self.explored_fraction,
             "time_split": {k: round(v, 4) for k, v in self.time_split.items()},
             "confirmed": [p.confirmed for p in self.positions],
+            "screened_out": [p.screened_out for p in self.positions],
             "forwards": self.forwards,
             "speculated_positions": [i for i, p in enumerate(self.positions) if p.speculated],
             "layer": self.layer,

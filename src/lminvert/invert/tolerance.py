@@ -17,6 +17,9 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
   the observation exactly; the radius measured here covers observers whose shapes or kernels it cannot reproduce
   (states from another machine, or encoded in a padded batch);
 * ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate.
+* ``screen`` - where the engine screens (:mod:`.engine`: a float32 model's large batches first run with bfloat16
+  GEMMs, :meth:`lminvert.models.LayerProbe.screening`), the largest relative disagreement of the true token's
+  screened state with ``h``, over the same batches (measured and cached apart, by :func:`screen_calibration`).
 
 Each is measured twice, the second time with the continuations packed side by side over the shared prefix, as the
 probe runs them over long prefixes (:meth:`lminvert.models.LayerProbe.always_packed`): the radii cover both paths.
@@ -60,7 +63,8 @@ class Calibration:
     plain: float  # max ||confirmation forward - plain|| / ||plain||
     gap: float  # min ||other candidate - plain|| / ||plain||
     samples: int  # positions measured
-    scale: float = 1.0  # multiplies both radii (InvertConfig.tolerance_scale)
+    scale: float = 1.0  # multiplies the radii (InvertConfig.tolerance_scale)
+    screen: float | None = None  # max ||screened state - plain|| / ||plain|| of the true token (None: not screening)
 
     def radius(self, target: torch.Tensor) -> float:
         """Acceptance radius of the engine's cached verification around the observed state ``target``."""
@@ -69,6 +73,13 @@ class Calibration:
     def confirm_radius(self, target: torch.Tensor) -> float:
         """Acceptance radius of the plain (uncached) forward of prefix + candidate."""
         return self.scale * SAFETY * max(self.plain, FLOOR) * norm(target)
+
+    def screen_radius(self, target: torch.Tensor) -> float | None:
+        """The radius around ``target`` inside which a screened state's candidate is verified in full (None: no
+        screening)."""
+        if self.screen is None:
+            return None
+        return self.scale * SAFETY * max(self.screen, FLOOR) * norm(target)
 
     def scaled(self, scale: float) -> Calibration:
         """The same measurements with both radii multiplied by ``scale``."""
@@ -81,6 +92,7 @@ class Calibration:
             "gap": self.gap,
             "samples": self.samples,
             "safety": SAFETY,
+            "screen": self.screen,
         }
 
 
@@ -115,13 +127,16 @@ def _batch_shapes(device: torch.device) -> tuple[int, ...]:
     return (*SHAPES, *_large_shapes(device))
 
 
-def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: int = 0) -> Calibration:
-    """Measure the disagreements on ``prompts`` (equal lengths), exactly as the engine verifies and confirms."""
+def measure(
+    model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: int = 0, screen: bool = False
+) -> Calibration:
+    """Measure the disagreements on ``prompts`` (equal lengths), exactly as the engine verifies and confirms (with
+    ``screen``: also as it screens, the same batches over the same prefixes)."""
     probe = model.probe
     reference = [p[layer] for p in prompt_states(model, prompts, [layer], progress=False)]
     gen = torch.Generator().manual_seed(seed)
     sizes = _batch_shapes(probe.device)
-    cached_rel, plain_rel, gap_rel = [], [], []
+    cached_rel, plain_rel, gap_rel, screen_rel = [], [], [], []
     prefix = probe.prefixes([[]] * len(prompts), layer)
     for t in range(len(prompts[0])):
         true = torch.tensor([p[t] for p in prompts])
@@ -131,6 +146,10 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
         with torch.no_grad():
             states, new = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1), keys=True)
         states = states.float().cpu().reshape(*ids.shape, -1)
+        if screen:
+            with torch.no_grad(), probe.screening():
+                fast = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1))
+            fast = fast.float().cpu().reshape(*ids.shape, -1)
         extra = torch.randint(0, probe.vocab_size, (len(prompts),), generator=gen).tolist()  # a second row each
         plain_ids = torch.tensor([[*p[:t], x] for p, e in zip(prompts, extra, strict=True) for x in (p[t], e)])
         plain = probe.states(plain_ids, [layer])[layer][:, -1].float().cpu().reshape(len(prompts), 2, -1)[:, 0]
@@ -145,6 +164,8 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
             if differs.any():
                 gap_rel.append(float(dist[differs].min()))
             plain_rel.append(float((plain[i].double() - h).norm()) / norm)
+            if screen:
+                screen_rel.append(float((fast[i, 0].double() - h).norm()) / norm)
         if new is None:  # an empty prefix: the first token's keys by a forward, as the engine does
             prefix, _ = probe.advance_rows(prefix, true.tolist())
         else:  # the true tokens' keys and values from this verification, as the engine grows its prefix
@@ -156,6 +177,7 @@ def measure(model: LoadedModel, layer: Layer, prompts: list[list[int]], seed: in
         plain=max(plain_rel, default=0.0),
         gap=min(gap_rel) if gap_rel else math.inf,
         samples=len(cached_rel),
+        screen=max(screen_rel, default=0.0) if screen else None,
     )
 
 
@@ -207,6 +229,25 @@ def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
     kind = KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
     values = cached(model, layer, kind, build, per_device=True).tolist()
     return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
+
+
+SCREEN_KIND = "screen1"  # the cache's name for the screening disagreement; a new name whenever it is measured anew
+
+
+def screen_calibration(model: LoadedModel, layer: Layer) -> float:
+    """The measured relative disagreement of screened states (:attr:`Calibration.screen`) of ``model`` at ``layer``:
+    the calibration prompts' true tokens among random candidates, as :func:`calibrate` verifies them, on both paths
+    (cached beside the tables, per device type)."""
+
+    def build() -> torch.Tensor:
+        prompts = calibration_prompts(model)
+        found = measure(model, layer, prompts, screen=True)
+        with model.probe.always_packed():
+            packed = measure(model, layer, prompts, screen=True)
+        assert found.screen is not None and packed.screen is not None
+        return torch.tensor([max(found.screen, packed.screen)], dtype=torch.float64)
+
+    return float(cached(model, layer, SCREEN_KIND, build, per_device=True)[0])
 
 
 def noise_tolerance(target: torch.Tensor, sigma: float) -> float:

@@ -1,4 +1,6 @@
-"""Half-precision models on CPUs without half-precision matrix units: their GEMMs as float32 GEMMs, rounded back.
+"""A model's linear layers in another precision than its own, inside a ``with`` block.
+
+Half-precision models on CPUs without half-precision matrix units: their GEMMs as float32 GEMMs, rounded back.
 
 On a CPU without native bfloat16/float16 GEMM kernels (AVX2: no AVX512-BF16, no AMX) torch emulates them and a
 bfloat16 ``linear`` runs ~4-6x slower than a float32 one. Computing it as a float32 GEMM of the same (exactly
@@ -11,6 +13,11 @@ the probe uses it for its cached forwards (prefix caches, candidate continuation
 (:meth:`LayerProbe.states`, what an observer computes), so the acceptance radii, measured between the two
 (:mod:`lminvert.invert.tolerance`), include whatever difference remains. :func:`half_is_slow` decides, once per
 process and dtype, by timing both ways.
+
+The other way round, :class:`LinearMath` runs a float32 model's linear layers as bfloat16 GEMMs on a CPU that has
+native ones (:func:`native_bfloat16`: ~0.3x float32's time on this project's AVX512-BF16 CPU): the inversion's
+*screening* forwards (:mod:`lminvert.invert.engine`), whose states only decide which candidates are verified in
+float32, never which one is accepted.
 """
 
 from __future__ import annotations
@@ -49,9 +56,16 @@ def half_is_slow(dtype: torch.dtype) -> bool:
     return half_speed(dtype) > 1.5
 
 
-class HalfAsFloat32:
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether bfloat16 GEMMs on ``device`` are fast: a GPU, or a CPU where they take at most 0.75x float32's time (its
+    AVX512-BF16 or AMX units; an AVX2 CPU emulates them at ~4x)."""
+    return device.type == "cuda" or (device.type == "cpu" and half_speed(torch.bfloat16) <= 0.75)
+
+
+class LinearMath:
     """Inside ``with``: the ``dtype`` linear layers of ``model`` (``nn.Linear`` and transformers' ``Conv1D``) run as
-    float32 GEMMs rounded to ``dtype``, their weights converted once (again after an in-place edit).
+    ``math`` GEMMs of operands converted to ``math``, rounded back to ``dtype``, their weights converted once (again
+    after an in-place edit).
 
     Each such module's ``forward`` is replaced for the duration (an instance attribute, which ``nn.Module`` calls
     instead of the class's), so only the linear layers pay anything: a ``TorchFunctionMode`` intercepting every
@@ -59,20 +73,20 @@ class HalfAsFloat32:
     35 ms for the float32 model). Nested ``with`` blocks are fine; a linear layer called on another dtype runs as
     the model does."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, model: nn.Module, dtype: torch.dtype, math: torch.dtype) -> None:
+        self.dtype, self.math = dtype, math
         self._modules = [m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
         self._copies: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, tensor, float32)
         self._depth = 0
         self._kept: list[object] = []  # what each module's instance ``forward`` was before (None: the class's)
 
-    def _float(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    def _converted(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
         key = id(tensor)
         entry = self._copies.get(key)
         if entry is None or entry[1] is not tensor or entry[0] != tensor._version:  # edited in place: convert again
-            entry = (tensor._version, tensor, tensor.detach().float())
+            entry = (tensor._version, tensor, tensor.detach().to(self.math))
             self._copies[key] = entry
         return entry[2]
 
@@ -83,19 +97,22 @@ class HalfAsFloat32:
             def linear(x: torch.Tensor) -> torch.Tensor:
                 if x.dtype != self.dtype or module.weight.dtype != self.dtype:
                     return native(x)
-                return F.linear(x.float(), self._float(module.weight), self._float(module.bias)).to(self.dtype)
+                weight, bias = self._converted(module.weight), self._converted(module.bias)
+                return F.linear(x.to(self.math), weight, bias).to(self.dtype)
 
             return linear
 
         def conv1d(x: torch.Tensor) -> torch.Tensor:  # transformers' Conv1D: x @ weight + bias, weight [in, out]
             if x.dtype != self.dtype or module.weight.dtype != self.dtype:
                 return native(x)
-            flat = torch.addmm(self._float(module.bias), x.reshape(-1, x.shape[-1]).float(), self._float(module.weight))
+            flat = torch.addmm(
+                self._converted(module.bias), x.reshape(-1, x.shape[-1]).to(self.math), self._converted(module.weight)
+            )
             return flat.to(self.dtype).view(*x.shape[:-1], flat.shape[-1])
 
         return conv1d
 
-    def __enter__(self) -> HalfAsFloat32:
+    def __enter__(self) -> LinearMath:
         if self._depth == 0:
             self._kept = [module.__dict__.get("forward") for module in self._modules]  # e.g. another library's wrapper
             for module in self._modules:
@@ -111,3 +128,10 @@ class HalfAsFloat32:
                     module.__dict__.pop("forward", None)
                 else:
                     module.forward = forward
+
+
+class HalfAsFloat32(LinearMath):
+    """A half model's linear layers as float32 GEMMs rounded back (see :class:`LinearMath`)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__(model, dtype, torch.float32)
