@@ -49,8 +49,8 @@ POSITIONS = 1 << 19  # candidate rows x prefix length per verification forward (
 # benchmark prompts, same run: median 1.63 / 1.38 / 1.25 / 1.36 s for all / 8 / 4 / 2 (forwards 208 / 210 / 212 / 226)
 PLAIN_AHEAD: int | None = 4
 # candidates of a verification forward from which it is screened: SmolLM2 layer 30, this project's CPU, one forward of
-# 16 / 64 / 256 / 512 candidates in float32 53 / 106 / 322 / 609 ms, with bfloat16 GEMMs 23 / 42 / 106 / 207 ms; the
-# few verified in full then cost one small float32 forward (~25-50 ms)
+# 16 / 64 / 256 / 512 candidates in float32 50 / 103 / 311 / 592 ms, screened 25 / 43 / 105 / 210 ms
+# (benchmarks/bench_screen.py); the few verified in full then cost one small float32 forward (~25-50 ms)
 SCREEN_FROM = 64
 
 
