@@ -4,6 +4,8 @@ answer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,3 +98,21 @@ def test_screening_a_half_model_is_refused():
         invert(model, states, screen=True)
     with pytest.raises(ValueError, match="float32"), model.probe.screening():
         pass
+
+
+def test_cli_screens_on_request_and_refuses_screening_half_states(cli, tmp):
+    path = tmp / "s.safetensors"
+    cli("encode", "--model", "tiny-llama", "--layer", "2", "--text", "Secret: 1234", "--out", str(path),
+        "--keep-ids", check=True)  # fmt: skip
+    truth = list(lminvert.HiddenStates.load(path).token_ids[0])
+    for flag in ("--screen", "--no-screen"):
+        (doc,) = json.loads(cli("invert", str(path), "--json", flag, check=True).stdout)
+        assert doc["token_ids"] == truth and doc["uncertain_positions"] == []
+        assert len(doc["screened_out"]) == len(truth)
+        assert flag == "--screen" or doc["screened_out"] == [0] * len(truth)
+    half = tmp / "h.safetensors"
+    cli("encode", "--model", "tiny-llama", "--dtype", "bfloat16", "--layer", "2", "--text", "Secret: 1234",
+        "--out", str(half), check=True)  # fmt: skip
+    proc = cli("invert", str(half), "--screen")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "float32" in proc.stderr and "drop --screen" in proc.stderr

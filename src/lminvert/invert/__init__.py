@@ -91,7 +91,7 @@ def invert(
     if screen and model.dtype != "float32":
         raise LminvertError(
             f"screening runs a float32 model's candidate batches in bfloat16; this model is {model.dtype} already: "
-            "leave screen unset"
+            "drop --screen (screen=True)"
         )
     resolved = check_compatible(states, model, layer)
     if certify is None:

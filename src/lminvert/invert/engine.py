@@ -329,13 +329,12 @@ def _verify_proposals(probe: LayerProbe, prefix: Prefix, group: list[PromptSearc
 
 
 def _verify_batches(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch], plain: list) -> None:
-    """Verify the one-token batches ``(row, ids)`` of ``plain`` and record them. Where the searches that screen
-    propose ``SCREEN_FROM`` candidates or more, their batches first run in one forward with bfloat16 GEMMs, and only
-    each one's picks (:meth:`PromptSearch.screen_picks`) join the others' batches in the float32 forward."""
+    """Verify the one-token batches ``(row, ids)`` of ``plain`` and record them. The batches of ``SCREEN_FROM``
+    candidates or more of searches that screen first run together in one forward with bfloat16 GEMMs, and only each
+    one's picks (:meth:`PromptSearch.screen_picks`) join the other batches in the float32 forward (decided per
+    prompt, so that a prompt's candidates are the same inverted alone or with others)."""
     start = time.perf_counter()
-    fast = [(row, ids) for row, ids in plain if group[row].screens]
-    if sum(len(ids) for _, ids in fast) < SCREEN_FROM:
-        fast = []
+    fast = [(row, ids) for row, ids in plain if group[row].screens and len(ids) >= SCREEN_FROM]
     picks, forwards = {}, 0
     if fast:
         ids = torch.cat([p[1] for p in fast])
