@@ -147,3 +147,18 @@ def test_quick_experiment_rows_tables_and_figures(quick):
     assert "nf4 / float32" in markdown and "paper: 4-bit Llama-3.1-8B" in markdown and "bitsandbytes" in markdown
     for spec in doc["summary"]["figures"]:
         assert (quick / "figures" / f"{spec['name']}.png").stat().st_size > 5000
+
+
+def test_a_quantised_model_is_never_screened(base, quantised):
+    """Screening runs plain linear layers in bfloat16: a quantised model's (bitsandbytes subclasses of nn.Linear with
+    packed weights) keep their own forward, so it is off by default and refused when asked for."""
+    from lminvert.forward import encode
+    from lminvert.invert import invert
+
+    q = quantised["nf4"]
+    assert not q.probe.can_screen
+    states = encode(q, [[5, 900, 31000]], 1)
+    with pytest.raises(LminvertError, match="quantised"):
+        invert(q, states, screen=True)
+    (result,) = invert(q, states)
+    assert result.token_ids == [5, 900, 31000] and not any(p.screened_out for p in result.positions)

@@ -14,6 +14,7 @@ from ..errors import LminvertError
 from ..executors import Executor, ModelSetup, get_executor
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_compatible
+from ..models.halfmath import all_linear_plain
 from ..models.loading import require_loaded
 from ..models.probe import has_hooks
 from ..models.ties import tied_token_groups
@@ -93,6 +94,8 @@ def invert(
             f"screening runs a float32 model's candidate batches in bfloat16; this model is {model.dtype} already: "
             "drop --screen (screen=True)"
         )
+    if screen and not all_linear_plain(model.model):
+        raise LminvertError("screening runs plain linear layers in bfloat16; this model's are quantised: drop screen")
     resolved = check_compatible(states, model, layer)
     if certify is None:
         certify = has_hooks(model.model)

@@ -62,6 +62,17 @@ def native_bfloat16(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and half_speed(torch.bfloat16) <= 0.75)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or transformers' ``Conv1D`` itself, not a subclass (a quantised layer keeps its own forward)."""
+    return type(module) is nn.Linear or type(module).__name__ == "Conv1D"
+
+
+def all_linear_plain(model: nn.Module) -> bool:
+    """Whether every linear layer of ``model`` is a plain one (:class:`LinearMath` covers them all): false for a
+    quantised model (bitsandbytes' layers subclass ``nn.Linear`` and hold packed weights)."""
+    return all(_plain_linear(m) for m in model.modules() if isinstance(m, nn.Linear))
+
+
 class LinearMath:
     """Inside ``with``: the ``dtype`` linear layers of ``model`` (``nn.Linear`` and transformers' ``Conv1D``) run as
     ``math`` GEMMs of operands converted to ``math``, rounded back to ``dtype``, their weights converted once (again
@@ -75,7 +86,7 @@ class LinearMath:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, math: torch.dtype) -> None:
         self.dtype, self.math = dtype, math
-        self._modules = [m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+        self._modules = [m for m in model.modules() if _plain_linear(m)]
         self._copies: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, tensor, float32)
         self._depth = 0
         self._kept: list[object] = []  # what each module's instance ``forward`` was before (None: the class's)

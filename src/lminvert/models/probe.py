@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import LminvertError
-from .halfmath import HalfAsFloat32, LinearMath, half_is_slow, native_bfloat16
+from .halfmath import HalfAsFloat32, LinearMath, all_linear_plain, half_is_slow, native_bfloat16
 from .layers import Layer, LayerSpec, parse_layers
 from .observed import ObservedForward, PlainKeys, PlainRows
 
@@ -329,8 +329,9 @@ class LayerProbe:
     def can_screen(self) -> bool:
         """Whether :meth:`screening` pays here: a float32 model on a CPU with native bfloat16 GEMMs
         (:func:`.halfmath.native_bfloat16`; a GPU's verification is latency-bound, and a half model computes in half
-        precision already)."""
-        return self.device.type == "cpu" and self.dtype == torch.float32 and native_bfloat16(self.device)
+        precision already), whose linear layers are all plain ones (not a quantised model's)."""
+        cpu = self.device.type == "cpu" and self.dtype == torch.float32
+        return cpu and all_linear_plain(self.model) and native_bfloat16(self.device)
 
     @contextlib.contextmanager
     def screening(self):
@@ -340,6 +341,8 @@ class LayerProbe:
         state (:mod:`lminvert.invert.engine`); the plain forward, :meth:`states`, is never affected."""
         if self.dtype != torch.float32:
             raise ValueError(f"screening runs a float32 model's linear layers in bfloat16; this model is {self.dtype}")
+        if not all_linear_plain(self.model):
+            raise ValueError("screening runs plain linear layers in bfloat16; this model's are quantised")
         if self._screen is None:
             self._screen = LinearMath(self.model, torch.float32, torch.bfloat16)
         before, self._screening = self._screening, True
