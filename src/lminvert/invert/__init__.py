@@ -14,7 +14,6 @@ from ..errors import LminvertError
 from ..executors import Executor, ModelSetup, get_executor
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_compatible
-from ..models.halfmath import all_linear_plain
 from ..models.loading import require_loaded
 from ..models.probe import has_hooks
 from ..models.ties import tied_token_groups
@@ -89,13 +88,10 @@ def invert(
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
-    if screen and model.dtype != "float32":
+    if screen and (reason := model.probe.screen_refusal) is not None:
         raise LminvertError(
-            f"screening runs a float32 model's candidate batches in bfloat16; this model is {model.dtype} already: "
-            "drop --screen (screen=True)"
+            f"screening runs a float32 model's candidate batches in bfloat16; {reason}: drop --screen (screen=True)"
         )
-    if screen and not all_linear_plain(model.model):
-        raise LminvertError("screening runs plain linear layers in bfloat16; this model's are quantised: drop screen")
     resolved = check_compatible(states, model, layer)
     if certify is None:
         certify = has_hooks(model.model)

@@ -32,10 +32,10 @@ Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and d
 
 Screening (a float32 model on a CPU with native bfloat16 GEMMs, :mod:`.engine`): a large batch is first computed with
 bfloat16 GEMMs; only its candidates whose screened state lies within the screening radius (calibrated like the others,
-:func:`.tolerance.screen_calibration`), the closest ``RECHECK``, are verified as above. The others are recorded with
-their screened states (the policy ranks with them) and an infinite distance: no test above ever looks at them. Before
-a position's search would end without an accepted candidate, they are verified in full (:meth:`PromptSearch.propose`),
-so screening changes which candidates are verified first, never the answer.
+:func:`.tolerance.screen_calibration`), the closest ``RECHECK``, are verified as above and recorded. The others are
+screened out: marked seen, never recorded (no test above and no policy looks at their states), and verified in full
+before a position's search would end without an accepted candidate (:meth:`PromptSearch.propose`), so screening
+changes which candidates are verified first, never the answer.
 
 This matters in half precision, where the radius (several 1e-2 of the state's norm) is wider than the gaps between
 tokens (at attention-sink positions ~1e-3 of the huge norm; at deep layers a few 1e-2): there a candidate is accepted
@@ -163,7 +163,7 @@ class PromptSearch:
         # radius is wider, a match inside it does not rule out a token not verified yet (half precision, deep layers)
         self.gap = calibration.gap * norm(target)
         # contenders: inside the ball, or in a decisive one's reach (accepted only when confirmed by the plain forward)
-        self.reach = max(self.radius, min(REACH * self.radius, self.gap / 2)) if self.radius < self.gap else self.radius
+        self.reach = max(self.radius, min(REACH * self.radius, self.gap / 2)) if self.decisive else self.radius
         self.ctx = PositionContext(
             probe, prefix, row, target, self.radius, t, self.generator, next_tokens, scale=self.settings.scale
         )

@@ -87,7 +87,7 @@ class LinearMath:
     def __init__(self, model: nn.Module, dtype: torch.dtype, math: torch.dtype) -> None:
         self.dtype, self.math = dtype, math
         self._modules = [m for m in model.modules() if _plain_linear(m)]
-        self._copies: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, tensor, float32)
+        self._copies: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, tensor, in math)
         self._depth = 0
         self._kept: list[object] = []  # what each module's instance ``forward`` was before (None: the class's)
 

@@ -326,12 +326,20 @@ class LayerProbe:
             self.packed_from = before
 
     @property
+    def screen_refusal(self) -> str | None:
+        """Why :meth:`screening` cannot run on this model (None: it can): it needs a float32 model whose linear layers
+        are all plain ones (not a quantised model's)."""
+        if self.dtype != torch.float32:
+            return f"this model is {str(self.dtype).removeprefix('torch.')} already"
+        if not all_linear_plain(self.model):
+            return "this model's linear layers are quantised"
+        return None
+
+    @property
     def can_screen(self) -> bool:
-        """Whether :meth:`screening` pays here: a float32 model on a CPU with native bfloat16 GEMMs
-        (:func:`.halfmath.native_bfloat16`; a GPU's verification is latency-bound, and a half model computes in half
-        precision already), whose linear layers are all plain ones (not a quantised model's)."""
-        cpu = self.device.type == "cpu" and self.dtype == torch.float32
-        return cpu and all_linear_plain(self.model) and native_bfloat16(self.device)
+        """Whether :meth:`screening` pays here: a model it can run on (:attr:`screen_refusal`) on a CPU with native
+        bfloat16 GEMMs (:func:`.halfmath.native_bfloat16`; a GPU's verification is latency-bound)."""
+        return self.device.type == "cpu" and self.screen_refusal is None and native_bfloat16(self.device)
 
     @contextlib.contextmanager
     def screening(self):
@@ -339,11 +347,10 @@ class LayerProbe:
         their linear layers as bfloat16 GEMMs (:class:`.halfmath.LinearMath`; 2.5-3x faster on this project's CPU,
         states within a few 1e-2 of the norm). For screening candidates only: the inversion accepts none on such a
         state (:mod:`lminvert.invert.engine`); the plain forward, :meth:`states`, is never affected."""
-        if self.dtype != torch.float32:
-            raise ValueError(f"screening runs a float32 model's linear layers in bfloat16; this model is {self.dtype}")
-        if not all_linear_plain(self.model):
-            raise ValueError("screening runs plain linear layers in bfloat16; this model's are quantised")
-        if self._screen is None:
+        if self._screen is None:  # checked once: a hot path (every screened batch)
+            reason = self.screen_refusal
+            if reason is not None:
+                raise ValueError(f"screening runs a float32 model's linear layers in bfloat16; {reason}")
             self._screen = LinearMath(self.model, torch.float32, torch.bfloat16)
         before, self._screening = self._screening, True
         try:
