@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import LminvertError
-from ..invert import METHODS, POLICIES, invert
+from ..invert import METHODS, POLICIES, invert, parse_source
 from ..models.loading import DTYPES
 from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
@@ -49,6 +49,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sipit: policy-guided; bruteforce: verify the whole vocabulary (slow oracle)",
     )
     parser.add_argument("--policy", default="linear", choices=list(POLICIES), help="candidate order for sipit")
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="where the states come from, as an error model: exact (lminvert encode), float (computed elsewhere in "
+        "the same dtype: padded batches, other kernels or libraries), noise:SIGMA, quant:int8|int4|bf16|fp8 "
+        "(default: exact for a states file from encode, float for a bare array)",
+    )
     parser.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
     parser.add_argument("--max-candidates", type=int, default=None, help="budget per position (default |V|)")
     parser.add_argument(
@@ -99,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError("--together must be at least 1")
     if not args.tolerance_scale > 0:
         raise LminvertError("--tolerance-scale must be positive (1: the measured radii)")
+    if args.source is not None:
+        parse_source(args.source)  # a bad name fails here, before the model loads
+        if args.noise > 0:
+            raise LminvertError("give either --noise (added here, and modelled) or --source, not both")
     if args.out:
         check_output_file(args.out)
     model = model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
@@ -115,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         tolerance_scale=args.tolerance_scale,
         certify=args.certify,
         screen=args.screen,
+        source=args.source,
         progress=not args.json,
         executor=executor_from_args(args),
     )
@@ -135,12 +147,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for i, r in enumerate(results):
         flag = f"  uncertain positions: {r.uncertain_positions}" if r.uncertain_positions else ""
+        counts = ", ".join(f"{n} {v}" for v, n in r.verdict_counts.items() if n)
         print(f"[{i}] {r.text!r}")
         print(
             f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
             f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
-            f"{'; certified against the whole vocabulary' if r.certified else ''}{flag}"
+            f"{'; certified against the whole vocabulary' if r.certified else ''}"
         )
+        print(f"    verdicts ({r.source} source): {counts}{flag}")
+        for note in r.notes:
+            print(f"    note: {note}")
     _reader_hint(model, name, results[0])
     return 0
 

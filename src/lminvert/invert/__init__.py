@@ -21,6 +21,7 @@ from ..states import HiddenStates
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
+from .sources import SOURCES, ErrorModel, Exact, Float, Noise, parse_source
 from .tolerance import add_noise
 
 METHODS = ("sipit", "bruteforce")
@@ -47,6 +48,7 @@ def invert(
     batch_scale: int | None = None,
     speculate: bool = True,
     screen: bool | None = None,
+    source: str | ErrorModel | None = None,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -67,6 +69,12 @@ def invert(
     batches first run with bfloat16 GEMMs and only the candidates near the target are verified in float32, the rest
     before a position would be given up (:mod:`lminvert.invert.engine`); speed only, never the answer. ``None``
     (default): where it pays, a CPU with native bfloat16 GEMMs (:attr:`lminvert.models.LayerProbe.can_screen`).
+
+    ``source``: where the states come from, as an error model (:mod:`lminvert.invert.sources`: ``"exact"``,
+    ``"float"``, ``"noise:S"``, ``"quant:B"``); it bounds how far an observed state may lie from what this machine's
+    plain forward gives, and the acceptor (:mod:`lminvert.invert.acceptor`) gives each position its verdict with it.
+    ``None`` (default): what the states say: ``exact`` for a states file from :func:`lminvert.encode` (it records the
+    weights that made it), ``float`` for a bare array (nobody can promise its bits), ``noise:S`` with ``noise``.
 
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
@@ -93,6 +101,7 @@ def invert(
             f"screening runs a float32 model's candidate batches in bfloat16; {reason}: drop --screen (screen=True)"
         )
     resolved = check_compatible(states, model, layer)
+    error_model = _source(states, source, noise)
     if certify is None:
         certify = has_hooks(model.model)
         if certify:
@@ -108,7 +117,7 @@ def invert(
         first_table=first_table,
         max_candidates=max_candidates,
         tolerance_scale=tolerance_scale,
-        noise=noise,
+        source=error_model,
         seed=seed,
         progress=progress,
         batch_scale=batch_scale,
@@ -141,6 +150,20 @@ def invert(
     return [r for chunk_results in results for r in chunk_results]
 
 
+def _source(states: HiddenStates, source: str | ErrorModel | None, noise: float) -> ErrorModel:
+    """The error model of ``states`` (see :func:`invert`)."""
+    if source is not None and noise > 0:
+        raise LminvertError("give either noise (added here, and modelled) or source (what the states carry), not both")
+    if noise > 0:  # added to these states here: nothing else differs from what they were
+        own = states.weights_hash is not None
+        return Noise(sigma=noise, elsewhere=not own)
+    if isinstance(source, ErrorModel):
+        return source
+    if source is not None:
+        return parse_source(source)
+    return Exact() if states.weights_hash is not None else Float()
+
+
 @dataclass(frozen=True)
 class _InvertChunk:
     """Up to ``together`` prompts inverted at once, wherever the executor runs them (``on_position`` is a
@@ -165,6 +188,8 @@ class _InvertChunk:
 
 __all__ = [
     "POLICIES",
+    "SOURCES",
+    "ErrorModel",
     "GradientPolicy",
     "InversionResult",
     "InvertConfig",
@@ -176,4 +201,5 @@ __all__ = [
     "invert",
     "invert_prompt",
     "invert_prompts",
+    "parse_source",
 ]

@@ -25,20 +25,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
+from . import acceptor
 from .context import batch_scale
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
 from .reader import reading_for
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
+from .sources import ErrorModel, Exact
 from .speculation import Speculator
 from .tables import first_position_table, squared_norms
-from .tolerance import calibrate, screen_calibration
+from .tolerance import calibrate, foreign_calibration, screen_calibration
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +72,20 @@ class InvertConfig:
     first_table: bool = True  # rank position 0 with the first-position table (policies that support it)
     max_candidates: int | None = None  # per position; default: the whole vocabulary
     tolerance_scale: float = 1.0  # multiplies the measured acceptance radii
-    noise: float = 0.0  # relative Gaussian noise level the states carry (widens the acceptance tolerance)
+    # where the states come from: how far an observation may lie from this machine's plain forward (:mod:`.sources`)
+    source: ErrorModel = field(default_factory=Exact)
     seed: int = 0
     progress: bool = False
     speculate: bool = True  # verify the next positions' first guesses in chains (:mod:`.speculation`; speed only)
     batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
     screen: bool | None = None  # screen large batches with bfloat16 GEMMs (speed only); None: where it pays
+
+
+def _bound_source(model: LoadedModel, layer: Layer, source: ErrorModel) -> ErrorModel:
+    """``source`` with this model's measured foreign disagreements where its bound needs them (cached)."""
+    if not source.needs_calibration:
+        return source
+    return source.calibrated(*foreign_calibration(model, layer))
 
 
 def _make_policy(config: InvertConfig) -> Policy:
@@ -141,7 +151,7 @@ def invert_prompts(
         budget=vocab if config.max_candidates is None or config.certify else max(1, min(vocab, config.max_candidates)),
         vocab=vocab,
         exhaustive=exhaustive,
-        noise=config.noise,
+        source=_bound_source(model, layer, config.source),
         table=table,
         ties=ties or {},
         scale=config.batch_scale or batch_scale(device, len(states)),
@@ -217,9 +227,23 @@ def invert_prompts(
             vocab_size=vocab,
             dtype=model.dtype,
             device=str(device),
+            source=config.source.label,
+            notes=_notes(search, config.source),
         )
         for search in searches
     ]
+
+
+def _notes(search: PromptSearch, source: ErrorModel) -> tuple[str, ...]:
+    """What the prompt's result says about its states as a whole."""
+    misfit = sum(p.reason == acceptor.NO_FIT for p in search.positions)
+    if not misfit:
+        return ()
+    return (
+        f"{misfit} of {len(search.positions)} positions: no candidate fits the error model '{source.label}': these "
+        "states do not match this model's computation at this layer (another model, layer or dtype, a fine-tuned "
+        "copy, or an error larger than the model allows: try --source noise:LEVEL)",
+    )
 
 
 @dataclass(frozen=True)

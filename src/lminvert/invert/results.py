@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .acceptor import VERDICTS
+
 
 @dataclass(frozen=True)
 class PositionResult:
@@ -45,6 +47,8 @@ class PositionResult:
     verification_seconds: float = 0.0  # batched forwards of the candidates and their distances
     extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
     screened_out: int = 0  # candidates only screened (bfloat16 GEMMs), counted in candidates_checked
+    verdict: str = "uncertain"  # certified, confident or uncertain (:mod:`lminvert.invert.acceptor`)
+    reason: str = ""  # the acceptor's reason for it
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class InversionResult:
     vocab_size: int
     dtype: str = "float32"
     device: str = "cpu"
+    source: str = "exact"  # the error model the states were inverted under (:mod:`lminvert.invert.sources`)
+    notes: tuple[str, ...] = ()  # what the result as a whole says about the states (e.g. they do not fit the model)
 
     @property
     def candidates_checked(self) -> list[int]:
@@ -96,6 +102,15 @@ class InversionResult:
         return all(p.certified_exact for p in self.positions)
 
     @property
+    def verdicts(self) -> list[str]:
+        return [p.verdict for p in self.positions]
+
+    @property
+    def verdict_counts(self) -> dict[str, int]:
+        """How many positions got each verdict (every verdict named, zero included)."""
+        return {v: self.verdicts.count(v) for v in VERDICTS}
+
+    @property
     def uncertain_positions(self) -> list[int]:
         return [i for i, p in enumerate(self.positions) if p.uncertain]
 
@@ -113,6 +128,11 @@ class InversionResult:
             "distances": self.distances,
             "margins": [m if m != float("inf") else None for m in self.margins],
             "uncertain_positions": self.uncertain_positions,
+            "verdicts": self.verdicts,
+            "verdict_counts": self.verdict_counts,
+            "reasons": [p.reason for p in self.positions],
+            "source": self.source,
+            "notes": list(self.notes),
             "certified": self.certified,
             "explored_fraction": self.explored_fraction,
             "time_split": {k: round(v, 4) for k, v in self.time_split.items()},

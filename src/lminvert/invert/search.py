@@ -49,7 +49,6 @@ and is flagged uncertain: never a wrong answer given as certain.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,17 +57,17 @@ import torch
 
 from ..models import LayerProbe, NewKeys, Prefix
 from ..models.observed import PlainKeys
+from . import acceptor
+from .acceptor import Evidence, Radii
 from .context import PositionContext, wide_dtype
 from .policies import Policy, SweepPolicy, TablePolicy
 from .results import PositionResult
+from .sources import ErrorModel
 from .speculation import Speculator
-from .tolerance import FLOOR, Calibration, noise_tolerance, norm
+from .tolerance import FLOOR, Calibration, norm
 
 SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
-SEARCH_ON = 4096  # candidates a position may verify looking for a decisive match where the observer is reproduced
-MAX_CONFIRM = 16  # contenders re-measured by one plain forward per round (closest first; the first round: one)
 KEEP_KEYS = 16  # candidates inside the ball per batch whose keys and values are kept for the prefix
-SEPARATION = 8.0  # the accepted candidate's plain distance, times this, must stay below every other contender's
 REACH = 16  # a decisive ball's contenders reach this many times its radius (at most half the gap): confirmed first
 RECHECK = 4  # a screened batch's candidates inside the screening radius verified in full (closest first)
 
@@ -104,7 +103,7 @@ class Settings:
     budget: int  # candidates per position
     vocab: int
     exhaustive: bool  # verify the whole budget, then decide (the brute-force oracle)
-    noise: float
+    source: ErrorModel
     table: torch.Tensor | None  # first-position table (position 0), if used
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
@@ -139,7 +138,7 @@ class PromptSearch:
         self.reproduced = False
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
-        self.chosen: int | None = None
+        self.decision = acceptor.PENDING  # the acceptor's decision at the current position, once final
         self.to_confirm: list[int] = []
         # the observer's keys and values of the last confirmation's closest sequence: later ones start from them
         self.plain_keys: PlainKeys | None = None
@@ -151,19 +150,26 @@ class PromptSearch:
     # ------------------------------------------------------------------ one position
     def begin(self, t: int, probe: LayerProbe, prefix: Prefix, row: int, next_tokens: torch.Tensor | None) -> None:
         target = self.targets[t]
-        calibration, noise = self.settings.calibration, noise_tolerance(target, self.settings.noise)
-        self.radius = calibration.radius(target) + noise
-        self.confirm_radius = calibration.confirm_radius(target) + noise
+        calibration = self.settings.calibration
+        source = self.settings.source.bound(target, t)  # the error model's bound on the observation's error
+        rounding = calibration.radius(target)
+        self.radius = rounding + source
+        self.confirm_radius = calibration.confirm_radius(target) + source
         screen = calibration.screen_radius(target)
-        self.screen_radius = None if screen is None else screen + noise  # None: this search is not screened
+        self.screen_radius = None if screen is None else screen + source  # None: this search is not screened
         self.screened_out: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, screened distances) not verified
         self.unscreening = False  # the policy is spent: the screened-out candidates are being verified in full
-        self.resolution = FLOOR * norm(target)
-        # the smallest gap between two tokens' states the calibration saw (relative to the state's norm): where a
-        # radius is wider, a match inside it does not rule out a token not verified yet (half precision, deep layers)
-        self.gap = calibration.gap * norm(target)
+        self.radii = Radii(
+            cached=self.radius,
+            plain=self.confirm_radius,
+            source=source,
+            rounding=rounding,
+            gap=calibration.gap * norm(target),
+            resolution=FLOOR * norm(target),
+        )
         # contenders: inside the ball, or in a decisive one's reach (accepted only when confirmed by the plain forward)
-        self.reach = max(self.radius, min(REACH * self.radius, self.gap / 2)) if self.decisive else self.radius
+        gap = self.radii.gap
+        self.reach = max(self.radius, min(REACH * self.radius, gap / 2)) if self.decisive else self.radius
         self.ctx = PositionContext(
             probe, prefix, row, target, self.radius, t, self.generator, next_tokens, scale=self.settings.scale
         )
@@ -172,9 +178,8 @@ class PromptSearch:
         self.active = TablePolicy(table, norms=self.settings.table_norms) if first else self.policy
         self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state
         self.confirmed = False  # a confirmation forward ran at this position
-        self.chosen, self.ambiguous, self.exhausted = None, False, False
-        self.unseparated = False  # accepted in a regime where the ball can hold other tokens, without a decisive match
-        self.searching_on = False  # a separated contender exists, not decisive: looking for a decisive one
+        self.exhausted = False
+        self.decision = acceptor.PENDING  # the acceptor's, once final
         self.to_confirm = []
         self.keys: dict[int, NewKeys] = {}  # keys and values of candidates verified inside the ball (for the prefix)
         self.given: int | None = None  # the candidate a chain verified here (:mod:`.speculation`)
@@ -184,7 +189,12 @@ class PromptSearch:
     def decisive(self) -> bool:
         """The ball is narrower than the smallest gap between tokens' states: one match in it is the token, without
         confirmation (float32; half precision at shallow layers)."""
-        return self.radius < self.gap
+        return self.radii.decisive
+
+    @property
+    def chosen(self) -> int | None:
+        """The token the acceptor decided on at this position (None: not decided yet)."""
+        return self.decision.token
 
     @property
     def may_skip_cache(self) -> bool:
@@ -202,10 +212,6 @@ class PromptSearch:
         ctx = self.ctx
         assert ctx is not None
         ids = None
-        if self.searching_on and ctx.checked >= SEARCH_ON:  # no decisive match so far: take the closest, flagged
-            self.exhausted = True
-            self._examine()
-            return None
         if ctx.forwarded < self.settings.budget:
             with self.clock("ranking"):
                 ids = self.active.propose(ctx)
@@ -321,69 +327,35 @@ class PromptSearch:
         if not self.settings.exhaustive or self.exhausted:
             self._examine()
 
-    def _contenders(self) -> list[tuple[int, float]]:
-        """(id, cached distance) inside the ball, not ruled out by the plain forward, closest in angle first (the
-        order of confirmation: half-precision rounding of an attention sink's huge coordinates moves a state's norm
-        more than the gaps between tokens' states there, its direction much less; SmolLM2 layer 15, bfloat16, 16
-        first tokens: the true token came first by angle in every case; by distance 184 and 8,589 others came first in
-        two)."""
+    def evidence(self) -> Evidence:
+        """What this position's search knows, for the acceptor."""
         ctx = self.ctx
         assert ctx is not None
-        ids, dists = ctx.all_ids(), ctx.all_dists()
-        inside = (dists <= self.reach).nonzero().flatten()
-        if len(inside) > 1:
-            wide = wide_dtype(ctx.device)
-            cosine = torch.nn.functional.cosine_similarity(ctx.all_states()[inside].to(wide), ctx.target.to(wide)[None])
-            inside = inside[cosine.argsort(descending=True)]
-        pairs = zip(ids[inside].tolist(), dists[inside].tolist(), strict=True)
-        return [(i, d) for i, d in pairs if self.plain.get(i, 0.0) <= self.confirm_radius]
+        return Evidence(
+            ids=ctx.all_ids(),
+            dists=ctx.all_dists(),
+            states=ctx.all_states(),
+            target=ctx.target,
+            plain=dict(self.plain),
+            reach=self.reach,
+            reproducible=self.settings.source.reproducible,
+            exhaustive=self.settings.exhaustive,
+            exhausted=self.exhausted,
+            swept=ctx.checked >= self.settings.vocab,
+            confirmed=self.confirmed,
+            checked=ctx.forwarded,
+            ranked=ctx.rounds >= 1 or ctx.checked >= self.settings.vocab,
+            reproduced=self.reproduced,
+            twins=self.settings.ties,
+        )
 
     def _examine(self) -> None:
-        contenders = self._contenders()
-        if not contenders:
-            return
-        if len(contenders) == 1 and contenders[0][1] <= self.radius / 2 and not self.confirmed and self.decisive:
-            self.chosen = contenders[0][0]  # the ball cannot hold two tokens' states: the first match is the one
-            return
-        if self._collision(contenders):
-            return
-        exact = [i for i, _ in contenders if self.plain.get(i, math.inf) <= self.resolution]
-        if exact and not self.settings.exhaustive:  # it reproduces the observation: another could only by a collision
-            self.chosen = exact[0]
-            return
-        unmeasured = [i for i, _ in contenders if i not in self.plain]
-        if unmeasured:  # the closest alone first (often the token), then the next ones together
-            self.to_confirm = unmeasured[: MAX_CONFIRM if self.plain else 1]
-            return
-        best = min((i for i, _ in contenders), key=self.plain.__getitem__)
-        bound = SEPARATION * self.plain[best] + self.resolution
-        rivals = [i for i, _ in contenders if i != best and self.plain[i] <= bound]
-        twins = set(self.settings.ties.get(best, ()))
-        if not rivals or set(rivals) <= twins:  # separated (tied twins are flagged by the engine, not searched)
-            # where the plain radius is wider than the gap between tokens, a token not verified yet could match as
-            # well as this one unless this one reproduces the observation within half that gap (Theorem 3.2's Δ/2)
-            undecided = self.confirm_radius >= self.gap and self.plain[best] > self.gap / 2
-            if undecided and self.reproduced and not self.exhausted and self.ctx.checked < SEARCH_ON:
-                self.searching_on = True
-                return
-            self.chosen, self.unseparated = best, undecided
-        elif self.exhausted:  # still ambiguous with the budget spent: keep the closest, flag it
-            self.chosen, self.ambiguous = best, True
-        # else: ambiguous so far; the search goes on (a candidate not yet verified may be decisively closer)
-
-    def _collision(self, contenders: list[tuple[int, float]]) -> bool:
-        """Two contenders (not tied twins) whose plain-forward states both reproduce the observation to float32's
-        resolution: no other candidate can make either decisively closer, so the position is ambiguous now (the
-        closest is kept and flagged), without re-measuring the rest (a non-injective model can have thousands)."""
-        measured = sorted((i for i, _ in contenders if i in self.plain), key=self.plain.__getitem__)
-        if len(measured) < 2:
-            return False
-        best = measured[0]
-        twins = set(self.settings.ties.get(best, ()))
-        if not any(self.plain[i] <= self.resolution for i in measured[1:] if i not in twins):
-            return False
-        self.chosen, self.ambiguous, self.to_confirm = best, True, []
-        return True
+        """Ask the acceptor: a decision, contenders to confirm, or more candidates."""
+        decision = acceptor.decide(self.evidence(), self.radii)
+        if decision.final:
+            self.decision, self.to_confirm = decision, []
+        else:
+            self.to_confirm = list(decision.confirm)
 
     def decide(self) -> int:
         """The token of this position (after the search is done); the policy learns it."""
@@ -392,7 +364,7 @@ class PromptSearch:
         if self.active is self.policy:
             self.policy.end_position(ctx)
         token = self.chosen
-        if token is None:  # nothing accepted: the closest candidate, by the plain forward where measured
+        if token is None:  # nothing decided (no candidate verified at all): the closest seen
             token = min(self.plain, key=self.plain.__getitem__) if self.plain else ctx.best_id
         self.token = token
         self.policy.accepted(ctx.position, token)
@@ -416,6 +388,7 @@ class PromptSearch:
             gaps = (states[~mine] - states[mine][0]).norm(dim=1)
             certified = float(gaps.min()) / 2 if gaps.numel() else None  # no other candidate checked: no gap known
         tied = self.settings.ties.get(token, ())
+        verdict = acceptor.final_verdict(self.decision, bool(tied), self.guessed)
         result = PositionResult(
             token_id=token,
             distance=distance,
@@ -423,7 +396,9 @@ class PromptSearch:
             tolerance=self.radius,
             candidates_checked=ctx.forwarded,
             screened_out=ctx.screened,
-            uncertain=self.chosen is None or self.ambiguous or self.unseparated or bool(tied) or self.guessed,
+            uncertain=verdict == acceptor.UNCERTAIN,
+            verdict=verdict,
+            reason=self.decision.reason or "no candidate verified",
             noise_norm=noise_norm,
             certified_radius=certified,
             certified_exact=ctx.checked >= self.settings.vocab,
@@ -436,9 +411,7 @@ class PromptSearch:
             **self.clock.seconds,
         )
         self.positions.append(result)
-        self.guessed = (
-            self.guessed or self.ambiguous or self.unseparated or (self.chosen is None and self.settings.exhaustive)
-        )
+        self.guessed = self.guessed or self.decision.guess
         self.reproduced = self.reproduced or self.plain.get(token) == 0.0
         self.elapsed += self.clock.total
         self.ctx, self.keys = None, {}

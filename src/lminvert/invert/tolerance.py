@@ -39,6 +39,7 @@ import torch
 
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
+from ..models.observed import attention
 from .context import batch_scale
 from .tables import cached
 
@@ -269,3 +270,63 @@ def add_noise(states: torch.Tensor, sigma: float, generator: torch.Generator) ->
     g = torch.randn(states.shape, generator=generator, dtype=torch.float64)
     scale = sigma * states.double().norm(dim=-1, keepdim=True) / math.sqrt(states.shape[-1])
     return (states.double() + scale * g).to(states.dtype)
+
+
+FOREIGN_KIND = "foreign1"  # the cache's name for the foreign layouts' disagreement; a new name when measured anew
+FOREIGN_LENGTHS = (0, 3, 6)  # tokens cut from the calibration prompts' ends in the padded batches (mixed lengths)
+
+
+def _layouts(model: LoadedModel, layer: Layer, prompts: list[list[int]]) -> list[list[torch.Tensor]]:
+    """Per layout, every prompt's states ``[T_i, d]`` computed the ways a deployment or another library may: one padded
+    batch of mixed lengths (right, then left padding), all prompts in one unpadded batch, each alone on one thread, and
+    (where the model does not run it already) the eager attention in a padded batch."""
+    probe = model.probe
+    cut = [p[: len(p) - FOREIGN_LENGTHS[i % len(FOREIGN_LENGTHS)]] for i, p in enumerate(prompts)]
+    out = []
+    for side in ("right", "left"):
+        out.append(_padded(probe, layer, cut, side))
+    out.append(list(probe.states(torch.tensor(prompts), [layer])[layer].float().cpu()))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out.append([probe.states(torch.tensor(p), [layer])[layer][0].float().cpu() for p in prompts])
+    finally:
+        torch.set_num_threads(threads)
+    if getattr(probe.model.config, "_attn_implementation", None) not in (None, "eager"):
+        with attention(probe, "eager"):
+            out.append(_padded(probe, layer, cut, "right"))
+    return out
+
+
+def _padded(probe, layer: Layer, prompts: list[list[int]], side: str) -> list[torch.Tensor]:
+    """Every prompt's states from one batch padded on ``side`` (pad id 0, masked)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        where = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
+        ids[i, where], mask[i, where] = torch.tensor(p), 1
+    states = probe.states(ids, [layer], attention_mask=mask)[layer].float().cpu()
+    return [states[i][mask[i].bool()] for i in range(len(prompts))]
+
+
+def foreign_calibration(model: LoadedModel, layer: Layer) -> tuple[float, float]:
+    """The largest relative disagreement ``||foreign - h|| / ||h||`` of states computed in another layout
+    (:func:`_layouts`) with each prompt's plain forward alone, at position 0 and at later positions (cached beside
+    the tables, per device type). What the ``float`` error model (:mod:`.sources`) scales into its bound."""
+
+    def build() -> torch.Tensor:
+        prompts = calibration_prompts(model)
+        probe = model.probe
+        reference = [probe.states(torch.tensor(p), [layer])[layer][0].float().cpu() for p in prompts]
+        first, rest = 0.0, 0.0
+        for layout in _layouts(model, layer, prompts):
+            for ref, got in zip(reference, layout, strict=True):
+                h = ref[: len(got)].double()
+                norms = h.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+                rel = (got.double() - h).norm(dim=1) / norms
+                first, rest = max(first, float(rel[0])), max(rest, float(rel[1:].max()) if len(rel) > 1 else 0.0)
+        return torch.tensor([first, rest], dtype=torch.float64)
+
+    values = cached(model, layer, FOREIGN_KIND, build, per_device=True).tolist()
+    return float(values[0]), float(values[1])

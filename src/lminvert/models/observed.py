@@ -159,7 +159,7 @@ class ObservedForward:
         positions = torch.arange(start, stop, device=probe.device)[None].expand(count, -1)
         token = _LENGTH.set(length)
         try:
-            with torch.no_grad(), _attention(probe, ATTENTION):
+            with torch.no_grad(), attention(probe, ATTENTION):
                 out = probe._forward(
                     [layer], input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions
                 )
@@ -173,7 +173,7 @@ class ObservedForward:
 
 
 @contextlib.contextmanager
-def _attention(probe, name: str):
+def attention(probe, name: str):
     """The model's attention implementation switched to ``name`` (and the text model's, where it has its own config)."""
     configs = [probe.model.config] + ([probe.config] if probe.config is not probe.model.config else [])
     before = [config._attn_implementation for config in configs]

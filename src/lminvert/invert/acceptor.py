@@ -1,0 +1,256 @@
+"""The one decision: a position's evidence and the source's error model in, a token and a verdict out.
+
+No forwards here. Every mechanism that proposes or verifies candidates (policies, the reading, screening,
+speculation, confirmations) only supplies :class:`Evidence`; :func:`decide` alone sets a position's token and verdict,
+or says what evidence it still needs (contenders to re-measure by the plain forward, or more candidates).
+
+Distances are L2 from the observed state. A candidate's *cached* distance comes from the engine's batched, cached
+forward (rounding within ``Radii.rounding`` of a plain forward's); its *plain* distance, where measured, from a plain
+forward of prefix + candidate shaped like the observer's (:mod:`.engine`). ``Radii.source`` is the error model's bound
+on how far the observation may lie from the true token's plain state (:mod:`.sources`: 0 for lminvert's own states).
+
+Verdicts, never better than the evidence:
+
+* ``certified`` - the plain forward reproduces the observation to float32's resolution (another token could match as
+  well only by a collision), or the ball of an exact source cannot hold two tokens' states (its radius is below the
+  smallest gap between tokens' states the calibration saw) and holds one, or the whole vocabulary was verified and
+  every other token lies outside the error bound (Theorem 3.2);
+* ``confident`` - the nearest verified candidate (the ranking's top ones among them), inside the error bound, with
+  every other verified candidate more than ``SEPARATION`` times farther; a wrong state does not come that much nearer to
+  the observation than the right one's error (the rate at which this rule was wrong is measured on calibration prompts
+  under the same error model: ``benchmarks/bench_foreign.py``);
+* ``uncertain`` - anything else: several candidates fit, none fits within the budget, the token has a tied twin
+  (bit-identical input vector: no state separates them), or an earlier position was such a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+CERTIFIED, CONFIDENT, UNCERTAIN = "certified", "confident", "uncertain"
+VERDICTS = (CERTIFIED, CONFIDENT, UNCERTAIN)
+# every other verified candidate must lie this many times farther than the chosen one's plain distance: rounding or
+# noise is not aligned with the difference between two tokens' states, so a wrong state does not come much nearer to
+# the observation than the right one's error (the rule of :mod:`.search` since the confirmations were introduced)
+SEPARATION = 8.0
+# contenders re-measured by one plain forward per round (closest in angle first; the first round: one, the
+# observer's shape)
+MAX_CONFIRM = 16
+# candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
+# the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
+SEARCH_ON = 4096
+# candidates a position of a source that cannot be reproduced may verify while nothing fits its error model or two
+# candidates do: past it more candidates cannot give a verdict better than ``uncertain`` (another model, another
+# layer, a fine-tune, noise above the gaps). SmolLM2, foreign bfloat16 states, layers 1-30: every position that fit did
+# within its first 1,024 candidates (benchmarks/bench_foreign.py)
+GIVE_UP = 1024
+NO_FIT = "no candidate fits the error model"
+# verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
+# outside a decisive ball: the separation test needs runner-ups (a wrong token alone within a loose error bound would
+# pass it; SmolLM2 layer 15, foreign bfloat16 states: a chain's single wrong guess lay within the bound)
+POPULATION = 16
+
+
+@dataclass(frozen=True)
+class Radii:
+    """Absolute L2 radii around one observed state."""
+
+    cached: float  # a cached distance within it may be the true token's: engine rounding + source bound
+    plain: float  # the same for a plain distance
+    source: float  # the error model's bound on ||observation - true plain state||
+    rounding: float  # the cached forward's own rounding (a plain distance is at least cached - rounding)
+    gap: float  # the smallest gap between two tokens' states the calibration saw (inf: none seen)
+    resolution: float  # float32's resolution at the state's norm
+
+    @property
+    def decisive(self) -> bool:
+        """The ball cannot hold two tokens' states: one match in it is the token."""
+        return self.cached < self.gap
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the search knows at one position."""
+
+    ids: torch.Tensor  # verified ids [n]
+    dists: torch.Tensor  # their cached distances [n]
+    states: torch.Tensor  # their verified states [n, d]
+    target: torch.Tensor  # the observed state [d]
+    plain: dict[int, float]  # plain distances of the contenders re-measured so far
+    reach: float  # cached distances up to which candidates are contenders (>= radii.cached)
+    reproducible: bool  # the error model says a plain forward can reproduce the observation (lminvert's own states)
+    exhaustive: bool = False  # the whole budget is verified before deciding (brute force, certify)
+    exhausted: bool = False  # no candidate will come any more
+    swept: bool = False  # every vocabulary entry was verified
+    confirmed: bool = False  # a plain forward ran at this position
+    checked: int = 0  # candidates run through the model at this position (verified or screened out)
+    ranked: bool = True  # a batch of the ranking's top candidates was verified (not only a chain's first guess)
+    reproduced: bool = False  # an earlier position of the prompt was reproduced bit for bit
+    twins: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens with identical input vectors
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A token and its verdict, or what is still needed (``confirm``: contenders to re-measure; neither: more
+    candidates). ``guess``: the token was one of several that fit, so later positions are found given a guess."""
+
+    token: int | None = None
+    verdict: str | None = None
+    confirm: tuple[int, ...] = ()
+    guess: bool = False
+    reason: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.token is not None
+
+
+PENDING = Decision()
+
+
+def contenders(evidence: Evidence, radii: Radii) -> list[tuple[int, float]]:
+    """(id, cached distance) of the verified candidates that may be the true token: within the reach, not ruled out by
+    the plain forward; closest in angle first (half-precision rounding of an attention sink's huge coordinates moves a
+    state's norm more than the gaps between tokens' states there, its direction much less)."""
+    inside = (evidence.dists <= evidence.reach).nonzero().flatten()
+    if len(inside) > 1:
+        wide = evidence.dists.dtype
+        cosine = torch.nn.functional.cosine_similarity(evidence.states[inside].to(wide), evidence.target.to(wide)[None])
+        inside = inside[cosine.argsort(descending=True)]
+    pairs = zip(evidence.ids[inside].tolist(), evidence.dists[inside].tolist(), strict=True)
+    return [(i, d) for i, d in pairs if evidence.plain.get(i, 0.0) <= radii.plain]
+
+
+def decide(evidence: Evidence, radii: Radii) -> Decision:
+    """The decision at one position given ``evidence`` (see the module docstring)."""
+    found = contenders(evidence, radii)
+    if not found:
+        if evidence.exhausted or _spent(evidence):
+            return _nearest(evidence, UNCERTAIN, NO_FIT, guess=evidence.exhaustive)
+        return PENDING
+    if _fast(evidence, radii, found):
+        verdict = CERTIFIED if evidence.reproducible else CONFIDENT
+        return Decision(found[0][0], verdict, reason="the only match in a ball narrower than the gaps")
+    collided = _collision(evidence, radii, found)
+    if collided is not None:
+        return collided
+    exact = [i for i, _ in found if evidence.plain.get(i, math.inf) <= radii.resolution]
+    if exact and not evidence.exhaustive:
+        return Decision(exact[0], CERTIFIED, reason="the plain forward reproduces the observation")
+    return _separated(evidence, radii, found)
+
+
+def _fast(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> bool:
+    """A single contender in the inner half of a decisive ball, before any confirmation."""
+    return len(found) == 1 and found[0][1] <= radii.cached / 2 and not evidence.confirmed and radii.decisive
+
+
+def _collision(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> Decision | None:
+    """Two contenders (not tied twins) whose plain states both reproduce the observation to float32's resolution: no
+    other candidate can make either decisively closer (a model that is not injective)."""
+    plain = evidence.plain
+    measured = sorted((i for i, _ in found if i in plain), key=plain.__getitem__)
+    if len(measured) < 2:
+        return None
+    best, twins = measured[0], set(evidence.twins.get(measured[0], ()))
+    if not any(plain[i] <= radii.resolution for i in measured[1:] if i not in twins):
+        return None
+    return Decision(best, UNCERTAIN, guess=True, reason="two tokens reproduce the observation (a collision)")
+
+
+def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> Decision:
+    """Confirm the contenders, then take the closest if every other verified candidate lies ``SEPARATION`` times
+    farther."""
+    plain = evidence.plain
+    measured = [i for i, _ in found if i in plain]
+    if evidence.reproducible:  # every contender re-measured (the closest in angle alone first: often the token)
+        unmeasured = [i for i, _ in found if i not in plain]
+        if unmeasured:
+            return Decision(confirm=tuple(unmeasured[: MAX_CONFIRM if plain else 1]))
+    elif not measured:
+        return Decision(confirm=(found[0][0],))
+    best = min(measured, key=plain.__getitem__)
+    bound = SEPARATION * plain[best] + radii.resolution
+    twins = {best, *evidence.twins.get(best, ())}
+    if evidence.reproducible:
+        rivals = [i for i in measured if i not in twins and plain[i] <= bound]
+    else:  # every other verified candidate, by its plain distance or the least its cached one allows
+        unsure = _unsure(evidence, radii, bound, twins)
+        if unsure:
+            return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
+        rivals = [i for i, d in plain.items() if i not in twins and d <= bound]
+    if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
+        return PENDING  # separated from what? the ranking's top candidates first
+    if rivals:
+        if evidence.exhausted or _spent(evidence):
+            return Decision(best, UNCERTAIN, guess=True, reason="several candidates fit the observation")
+        return PENDING  # a candidate not verified yet may be decisively closer
+    return _verdict(evidence, radii, best)
+
+
+def _unsure(evidence: Evidence, radii: Radii, bound: float, skip: set[int]) -> list[int]:
+    """Verified candidates not re-measured whose plain distance could be within ``bound`` (their cached distance less
+    the rounding), closest first."""
+    order = evidence.dists.argsort()
+    lower = evidence.dists[order] - radii.rounding
+    ids = evidence.ids[order][lower <= bound].tolist()
+    return [i for i in ids if i not in skip and i not in evidence.plain]
+
+
+def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
+    """The verdict of a separated contender."""
+    distance = evidence.plain[best]
+    if evidence.reproducible:
+        # where the plain radius is wider than the gap between tokens, a token not verified yet could match as well
+        # as this one unless it reproduces the observation within half that gap (Theorem 3.2's Delta/2)
+        undecided = radii.plain >= radii.gap and distance > radii.gap / 2
+        if undecided and evidence.reproduced and not evidence.exhausted and evidence.checked < SEARCH_ON:
+            return PENDING  # the observer's kernels are reproduced here: look for a candidate that reproduces it
+        if undecided:
+            return Decision(best, UNCERTAIN, guess=True, reason="not reproduced, in a ball wider than the gaps")
+        return Decision(best, CONFIDENT, reason="separated from every other candidate")
+    if evidence.swept and _alone(evidence, radii, best):
+        return Decision(best, CERTIFIED, reason="the only token of the vocabulary within the error bound")
+    return Decision(best, CONFIDENT, reason="nearest, within the error bound, separated from every other candidate")
+
+
+def _alone(evidence: Evidence, radii: Radii, best: int) -> bool:
+    """Every other verified candidate lies outside the error bound (by its plain distance, or its cached one less the
+    rounding): none can be the true token."""
+    others = evidence.ids != best
+    lower = evidence.dists[others] - radii.rounding
+    plain = [d for i, d in evidence.plain.items() if i != best]
+    return bool((lower > radii.plain).all()) and all(d > radii.plain for d in plain)
+
+
+def _populated(evidence: Evidence) -> bool:
+    """The ranking's top candidates were verified, ``POPULATION`` of them at least (or the whole vocabulary)."""
+    return evidence.swept or (evidence.ranked and int(evidence.ids.numel()) >= POPULATION)
+
+
+def _spent(evidence: Evidence) -> bool:
+    """A source that cannot be reproduced has verified ``GIVE_UP`` candidates without a verdict."""
+    return not evidence.reproducible and not evidence.exhaustive and evidence.checked >= GIVE_UP
+
+
+def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False) -> Decision:
+    """The closest verified candidate (by the plain distance where one was measured)."""
+    if evidence.plain:
+        token = min(evidence.plain, key=evidence.plain.__getitem__)
+    elif evidence.ids.numel():
+        token = int(evidence.ids[evidence.dists.argmin()])
+    else:
+        return Decision(reason=reason)
+    return Decision(token, verdict, guess=guess, reason=reason)
+
+
+def final_verdict(decision: Decision, tied: bool, after_guess: bool) -> str:
+    """The verdict reported for a decided position: ``uncertain`` where the token has a tied twin (no state separates
+    them) or an earlier position of the prompt was a guess (everything after it was found given the guess), else the
+    decision's (``uncertain`` when nothing was decided)."""
+    if tied or after_guess or decision.verdict is None:
+        return UNCERTAIN
+    return decision.verdict

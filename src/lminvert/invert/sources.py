@@ -1,0 +1,153 @@
+"""Error models: how far an observed state may lie from the state a plain forward of the true prompt gives.
+
+States lminvert encoded itself are reproduced bit for bit by a plain forward shaped like the encoder's (``exact``).
+A leak never is: a deployment's padded batches, another machine's kernels, another library, a defence that adds noise
+or quantises. Each :class:`ErrorModel` states, per position, an absolute L2 bound on ``||observed - h||`` where ``h`` is
+this machine's plain forward of the true prefix + token; :mod:`.acceptor` decides with it. Names (``--source``):
+
+* ``exact``   - lminvert's own ``encode``: bound 0 (the engine's own rounding is calibrated apart, :mod:`.tolerance`);
+* ``float``   - computed elsewhere in the same dtype (another batch layout, kernel, thread count or library): the
+  largest relative disagreement measured on this machine across such layouts (:func:`.tolerance.foreign_calibration`),
+  first position and later positions apart, times ``SAFETY``;
+* ``noise:S`` - relative Gaussian noise of level ``S`` (``S * ||h|| * g / sqrt(d)``): its 4-sigma norm bound, plus
+  ``float``'s (the noise was added to states computed somewhere; not where lminvert adds it to its own states,
+  ``invert(noise=S)``);
+* ``quant:B`` - per-token quantisation of the states: ``int8``/``int4`` (or ``8``/``4``: symmetric absmax),
+  ``bf16``, ``fp8`` (e4m3): the worst-case rounding of that format, plus ``float``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import LminvertError
+from .tolerance import FLOOR, SAFETY, noise_tolerance, norm
+
+# mantissa bits of the float formats ``quant:`` names: a rounded coordinate is within 2^-(bits+1) of its value
+MANTISSA = {"bf16": 7, "fp8": 3}
+# fp8 e4m3 flushes magnitudes below its smallest subnormal (2^-9; the largest is 448) to zero: that part of the
+# error is bounded apart, per coordinate, by half the subnormal step relative to the token's absmax
+FP8_SUBNORMAL = 2.0**-9 / 448.0
+
+
+@dataclass(frozen=True)
+class ErrorModel:
+    """A source of states: ``bound(target, position)`` bounds ``||observed - h||`` (absolute, L2)."""
+
+    name: str = "exact"
+    reproducible: bool = True  # a plain forward shaped like the observer's can give the observation bit for bit
+    first: float = 0.0  # relative disagreement allowed at position 0 by how the states were computed
+    rest: float = 0.0  # the same at later positions
+    elsewhere: bool = False  # computed elsewhere: ``float``'s measured disagreement is part of the bound
+
+    def computed(self, target: torch.Tensor, position: int) -> float:
+        """The part of the bound that comes from where the states were computed (``float``'s calibration)."""
+        rel = self.first if position == 0 else self.rest
+        return SAFETY * max(rel, FLOOR) * norm(target) if rel > 0 else 0.0
+
+    def bound(self, target: torch.Tensor, position: int) -> float:
+        return self.computed(target, position)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether :meth:`calibrated` must be given the foreign layouts' measurement."""
+        return self.elsewhere
+
+    def calibrated(self, first: float, rest: float) -> ErrorModel:
+        """This model with the measured foreign disagreements (:func:`.tolerance.foreign_calibration`)."""
+        return replace(self, first=first, rest=rest)
+
+    @property
+    def label(self) -> str:
+        """The ``--source`` string naming this model."""
+        return self.name
+
+
+@dataclass(frozen=True)
+class Exact(ErrorModel):
+    """lminvert's own states: reproduced bit for bit."""
+
+
+@dataclass(frozen=True)
+class Float(ErrorModel):
+    """States computed elsewhere in the model's dtype."""
+
+    name: str = "float"
+    reproducible: bool = False
+    elsewhere: bool = True
+
+
+@dataclass(frozen=True)
+class Noise(ErrorModel):
+    """Relative Gaussian noise of level ``sigma`` on states computed elsewhere."""
+
+    name: str = "noise"
+    reproducible: bool = False
+    elsewhere: bool = True
+    sigma: float = 0.0
+
+    def bound(self, target: torch.Tensor, position: int) -> float:
+        return noise_tolerance(target, self.sigma) + self.computed(target, position)
+
+    @property
+    def label(self) -> str:
+        return f"noise:{self.sigma:g}"
+
+
+@dataclass(frozen=True)
+class Quant(ErrorModel):
+    """Per-token quantisation of states computed elsewhere: ``int8``/``int4`` absmax, or ``bf16``/``fp8``."""
+
+    name: str = "quant"
+    reproducible: bool = False
+    elsewhere: bool = True
+    kind: str = "int8"
+
+    def bound(self, target: torch.Tensor, position: int) -> float:
+        x = target.detach().float()
+        if self.kind in MANTISSA:
+            rel = 2.0 ** -(MANTISSA[self.kind] + 1)
+            # the observed value is the rounded one: |v| <= |observed| / (1 - rel), so the error is within that
+            rounding = rel / (1 - rel) * norm(x)
+            if self.kind == "fp8":
+                rounding += math.sqrt(x.numel()) * FP8_SUBNORMAL * float(x.abs().max()) / (1 - rel)
+        else:
+            levels = 2 ** (int(self.kind.removeprefix("int")) - 1) - 1
+            # the observed absmax is the true one rounded to itself (it maps to +-levels): the step is exact
+            step = float(x.abs().max()) / levels
+            rounding = math.sqrt(x.numel()) * step / 2
+        return rounding + self.computed(target, position)
+
+    @property
+    def label(self) -> str:
+        return f"quant:{self.kind}"
+
+
+SOURCES = ("exact", "float", "noise:SIGMA", "quant:int8|int4|bf16|fp8")
+
+
+def parse_source(spec: str) -> ErrorModel:
+    """The error model a ``--source`` string names (see the module docstring); a one-line error otherwise."""
+    text = spec.strip().lower()
+    if text == "exact":
+        return Exact()
+    if text == "float":
+        return Float()
+    kind, _, value = text.partition(":")
+    if kind == "noise":
+        try:
+            sigma = float(value)
+        except ValueError:
+            sigma = -1.0
+        if not (sigma > 0 and math.isfinite(sigma)):
+            raise LminvertError(f"source '{spec}': noise needs a positive relative level, e.g. noise:0.01")
+        return Noise(sigma=sigma)
+    if kind == "quant":
+        name = {"8": "int8", "4": "int4", "bfloat16": "bf16", "fp8_e4m3": "fp8", "e4m3": "fp8"}.get(value, value)
+        if name not in ("int8", "int4", *MANTISSA):
+            raise LminvertError(f"source '{spec}': quant takes int8, int4, bf16 or fp8, e.g. quant:int8")
+        return Quant(kind=name)
+    raise LminvertError(f"unknown source '{spec}': use one of {', '.join(SOURCES)}")
