@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         f"(margin/distance >= {min(ratios):.0e})"
         + (f"; uncertain: {result.uncertain_positions}" if result.uncertain_positions else "")
     )
+    print("   verdicts: " + ", ".join(f"{n} {v}" for v, n in result.verdict_counts.items() if n))
 
     print(f"\n3. collisions: minimum pairwise distance of {args.n_prompts} prompts' last-token states")
     res, paths = demo_collisions(model, out / "collisions", n_prompts=args.n_prompts, progress=True)

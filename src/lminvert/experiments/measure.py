@@ -33,6 +33,7 @@ def result_row(ids: Sequence[int], r: lminvert.InversionResult) -> Row:
         "explored": r.explored_fraction,
         "vocab_size": r.vocab_size,
         "uncertain": len(r.uncertain_positions),
+        **r.verdict_counts,
         "complete": True,
         "ranking_seconds": split["ranking"],
         "verification_seconds": split["verification"],

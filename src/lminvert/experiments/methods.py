@@ -95,12 +95,13 @@ class Methods(Experiment):
         elif method == "baseline":
             states = lminvert.encode(model, [ids], layer)
             b = sequential_baseline(model, states.states[0], layer, time_limit=s["baseline_seconds"])
-            row.update(score(ids, b.token_ids))
+            row.update(score(ids, b.token_ids, [i for i, v in enumerate(b.verdicts) if v == "uncertain"]))
             row.update(
                 seconds=b.seconds,
                 candidates_per_position=sum(b.candidates_checked) / max(len(b.candidates_checked), 1),
                 explored=sum(b.candidates_checked) / (max(len(b.candidates_checked), 1) * model.probe.vocab_size),
-                uncertain=len(ids) - len(b.candidates_checked),
+                # positions not reached, and those the acceptor could not decide
+                uncertain=len(ids) - len(b.candidates_checked) + b.verdicts.count("uncertain"),
                 complete=b.complete,
                 positions_done=len(b.candidates_checked),
             )

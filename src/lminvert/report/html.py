@@ -35,6 +35,7 @@ code{background:#f6f8fa;padding:1px 4px;border-radius:3px}
 section.run{margin-top:3em}
 .tok{border-radius:3px;padding:0 1px;margin:0 1px;font-family:ui-monospace,monospace;white-space:pre-wrap}
 .unc{outline:2px solid #d73a49;background:#ffdce0}
+.conf{text-decoration:underline dotted #6a737d}
 .legend span{padding:2px 6px;margin-right:6px}
 """
 
@@ -74,6 +75,16 @@ def _margin_colour(margin: float | None, tolerance: float) -> str:
     return f"#{red:02x}{green:02x}{blue:02x}"
 
 
+def verdict_summary(doc: Mapping[str, Any]) -> str:
+    """``"12 certified, 8 confident (float source)"``: a result's verdict counts, for the report pages."""
+    counts = doc.get("verdict_counts")
+    if counts is None:  # a result written before verdicts: uncertain or not
+        flagged = len(doc.get("uncertain_positions", []))
+        counts = {"certified": len(doc["token_ids"]) - flagged, "uncertain": flagged}
+    text = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    return f"{text} ({doc['source']} source)" if doc.get("source") else text
+
+
 def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> str:
     parts = [f"<h2>Inversion: {html.escape(name)}</h2>"]
     for i, doc in enumerate(docs):
@@ -82,12 +93,14 @@ def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> str:
         margins = doc.get("margins") or [None] * len(ids)
         distances = doc.get("distances") or [0.0] * len(ids)
         uncertain = set(doc.get("uncertain_positions", []))
+        verdicts = doc.get("verdicts") or ["uncertain" if t in uncertain else "certified" for t in range(len(ids))]
         tolerance = doc.get("tolerances") or [max(d, 1e-12) for d in distances]
         spans = []
         for t, (tid, tok) in enumerate(zip(ids, tokens, strict=False)):
             margin = margins[t] if t < len(margins) else None
             title = (
-                f"position {t}: id {tid}, distance {distances[t]:.3g}, margin {margin if margin is not None else 'inf'}"
+                f"position {t}: id {tid}, {verdicts[t]}, distance {distances[t]:.3g}, margin "
+                f"{margin if margin is not None else 'inf'}"
             )
             if t in uncertain:
                 spans.append(
@@ -95,13 +108,12 @@ def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> str:
                 )
             else:
                 colour = _margin_colour(margin, tolerance[t])
+                kind = "tok conf" if verdicts[t] == "confident" else "tok"
                 spans.append(
-                    f'<span class="tok" style="background:{colour}" title="{html.escape(title)}">'
+                    f'<span class="{kind}" style="background:{colour}" title="{html.escape(title)}">'
                     f"{html.escape(tok)}</span>"
                 )
-        flagged = (
-            f", <b>{len(uncertain)} uncertain positions</b> (outlined red)" if uncertain else ", every position exact"
-        )
+        flagged = ", " + html.escape(verdict_summary(doc))
         parts.append(
             f"<h3>Prompt {i}</h3><p>{len(ids)} tokens at layer {html.escape(str(doc.get('layer')))} of "
             f"{html.escape(str(doc.get('model')))}, {float(doc.get('seconds', 0)):.2f} s, "
@@ -112,7 +124,8 @@ def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> str:
         1,
         '<p class="legend">Each token is coloured by its margin (the distance of the nearest rejected candidate over '
         'the acceptance tolerance): <span style="background:#ffebA0">close call</span>'
-        '<span style="background:#c7e9c0">far from any other token</span><span class="tok unc">uncertain</span>. '
+        '<span style="background:#c7e9c0">far from any other token</span>; verdicts: certified (plain), '
+        '<span class="tok conf">confident</span> (dotted), <span class="tok unc">uncertain</span> (outlined red). '
         "Hover a token for its numbers.</p>",
     )
     return "\n".join(parts)
