@@ -16,7 +16,8 @@ Verdicts, never better than the evidence:
   smallest gap between tokens' states the calibration saw) and holds one, or the whole vocabulary was verified and
   every other token lies outside the error bound (Theorem 3.2);
 * ``confident`` - the nearest verified candidate (the ranking's top ones among them), inside the error bound, with
-  every other verified candidate more than ``SEPARATION`` times farther; a wrong state does not come that much nearer to
+  every other verified candidate beyond a margin (:func:`margin`: ``SEPARATION`` times farther, or outside the error
+  bound with slack); a wrong state does not come that much nearer to
   the observation than the right one's error (the rate at which this rule was wrong is measured on calibration prompts
   under the same error model: ``benchmarks/bench_foreign.py``);
 * ``uncertain`` - anything else: several candidates fit, none fits within the budget, the token has a tied twin
@@ -36,6 +37,13 @@ VERDICTS = (CERTIFIED, CONFIDENT, UNCERTAIN)
 # noise is not aligned with the difference between two tokens' states, so a wrong state does not come much nearer to
 # the observation than the right one's error (the rule of :mod:`.search` since the confirmations were introduced)
 SEPARATION = 8.0
+# for a source that cannot be reproduced, the separation asked is at most the chosen distance plus this many times the
+# plain radius (engine rounding + the error bound): a candidate that far cannot be the true token under the error model,
+# with the bound doubled for slack. It matters where the error is a tight statistical bound (noise: the chosen token's
+# distance is the noise itself, and 8x it would rule out tokens whose states lie a few noise norms away; SmolLM2 layer
+# 15, relative noise 1e-2: every position uncertain with 8x alone); the float model's bound is loose, so there the
+# ratio decides
+SLACK = 2.0
 # contenders re-measured by one plain forward per round (closest in angle first; the first round: one, the
 # observer's shape)
 MAX_CONFIRM = 16
@@ -173,15 +181,13 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     elif not measured:
         return Decision(confirm=(found[0][0],))
     best = min(measured, key=plain.__getitem__)
-    bound = SEPARATION * plain[best] + radii.resolution
+    bound = margin(plain[best], radii, evidence.reproducible)
     twins = {best, *evidence.twins.get(best, ())}
-    if evidence.reproducible:
-        rivals = [i for i in measured if i not in twins and plain[i] <= bound]
-    else:  # every other verified candidate, by its plain distance or the least its cached one allows
-        unsure = _unsure(evidence, radii, bound, twins)
-        if unsure:
-            return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
-        rivals = [i for i, d in plain.items() if i not in twins and d <= bound]
+    # every other verified candidate, by its plain distance or the least its cached one allows
+    unsure = _unsure(evidence, radii, bound, twins)
+    if unsure:
+        return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
+    rivals = [i for i, d in plain.items() if i not in twins and d <= bound]
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
     if rivals:
@@ -189,6 +195,14 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
             return Decision(best, UNCERTAIN, guess=True, reason="several candidates fit the observation")
         return PENDING  # a candidate not verified yet may be decisively closer
     return _verdict(evidence, radii, best)
+
+
+def margin(distance: float, radii: Radii, reproducible: bool) -> float:
+    """How near to the observation another verified candidate may come for the one at ``distance`` to be separated
+    from it: ``SEPARATION`` times farther, or (a source that cannot be reproduced) outside the error bound with
+    ``SLACK``, whichever is less."""
+    ratio = SEPARATION * distance + radii.resolution
+    return ratio if reproducible else min(ratio, distance + SLACK * radii.plain)
 
 
 def _unsure(evidence: Evidence, radii: Radii, bound: float, skip: set[int]) -> list[int]:

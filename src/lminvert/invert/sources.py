@@ -13,7 +13,8 @@ this machine's plain forward of the true prefix + token; :mod:`.acceptor` decide
   ``float``'s (the noise was added to states computed somewhere; not where lminvert adds it to its own states,
   ``invert(noise=S)``);
 * ``quant:B`` - per-token quantisation of the states: ``int8``/``int4`` (or ``8``/``4``: symmetric absmax),
-  ``bf16``, ``fp8`` (e4m3): the worst-case rounding of that format, plus ``float``'s.
+  ``bf16`` (a cast), ``fp8`` (e4m3, each token scaled so that its absmax maps to 448): the worst-case rounding of
+  that format, plus ``float``'s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,200 @@
+"""The acceptor alone, on synthetic evidence: its verdicts are never better than the evidence allows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lminvert.errors import LminvertError
+from lminvert.invert import acceptor
+from lminvert.invert.acceptor import (
+    CERTIFIED,
+    CONFIDENT,
+    POPULATION,
+    UNCERTAIN,
+    Evidence,
+    Radii,
+    decide,
+    final_verdict,
+    margin,
+)
+from lminvert.invert.sources import Exact, Float, Noise, Quant, parse_source
+
+D = 8
+
+
+def _evidence(dists, plain=None, reproducible=True, **kw) -> Evidence:
+    """Candidates 0..n-1 whose states lie at ``dists`` from a target at the origin, each along its own direction."""
+    n = len(dists)
+    gen = torch.Generator().manual_seed(n)
+    directions = torch.nn.functional.normalize(torch.randn(n, D, generator=gen, dtype=torch.float64), dim=1)
+    states = directions * torch.tensor(dists, dtype=torch.float64)[:, None]
+    target = torch.zeros(D, dtype=torch.float64)
+    defaults = {"reach": kw.pop("reach", math.inf), "checked": n}
+    return Evidence(
+        ids=torch.arange(n),
+        dists=torch.tensor(dists, dtype=torch.float64),
+        states=states + 1e-3,  # off the origin, so angles are defined
+        target=target + 1e-3,
+        plain=dict(plain or {}),
+        reproducible=reproducible,
+        **{**defaults, **kw},
+    )
+
+
+def _radii(cached=1.0, plain=1.0, source=0.0, rounding=None, gap=math.inf) -> Radii:
+    return Radii(cached, plain, source, cached if rounding is None else rounding, gap, 1e-7)
+
+
+def _run(evidence: Evidence, radii: Radii) -> acceptor.Decision:
+    """Decide, answering every confirmation with plain distances equal to the cached ones (as a reproducing observer
+    would give, to rounding), until the decision is final or pending."""
+    for _ in range(100):
+        decision = decide(evidence, radii)
+        if not decision.confirm:
+            return decision
+        plain = dict(evidence.plain)
+        for i in decision.confirm:
+            plain[i] = float(evidence.dists[i])
+        evidence = Evidence(**{**evidence.__dict__, "plain": plain, "confirmed": True})
+    raise AssertionError("the acceptor kept asking for confirmations")
+
+
+distances = st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False), min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    dists=distances,
+    bound=st.floats(min_value=0.0, max_value=50.0),
+    gap=st.floats(min_value=0.01, max_value=200.0),
+    reproducible=st.booleans(),
+    exhausted=st.booleans(),
+)
+def test_a_verdict_better_than_uncertain_is_separated(dists, bound, gap, reproducible, exhausted):
+    """Certified or confident never goes to a token that another verified candidate comes within the margin of,
+    unless the token reproduces the observation (distance 0 here: float32's resolution) or the ball is decisive."""
+    radii = _radii(cached=1.0 + bound, plain=1.0 + bound, source=bound, rounding=1.0, gap=gap)
+    evidence = _evidence(dists, reproducible=reproducible, exhausted=exhausted, ranked=True)
+    decision = _run(evidence, radii)
+    if decision.verdict not in (CERTIFIED, CONFIDENT):
+        return
+    token = decision.token
+    mine = dists[token]
+    assert mine <= radii.cached  # inside the error bound
+    if mine <= radii.resolution or (radii.decisive and mine <= radii.cached / 2):
+        return  # a reproduction, or the only match in a ball narrower than the gaps
+    for i, d in enumerate(dists):
+        if i != token:
+            assert d > margin(mine, radii, reproducible), (token, mine, i, d)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dists=distances, bound=st.floats(min_value=0.01, max_value=50.0), reproducible=st.booleans())
+def test_an_error_bound_wider_than_the_gap_never_certifies_without_a_sweep(dists, bound, reproducible):
+    """Where the ball can hold two tokens' states (its radius is wider than the gap) and nothing reproduces the
+    observation, no verdict is certified before the whole vocabulary was verified."""
+    dists = [max(d, 1e-3) for d in dists]  # nothing reproduces the observation bit for bit
+    radii = _radii(cached=1.0 + bound, plain=1.0 + bound, source=bound, rounding=1.0, gap=bound / 2)
+    decision = _run(_evidence(dists, reproducible=reproducible, exhausted=True, swept=False), radii)
+    assert decision.verdict != CERTIFIED
+
+
+def test_a_reproduction_is_certified_and_two_are_a_collision():
+    """A bit-exact reproduction certifies (another token could match as well only by a collision); the exhaustive
+    modes, which look for collisions, re-measure every contender and flag two reproductions."""
+    radii = _radii()
+    one = _run(_evidence([0.5, 0.0, 30.0], reach=1.0), radii)
+    assert (one.token, one.verdict) == (1, CERTIFIED)
+    two = _run(_evidence([0.0, 0.0, 30.0], reach=1.0, exhaustive=True, exhausted=True), radii)
+    assert two.verdict == UNCERTAIN and two.guess and "collision" in two.reason
+
+
+def test_nothing_fits_keeps_the_nearest_uncertain_only_when_the_search_is_over():
+    far = [50.0, 20.0, 80.0]
+    assert not decide(_evidence(far, reach=1.0), _radii()).final  # more candidates may fit
+    over = decide(_evidence(far, reach=1.0, exhausted=True), _radii())
+    assert (over.token, over.verdict, over.reason) == (1, UNCERTAIN, acceptor.NO_FIT)
+
+
+def test_a_source_that_cannot_be_reproduced_gives_up_after_a_bounded_budget():
+    many = [50.0 + i for i in range(acceptor.GIVE_UP)]
+    decision = decide(_evidence(many, reach=1.0, reproducible=False), _radii())
+    assert decision.verdict == UNCERTAIN and decision.reason == acceptor.NO_FIT
+
+
+def test_confident_needs_the_rankings_top_candidates():
+    """A foreign source's single verified guess inside a loose bound is not confident on its own (found on SmolLM2:
+    a chain's wrong first guess lay inside the float bound with nothing verified beside it)."""
+    radii = _radii(cached=40.0, plain=40.0, source=39.0, rounding=1.0, gap=5.0)
+    alone = _run(_evidence([30.0], reproducible=False, ranked=False), radii)
+    assert not alone.final
+    few = _run(_evidence([1.0] + [100.0] * (POPULATION - 2), reproducible=False, ranked=True), radii)
+    assert not few.final
+    enough = _run(_evidence([1.0] + [100.0] * (POPULATION - 1), reproducible=False, ranked=True), radii)
+    assert (enough.token, enough.verdict) == (0, CONFIDENT)
+
+
+def test_two_fitting_candidates_are_uncertain_once_the_search_is_over():
+    radii = _radii(cached=40.0, plain=40.0, source=39.0, rounding=1.0, gap=5.0)
+    dists = [1.0, 3.0] + [100.0] * POPULATION
+    assert not _run(_evidence(dists, reproducible=False), radii).final
+    over = _run(_evidence(dists, reproducible=False, exhausted=True), radii)
+    assert (over.token, over.verdict, over.guess) == (0, UNCERTAIN, True)
+
+
+def test_a_sweep_certifies_only_the_one_token_within_the_bound():
+    radii = _radii(cached=10.0, plain=10.0, source=9.0, rounding=1.0, gap=5.0)
+    alone = _run(_evidence([1.0] + [100.0] * 20, reproducible=False, exhausted=True, swept=True), radii)
+    assert alone.verdict == CERTIFIED
+    # another token within the bound (yet separated): proof is gone, confidence stays
+    near = _run(_evidence([1.0, 9.5] + [100.0] * 20, reproducible=False, exhausted=True, swept=True), radii)
+    assert near.verdict == CONFIDENT
+
+
+def test_ties_and_guesses_make_later_verdicts_uncertain():
+    decision = acceptor.Decision(3, CERTIFIED)
+    assert final_verdict(decision, tied=False, after_guess=False) == CERTIFIED
+    assert final_verdict(decision, tied=True, after_guess=False) == UNCERTAIN
+    assert final_verdict(decision, tied=False, after_guess=True) == UNCERTAIN
+    assert final_verdict(acceptor.PENDING, tied=False, after_guess=False) == UNCERTAIN
+
+
+def test_sources_parse_and_refuse_in_one_line():
+    assert parse_source("exact") == Exact()
+    assert parse_source("float") == Float()
+    assert parse_source("noise:0.01") == Noise(sigma=0.01)
+    assert parse_source("quant:8") == Quant(kind="int8") and parse_source("quant:bf16").label == "quant:bf16"
+    for bad in ("nois:1", "noise:-1", "noise:x", "quant:int3", ""):
+        with pytest.raises(LminvertError) as err:
+            parse_source(bad)
+        assert "\n" not in str(err.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["int8", "int4", "bf16", "fp8"]),
+    scale=st.floats(min_value=1e-3, max_value=1e4),
+)
+def test_quantisation_bounds_hold_on_random_states(seed, kind, scale):
+    """Each quantisation's declared bound covers what it does to a state (computed from the quantised state, as an
+    attacker holds it)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(64, generator=gen, dtype=torch.float64) * scale
+    h[int(torch.randint(0, 64, (1,), generator=gen))] *= 30  # an outlier coordinate, as attention sinks have
+    if kind == "bf16":
+        q = h.to(torch.bfloat16).double()
+    elif kind == "fp8":  # per token, scaled so that its absmax maps to e4m3's largest value
+        scale = 448.0 / h.abs().max()
+        q = (h * scale).to(torch.float8_e4m3fn).double() / scale
+    else:
+        levels = 2 ** (int(kind[3:]) - 1) - 1
+        step = h.abs().max() / levels
+        q = (h / step).round().clamp(-levels, levels) * step
+    bound = Quant(kind=kind).bound(q.float(), position=1)
+    assert float((q - h).norm()) <= bound * (1 + 1e-5)

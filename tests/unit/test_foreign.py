@@ -1,0 +1,131 @@
+"""States lminvert did not compute: padded transformers batches, a fine-tuned copy's states, noise, --source."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import lminvert
+from lminvert.invert import acceptor, invert
+from lminvert.states import HiddenStates
+
+from ..conftest import run_cli
+
+LAYER = 1  # tiny-llama has 2 blocks: transformers' index 2 is after the final norm
+
+
+def padded_capture(model, prompts: list[list[int]], layer: int, side: str) -> list[torch.Tensor]:
+    """What a deployment saves: transformers' ``output_hidden_states`` of one padded batch (index ``layer`` = the
+    output of block ``layer``), the real tokens' rows of each prompt."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        where = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
+        ids[i, where], mask[i, where] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    return [out.hidden_states[layer][i][mask[i].bool()].clone() for i in range(len(prompts))]
+
+
+def prompts_of(model, n: int = 4, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.probe.vocab_size, (7 - i % 3,), generator=gen).tolist() for i in range(n)]
+
+
+def check(results, prompts) -> dict[str, int]:
+    """Every token right and nothing wrong stated better than uncertain; the verdict counts."""
+    counts = dict.fromkeys(acceptor.VERDICTS, 0)
+    for r, truth in zip(results, prompts, strict=True):
+        for p, token, verdict in zip(r.positions, truth, r.verdicts, strict=True):
+            assert p.token_id == token or verdict == acceptor.UNCERTAIN
+            counts[verdict] += 1
+        assert r.token_ids == truth
+    return counts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_padded_transformers_batch_inverts_with_verdicts(dtype, side):
+    model = lminvert.load_model("tiny-llama", dtype=dtype)
+    prompts = prompts_of(model)
+    states = HiddenStates.from_array(padded_capture(model, prompts, LAYER, side))
+    results = invert(model, states, LAYER)  # a bare array: the float source by default
+    assert {r.source for r in results} == {"float"}
+    counts = check(results, prompts)
+    total = sum(counts.values())
+    assert counts["certified"] + counts["confident"] >= 0.95 * total, counts
+
+
+def test_own_states_stay_certified():
+    model = lminvert.load_model("tiny-llama")
+    prompts = prompts_of(model, seed=1)
+    results = invert(model, lminvert.encode(model, prompts, LAYER))
+    assert all(r.source == "exact" and set(r.verdicts) == {"certified"} for r in results)
+    assert [r.token_ids for r in results] == prompts
+
+
+def test_a_fine_tuned_copys_states_are_never_wrong_and_sure():
+    """States of a copy whose block weights moved by 1e-3 of their spread (a light fine-tune): the search ends within
+    its bound, and no wrong token is certified or confident."""
+    model = lminvert.load_model("tiny-llama")
+    tuned = lminvert.load_model("tiny-llama")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, w in tuned.model.named_parameters():
+            if ".layers." in name:
+                w += 1e-3 * w.std() * torch.randn(w.shape, generator=gen)
+    prompts = prompts_of(model, n=2, seed=2)
+    leak = HiddenStates.from_array([s[0] for s in _own(tuned, prompts)])
+    results = invert(model, leak, LAYER, source="float")
+    for r, truth in zip(results, prompts, strict=True):
+        for p, token in zip(r.positions, truth, strict=True):
+            assert p.token_id == token or p.verdict == acceptor.UNCERTAIN
+            assert p.candidates_checked <= model.probe.vocab_size
+
+
+def _own(model, prompts):
+    return [model.probe.states(torch.tensor([p]), [LAYER])[model.probe.layer(LAYER)] for p in prompts]
+
+
+def test_noise_far_above_the_gaps_is_uncertain_never_wrong_and_sure():
+    model = lminvert.load_model("tiny-llama")
+    prompts = prompts_of(model, n=1, seed=3)
+    results = invert(model, lminvert.encode(model, prompts, LAYER), noise=2.0, max_candidates=512)
+    for r, truth in zip(results, prompts, strict=True):
+        assert r.source == "noise:2"
+        for p, token in zip(r.positions, truth, strict=True):
+            assert p.token_id == token or p.verdict == acceptor.UNCERTAIN
+        assert acceptor.UNCERTAIN in r.verdicts
+
+
+def test_states_of_another_layer_end_with_a_note():
+    model = lminvert.load_model("tiny-llama")
+    prompts = prompts_of(model, n=1, seed=4)
+    other = lminvert.encode(model, prompts, LAYER + 1)
+    (result,) = invert(model, HiddenStates.from_array(other.states), LAYER)
+    assert result.notes and "do not match" in result.notes[0]
+    assert all(
+        p.verdict == acceptor.UNCERTAIN or p.token_id == t for p, t in zip(result.positions, prompts[0], strict=True)
+    )
+    assert max(result.candidates_checked) <= acceptor.GIVE_UP + 1024  # bounded, not the vocabulary
+
+
+def test_cli_source(tmp_path):
+    model = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    prompts = prompts_of(model, n=2, seed=6)
+    path = tmp_path / "leak.npy"
+    np.save(path, torch.stack([s[:6] for s in padded_capture(model, prompts, LAYER, "right")]).float().numpy())
+    proc = run_cli("invert", str(path), "--model", "tiny-llama", "--dtype", "bfloat16", "--layer", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)
+    assert [d["token_ids"] for d in docs] == [p[:6] for p in prompts]
+    assert all(d["source"] == "float" and len(d["verdicts"]) == 6 for d in docs)
+    text = run_cli("invert", str(path), "--model", "tiny-llama", "--dtype", "bfloat16", "--layer", "1")
+    assert "verdicts (float source)" in text.stdout
+    for bad, says in ((["--source", "gauss:1"], "unknown source"), (["--source", "float", "--noise", "0.1"], "either")):
+        proc = run_cli("invert", str(path), "--model", "tiny-llama", "--layer", "1", *bad)
+        assert proc.returncode != 0 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
