@@ -140,8 +140,9 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
             return _nearest(evidence, UNCERTAIN, NO_FIT, guess=evidence.exhaustive)
         return PENDING
     if _fast(evidence, radii, found):
-        verdict = CERTIFIED if evidence.reproducible else CONFIDENT
-        return Decision(found[0][0], verdict, reason="the only match in a ball narrower than the gaps")
+        token = found[0][0]
+        proven = evidence.reproducible or (evidence.swept and _alone(evidence, radii, token))
+        return Decision(token, CERTIFIED if proven else CONFIDENT, reason="the only match in a ball narrower than the gaps")
     collided = _collision(evidence, radii, found)
     if collided is not None:
         return collided
