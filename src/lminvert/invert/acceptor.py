@@ -142,7 +142,8 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     if _fast(evidence, radii, found):
         token = found[0][0]
         proven = evidence.reproducible or (evidence.swept and _alone(evidence, radii, token))
-        return Decision(token, CERTIFIED if proven else CONFIDENT, reason="the only match in a ball narrower than the gaps")
+        verdict = CERTIFIED if proven else CONFIDENT
+        return Decision(token, verdict, reason="the only match in a ball narrower than the gaps")
     collided = _collision(evidence, radii, found)
     if collided is not None:
         return collided
