@@ -18,7 +18,8 @@ EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
   lminvert invert leak.safetensors                       # model and layer from the file
   lminvert invert leak.safetensors --json --out result.json
-  lminvert invert states.npy --model smollm2-135m --layer 15 --policy gradient
+  lminvert invert leak.npy --model smollm2-135m --layer 15   # a capture from elsewhere: --source float by default
+  lminvert invert leak.pt --model smollm2-135m --layer 15 --dtype bfloat16 --source noise:0.01
   lminvert invert leak.safetensors --noise 1e-3          # robustness: add relative Gaussian noise first
   lminvert invert leak-bf16.safetensors --device cuda     # dtype from the file (bfloat16 here), on a GPU
   lminvert invert many.safetensors --together 8 --ray auto   # chunks of 8 prompts on a Ray cluster's workers
@@ -70,6 +71,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="multiply the measured acceptance radii (e.g. 4 for states computed on other hardware)",
     )
+    _add_search_args(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    add_ray_arg(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
+    parser.add_argument("--out", default=None, help="also write the JSON results to this file")
+    parser.set_defaults(func=run)
+
+
+def _add_search_args(parser: argparse.ArgumentParser) -> None:
+    """Options that change how far the search goes, never what it accepts."""
     parser.add_argument(
         "--certify",
         action=argparse.BooleanOptionalAction,
@@ -86,11 +97,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "candidates near the observed state (speed only, never the answer; default: on a CPU with native bfloat16 "
         "GEMMs)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    add_ray_arg(parser)
-    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
-    parser.add_argument("--out", default=None, help="also write the JSON results to this file")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,6 +151,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(docs)
         return 0
+    _summary(results)
+    _reader_hint(model, name, results[0])
+    return 0
+
+
+def _summary(results) -> None:
+    """Each prompt's text, cost and verdicts, as the user reads them."""
     for i, r in enumerate(results):
         flag = f"  uncertain positions: {r.uncertain_positions}" if r.uncertain_positions else ""
         counts = ", ".join(f"{n} {v}" for v, n in r.verdict_counts.items() if n)
@@ -157,8 +170,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"    verdicts ({r.source} source): {counts}{flag}")
         for note in r.notes:
             print(f"    note: {note}")
-    _reader_hint(model, name, results[0])
-    return 0
 
 
 def _reader_hint(model, name: str, result) -> None:

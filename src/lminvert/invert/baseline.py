@@ -57,6 +57,31 @@ def _layer_state(model: LoadedModel, embeds: torch.Tensor, layer: Layer) -> torc
     return captured[0][0, -1]
 
 
+def _step(
+    model: LoadedModel,
+    layer: Layer,
+    x: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    prefix: torch.Tensor | None,
+    target: torch.Tensor,
+    vocab: torch.Tensor,
+    tried: torch.Tensor,
+) -> int:
+    """One gradient step on the input vector ``x`` (a full forward and backward through the whole model), then the
+    nearest vocabulary entry not tried yet (marked tried)."""
+    opt.zero_grad()
+    seq = x[None] if prefix is None else torch.cat([prefix, x[None]])
+    loss = (_layer_state(model, seq.to(model.probe.dtype), layer).float() - target).square().sum()
+    (loss / target.square().sum()).backward()
+    opt.step()
+    with torch.no_grad():
+        dist = (vocab - x.detach()).norm(dim=1)
+        dist[tried] = float("inf")
+        cand = int(dist.argmin())
+    tried[cand] = True
+    return cand
+
+
 class _Position:
     """The candidates one position checked (one plain forward each), for the acceptor."""
 
@@ -133,18 +158,8 @@ def sequential_baseline(
         while not decision.final:
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 return result(False)
-            # gradient step: full forward + backward through the whole model
-            opt.zero_grad()
-            seq = x[None] if prefix is None else torch.cat([prefix, x[None]])
-            loss = (_layer_state(model, seq.to(probe.dtype), layer).float() - target).square().sum()
-            loss = loss / target.square().sum()
-            loss.backward()
-            opt.step()
+            cand = _step(model, layer, x, opt, prefix, target, vocab, tried)
             with torch.no_grad():
-                dist = (vocab - x.detach()).norm(dim=1)
-                dist[tried] = float("inf")
-                cand = int(dist.argmin())
-                tried[cand] = True
                 seq = embed(torch.tensor([*recovered, cand], device=device))
                 decision = position.add(cand, _layer_state(model, seq, layer).float())
         assert decision.token is not None
