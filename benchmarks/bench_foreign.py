@@ -8,7 +8,7 @@ For each dtype and layer, in the same process, every prompt inverted three ways 
 * ``own``   - ``lminvert.encode`` (each prompt alone, plain forward), inverted with ``source="exact"``: the baseline;
 * ``right`` / ``left`` - all prompts in ONE padded batch as a deployment captures them (right, then left padding; the
   prompts cut by 0..3 tokens from their ends so that the batch really pads), the real tokens' rows taken out
-  (:func:`lminvert.invert.tolerance._padded`), wrapped as a bare array (``HiddenStates.from_array``) and inverted
+  (:func:`lminvert.invert.tolerance.padded_states`), wrapped as a bare array (``HiddenStates.from_array``) and inverted
   with ``source="float"`` (the error model of states computed elsewhere in the same dtype).
 
 Then a noise sweep at ``--noise-layer`` in float32: ``invert(model, own_states, noise=level)`` (relative Gaussian
@@ -46,7 +46,7 @@ from evalset import EvalPrompt, evaluation_prompts
 from lminvert.invert.acceptor import UNCERTAIN, VERDICTS
 from lminvert.invert.reader import reading_for
 from lminvert.invert.tables import first_position_table, second_position_map
-from lminvert.invert.tolerance import _padded, calibrate, foreign_calibration, screen_calibration
+from lminvert.invert.tolerance import padded_states, calibrate, foreign_calibration, screen_calibration
 
 LAYOUTS = ("right", "left")
 WARM = 6  # positions of the untimed warm-up inversions
@@ -162,7 +162,7 @@ def _foreign(model, layer, prompts, seed: int, alarms: list[str], label: str) ->
     own = lminvert.encode(model, ids, layer)
     captured = {"own": own}
     for side in LAYOUTS:
-        captured[side] = lminvert.HiddenStates.from_array(_padded(model.probe, layer, ids, side))
+        captured[side] = lminvert.HiddenStates.from_array(padded_states(model.probe, layer, ids, side))
     sources = {"own": "exact", "right": "float", "left": "float"}
     print(
         f"  {model.dtype}: tables, reading, calibrations {warm:.1f} s (cached); float model's disagreement "

@@ -26,8 +26,9 @@ def padded_capture(model, prompts: list[list[int]], layer: int, side: str) -> li
     for i, p in enumerate(prompts):
         where = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
         ids[i, where], mask[i, where] = torch.tensor(p), 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # counted from each row's first token, as generate() does
     with torch.no_grad():
-        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
     return [out.hidden_states[layer][i][mask[i].bool()].clone() for i in range(len(prompts))]
 
 

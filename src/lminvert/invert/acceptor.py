@@ -21,7 +21,8 @@ Verdicts, never better than the evidence:
   the observation than the right one's error (the rate at which this rule was wrong is measured on calibration prompts
   under the same error model: ``benchmarks/bench_foreign.py``);
 * ``uncertain`` - anything else: several candidates fit, none fits within the budget, the token has a tied twin
-  (bit-identical input vector: no state separates them), or an earlier position was such a guess.
+  (bit-identical input vector: no state separates them), or an earlier position was such a guess (several fit, or
+  none: every later position was found given a token that may be wrong).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class Evidence:
     confirmed: bool = False  # a plain forward ran at this position
     checked: int = 0  # candidates run through the model at this position (verified or screened out)
     ranked: bool = True  # a batch of the ranking's top candidates was verified (not only a chain's first guess)
+    # a search whose ranking puts the true token among its first candidates gives up after ``GIVE_UP`` of them where
+    # the source cannot be reproduced (False: an order that does not, e.g. the reference's random one)
+    bounded: bool = True
     reproduced: bool = False  # an earlier position of the prompt was reproduced bit for bit
     twins: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens with identical input vectors
 
@@ -137,7 +141,7 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     found = contenders(evidence, radii)
     if not found:
         if evidence.exhausted or _spent(evidence):
-            return _nearest(evidence, UNCERTAIN, NO_FIT, guess=evidence.exhaustive)
+            return _nearest(evidence, UNCERTAIN, NO_FIT, guess=True)
         return PENDING
     if _fast(evidence, radii, found):
         token = found[0][0]
@@ -249,7 +253,7 @@ def _populated(evidence: Evidence) -> bool:
 
 def _spent(evidence: Evidence) -> bool:
     """A source that cannot be reproduced has verified ``GIVE_UP`` candidates without a verdict."""
-    return not evidence.reproducible and not evidence.exhaustive and evidence.checked >= GIVE_UP
+    return evidence.bounded and not evidence.reproducible and not evidence.exhaustive and evidence.checked >= GIVE_UP
 
 
 def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False) -> Decision:

@@ -272,7 +272,8 @@ def add_noise(states: torch.Tensor, sigma: float, generator: torch.Generator) ->
     return (states.double() + scale * g).to(states.dtype)
 
 
-FOREIGN_KIND = "foreign1"  # the cache's name for the foreign layouts' disagreement; a new name when measured anew
+FOREIGN_KIND = "foreign2"  # the cache's name for the foreign layouts' disagreement; a new name when measured anew
+# (2: left-padded rows' positions counted from their first token)
 FOREIGN_LENGTHS = (0, 3, 6)  # tokens cut from the calibration prompts' ends in the padded batches (mixed lengths)
 
 
@@ -284,7 +285,7 @@ def _layouts(model: LoadedModel, layer: Layer, prompts: list[list[int]]) -> list
     cut = [p[: len(p) - FOREIGN_LENGTHS[i % len(FOREIGN_LENGTHS)]] for i, p in enumerate(prompts)]
     out = []
     for side in ("right", "left"):
-        out.append(_padded(probe, layer, cut, side))
+        out.append(padded_states(probe, layer, cut, side))
     out.append(list(probe.states(torch.tensor(prompts), [layer])[layer].float().cpu()))
     threads = torch.get_num_threads()
     try:
@@ -294,19 +295,22 @@ def _layouts(model: LoadedModel, layer: Layer, prompts: list[list[int]]) -> list
         torch.set_num_threads(threads)
     if getattr(probe.model.config, "_attn_implementation", None) not in (None, "eager"):
         with attention(probe, "eager"):
-            out.append(_padded(probe, layer, cut, "right"))
+            out.append(padded_states(probe, layer, cut, "right"))
     return out
 
 
-def _padded(probe, layer: Layer, prompts: list[list[int]], side: str) -> list[torch.Tensor]:
-    """Every prompt's states from one batch padded on ``side`` (pad id 0, masked)."""
+def padded_states(probe, layer: Layer, prompts: list[list[int]], side: str) -> list[torch.Tensor]:
+    """Every prompt's states from one batch padded on ``side`` (pad id 0, masked; each row's positions counted from
+    its first real token, as transformers' ``generate`` counts them: a model with learned absolute positions would
+    otherwise see other positions, a different computation)."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         where = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
         ids[i, where], mask[i, where] = torch.tensor(p), 1
-    states = probe.states(ids, [layer], attention_mask=mask)[layer].float().cpu()
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    states = probe.states(ids, [layer], attention_mask=mask, position_ids=positions)[layer].float().cpu()
     return [states[i][mask[i].bool()] for i in range(len(prompts))]
 
 

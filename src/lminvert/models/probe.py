@@ -529,6 +529,7 @@ class LayerProbe:
         input_ids: torch.Tensor,
         layers: LayerSpec | Sequence[LayerSpec],
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> dict[Layer, torch.Tensor]:
         """States ``[B, T, d]`` of full sequences at one or several layers (keys: resolved layers)."""
         resolved = self.layers(layers)
@@ -538,6 +539,8 @@ class LayerProbe:
         kwargs = {"input_ids": input_ids.to(self.device), "use_cache": False}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.device)
         with torch.no_grad():
             return self._forward(resolved, **kwargs)
 
