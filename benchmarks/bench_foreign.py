@@ -46,7 +46,7 @@ from evalset import EvalPrompt, evaluation_prompts
 from lminvert.invert.acceptor import UNCERTAIN, VERDICTS
 from lminvert.invert.reader import reading_for
 from lminvert.invert.tables import first_position_table, second_position_map
-from lminvert.invert.tolerance import padded_states, calibrate, foreign_calibration, screen_calibration
+from lminvert.invert.tolerance import calibrate, foreign_calibration, padded_states, screen_calibration
 
 LAYOUTS = ("right", "left")
 WARM = 6  # positions of the untimed warm-up inversions
