@@ -51,10 +51,11 @@ MAX_CONFIRM = 16
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
 # the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
 SEARCH_ON = 4096
-# candidates a position of a source that cannot be reproduced may verify while nothing fits its error model or two
-# candidates do: past it more candidates cannot give a verdict better than ``uncertain`` (another model, another
-# layer, a fine-tune, noise above the gaps). SmolLM2, foreign bfloat16 states, layers 1-30: every position that fit did
-# within its first 1,024 candidates (benchmarks/bench_foreign.py)
+# candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model
+# (more cannot make the verdict better than ``uncertain``), or while nothing fits and no earlier position of the prompt
+# did (another model, another layer, a fine-tune, noise above the gaps: the search ends in bounded time). Where an
+# earlier position fitted, a position is searched through its budget as for lminvert's own states (SmolLM2 layer 30,
+# no reading network: the true token of a random-id prompt's position can rank past 1,024)
 GIVE_UP = 1024
 NO_FIT = "no candidate fits the error model"
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
@@ -100,6 +101,9 @@ class Evidence:
     # a search whose ranking puts the true token among its first candidates gives up after ``GIVE_UP`` of them where
     # the source cannot be reproduced (False: an order that does not, e.g. the reference's random one)
     bounded: bool = True
+    # an earlier position of the prompt fitted the error model (certified or confident): the states match this model's
+    # computation, so a position where nothing fits yet is searched through the budget, not given up at ``GIVE_UP``
+    fitted: bool = False
     reproduced: bool = False  # an earlier position of the prompt was reproduced bit for bit
     twins: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens with identical input vectors
 
@@ -140,7 +144,7 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     """The decision at one position given ``evidence`` (see the module docstring)."""
     found = contenders(evidence, radii)
     if not found:
-        if evidence.exhausted or _spent(evidence):
+        if evidence.exhausted or (_spent(evidence) and not evidence.fitted):
             return _nearest(evidence, UNCERTAIN, NO_FIT, guess=True)
         return PENDING
     if _fast(evidence, radii, found):

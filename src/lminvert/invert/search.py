@@ -136,6 +136,7 @@ class PromptSearch:
         # reproduced here, so a contender that does not reproduce the observation within half the gap is most likely
         # wrong, and the search goes on (up to SEARCH_ON candidates) for one that does
         self.reproduced = False
+        self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
         self.decision = acceptor.PENDING  # the acceptor's decision at the current position, once final
@@ -345,6 +346,7 @@ class PromptSearch:
             confirmed=self.confirmed,
             checked=ctx.forwarded,
             ranked=ctx.rounds >= 1 or ctx.checked >= self.settings.vocab,
+            fitted=self.fitted,
             reproduced=self.reproduced,
             twins=self.settings.ties,
         )
@@ -412,6 +414,7 @@ class PromptSearch:
         )
         self.positions.append(result)
         self.guessed = self.guessed or self.decision.guess
+        self.fitted = self.fitted or verdict != acceptor.UNCERTAIN
         self.reproduced = self.reproduced or self.plain.get(token) == 0.0
         self.elapsed += self.clock.total
         self.ctx, self.keys = None, {}
