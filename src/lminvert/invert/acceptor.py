@@ -57,6 +57,11 @@ SEARCH_ON = 4096
 # earlier position fitted, a position is searched through its budget as for lminvert's own states (SmolLM2 layer 30,
 # no reading network: the true token of a random-id prompt's position can rank past 1,024)
 GIVE_UP = 1024
+# candidates a position of a source that cannot be reproduced may verify while two of them fit (within each other's
+# margin): a candidate verified later rarely separates them (it would have to lie decisively nearer than both), and the
+# verdict is uncertain either way. SmolLM2 layer 15, relative noise 1e-3..1e-2: the attention sink at position 0 (its
+# norm ~100x the others') holds several first tokens within the noise there
+RIVALS = 256
 NO_FIT = "no candidate fits the error model"
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: the separation test needs runner-ups (a wrong token alone within a loose error bound would
@@ -201,7 +206,7 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
     if rivals:
-        if evidence.exhausted or _spent(evidence):
+        if evidence.exhausted or _spent(evidence, RIVALS):
             return Decision(best, UNCERTAIN, guess=True, reason="several candidates fit the observation")
         return PENDING  # a candidate not verified yet may be decisively closer
     return _verdict(evidence, radii, best)
@@ -255,9 +260,9 @@ def _populated(evidence: Evidence) -> bool:
     return evidence.swept or (evidence.ranked and int(evidence.ids.numel()) >= POPULATION)
 
 
-def _spent(evidence: Evidence) -> bool:
-    """A source that cannot be reproduced has verified ``GIVE_UP`` candidates without a verdict."""
-    return evidence.bounded and not evidence.reproducible and not evidence.exhaustive and evidence.checked >= GIVE_UP
+def _spent(evidence: Evidence, budget: int = GIVE_UP) -> bool:
+    """A source that cannot be reproduced has verified ``budget`` candidates without a verdict."""
+    return evidence.bounded and not evidence.reproducible and not evidence.exhaustive and evidence.checked >= budget
 
 
 def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False) -> Decision:
