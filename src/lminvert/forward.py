@@ -66,15 +66,27 @@ def length_batches(ids: Sequence[Sequence[int]], batch_tokens: int, same_length:
     return batches
 
 
-def padded_batch(ids: Sequence[Sequence[int]], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Right-padded ``[len(rows), width]`` ids of ``ids[rows]`` and their attention mask (None if no padding)."""
+def padded_batch(
+    ids: Sequence[Sequence[int]], rows: Sequence[int], side: str = "right"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[len(rows), width]`` ids of ``ids[rows]`` padded on ``side`` (pad id 0) and their attention mask (None if no
+    padding)."""
     width = max(len(ids[i]) for i in rows)
     batch = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for row, i in enumerate(rows):
-        batch[row, : len(ids[i])] = torch.tensor(ids[i])
-        mask[row, : len(ids[i])] = 1
+        where = slice(0, len(ids[i])) if side == "right" else slice(width - len(ids[i]), width)
+        batch[row, where] = torch.tensor(ids[i])
+        mask[row, where] = 1
     return batch, (mask if bool((mask == 0).any()) else None)
+
+
+def padded_positions(batch: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Each row's positions counted from its first real token, as transformers' ``generate`` counts them (a left-padded
+    row's first token is position 0: a model with learned absolute positions would otherwise compute something else)."""
+    if mask is None:
+        return torch.arange(batch.shape[1])[None].expand_as(batch)
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
 def _batched(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lminvert
+from lminvert.forward import padded_batch, padded_positions
 from lminvert.invert import acceptor, invert
 from lminvert.states import HiddenStates
 
@@ -20,13 +21,9 @@ LAYER = 1  # tiny-llama has 2 blocks: transformers' index 2 is after the final n
 def padded_capture(model, prompts: list[list[int]], layer: int, side: str) -> list[torch.Tensor]:
     """What a deployment saves: transformers' ``output_hidden_states`` of one padded batch (index ``layer`` = the
     output of block ``layer``), the real tokens' rows of each prompt."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        where = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
-        ids[i, where], mask[i, where] = torch.tensor(p), 1
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # counted from each row's first token, as generate() does
+    ids, mask = padded_batch(prompts, range(len(prompts)), side)
+    assert mask is not None  # the prompts' lengths differ: the batch pads
+    positions = padded_positions(ids, mask)  # counted from each row's first token, as generate() does
     with torch.no_grad():
         out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
     return [out.hidden_states[layer][i][mask[i].bool()].clone() for i in range(len(prompts))]

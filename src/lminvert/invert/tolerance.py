@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..forward import prompt_states
+from ..forward import padded_batch, padded_positions, prompt_states
 from ..models import Layer, LoadedModel
 from ..models.observed import attention
 from .context import batch_scale
@@ -300,17 +300,13 @@ def _layouts(model: LoadedModel, layer: Layer, prompts: list[list[int]]) -> list
 
 
 def padded_states(probe, layer: Layer, prompts: list[list[int]], side: str) -> list[torch.Tensor]:
-    """Every prompt's states from one batch padded on ``side`` (pad id 0, masked; each row's positions counted from
-    its first real token, as transformers' ``generate`` counts them: a model with learned absolute positions would
-    otherwise see other positions, a different computation)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        where = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
-        ids[i, where], mask[i, where] = torch.tensor(p), 1
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    """Every prompt's states from one batch padded on ``side`` (pad id 0, masked; each row's positions counted from its
+    first real token: :func:`lminvert.forward.padded_positions`)."""
+    ids, mask = padded_batch(prompts, range(len(prompts)), side)
+    positions = padded_positions(ids, mask)
     states = probe.states(ids, [layer], attention_mask=mask, position_ids=positions)[layer].float().cpu()
+    if mask is None:
+        return list(states)
     return [states[i][mask[i].bool()] for i in range(len(prompts))]
 
 
