@@ -28,6 +28,7 @@ Verdicts, never better than the evidence:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +93,9 @@ class Evidence:
 
     ids: torch.Tensor  # verified ids [n]
     dists: torch.Tensor  # their cached distances [n]
-    states: torch.Tensor  # their verified states [n, d]
+    # their verified states [n, d], or a function giving them (read only to order several contenders by angle: the
+    # engine's searches concatenate them only then)
+    states: torch.Tensor | Callable[[], torch.Tensor]
     target: torch.Tensor  # the observed state [d]
     plain: dict[int, float]  # plain distances of the contenders re-measured so far
     reach: float  # cached distances up to which candidates are contenders (>= radii.cached)
@@ -139,7 +142,8 @@ def contenders(evidence: Evidence, radii: Radii) -> list[tuple[int, float]]:
     inside = (evidence.dists <= evidence.reach).nonzero().flatten()
     if len(inside) > 1:
         wide = evidence.dists.dtype
-        cosine = torch.nn.functional.cosine_similarity(evidence.states[inside].to(wide), evidence.target.to(wide)[None])
+        states = evidence.states() if callable(evidence.states) else evidence.states
+        cosine = torch.nn.functional.cosine_similarity(states[inside].to(wide), evidence.target.to(wide)[None])
         inside = inside[cosine.argsort(descending=True)]
     pairs = zip(evidence.ids[inside].tolist(), evidence.dists[inside].tolist(), strict=True)
     return [(i, d) for i, d in pairs if evidence.plain.get(i, 0.0) <= radii.plain]

@@ -100,7 +100,7 @@ class _Position:
         evidence = Evidence(
             ids=torch.tensor(self.ids),
             dists=torch.tensor(self.dists, dtype=torch.float64),
-            states=torch.stack(self.states),
+            states=lambda: torch.stack(self.states),
             target=self.target,
             plain=dict(zip(self.ids, self.dists, strict=True)),
             reach=self.radii.cached,

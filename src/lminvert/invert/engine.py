@@ -477,7 +477,7 @@ def _plain_states(probe: LayerProbe, layer: Layer, prefix: Prefix, row: int, sea
     but the kernels' shapes then equal the observer's). On the same device, dtype and threads this reproduces the
     observed state bit for bit; measured on the CPU: an unpadded forward disagrees by up to 4e-2 of the norm in
     bfloat16. The first confirmation of a position holds one sequence, as the observer's forward did; later ones up to
-    ``MAX_CONFIRM`` (SmolLM2, layer 15, this project's CPU, 2 threads: each row of forwards of 2, 8 and 33 such
+    ``acceptor.MAX_CONFIRM`` (SmolLM2, layer 15, this project's CPU, 2 threads: each row of forwards of 2, 8 and 33 such
     sequences equalled the one-sequence forward bit for bit in float32, bfloat16 and float16; where a device rounds a
     batch differently, the row stays within the plain radius, calibrated on two-row forwards, and the position is
     decided by separation or flagged). With a speculator, the fill is the next positions' first guesses instead,

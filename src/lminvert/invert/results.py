@@ -13,9 +13,8 @@ class PositionResult:
 
     ``distance`` is the L2 distance between the accepted candidate's verified state and the observed state;
     ``margin`` the distance of the best *rejected* candidate that was checked (inf if none was);
-    ``uncertain`` is set when no candidate passed the acceptance test within the budget, when more than one
-    candidate survived it (also after confirmation by the plain forward), when the token has a tied twin, or when an
-    earlier position of the prompt was such a guess (everything after it was found given the guess).
+    ``verdict`` is the acceptor's (:mod:`lminvert.invert.acceptor`: certified, confident or uncertain) and ``reason``
+    why; ``uncertain`` is ``verdict == "uncertain"``.
     ``confirmed`` counts the candidates whose states were recomputed by a plain uncached forward of prefix +
     candidate (see :mod:`lminvert.invert.search`); ``plain_distance`` is the accepted token's distance under it.
     ``candidates_checked`` counts every candidate run through the model at the position, ``screened_out`` of them

@@ -1,49 +1,26 @@
-"""One prompt's search at one position: proposals, the ball test, confirmation by the plain forward, the decision.
+"""One prompt's search at one position: proposals, verification, confirmation by the plain forward, the evidence.
 
 The engine (:mod:`.engine`) runs one :class:`PromptSearch` per prompt and batches their work: the candidates of
 every prompt in one verification forward, the confirmations of each prompt in one plain forward.
 
-Acceptance (radii from :mod:`.tolerance`, measured per model, dtype, layer and device):
-
-1. *contenders*: verified candidates whose cached-forward state lies inside the acceptance ball, less those the
-   plain forward has ruled out; where the ball is decisive (narrower than the smallest gap), also those just outside
-   it, up to ``REACH`` times its radius and at most half the gap (no other token's state can lie there): such a near
-   miss is accepted only by its confirmation below. (Gemma-3-270m layer 9, a random-id prompt's last position: the
-   true token's cached state lay 1.9x the radius away, the prefix's keys having come from a forward of another shape;
-   without this its position was searched through the whole vocabulary and flagged, its token right);
-2. a single contender in the inner half of the ball is accepted;
-3. otherwise (several contenders, or the only one near the edge) the contenders are *confirmed*: their states are
-   recomputed the way the observer computed them (a plain uncached forward of prefix + candidate, same dtype, filled to
-   the observed length so that the kernels see the observer's shapes: on the same device this reproduces the true
-   token's observed state bit for bit) and compared again: closest in angle first, the first alone (the observer's
-   shape), then up to ``MAX_CONFIRM`` in one forward. A contender that reproduces the observation to float32's
-   resolution is accepted at once (another token could match as well only by a collision; the exhaustive modes, which
-   look for collisions, confirm every contender). Those outside the plain radius are ruled out (the search goes
-   on if none is left). Of the rest, the closest is accepted when every other lies more than ``SEPARATION`` times
-   farther (plus float32's resolution): rounding noise is not aligned with the difference between two tokens' states, so
-   a wrong state cannot come much nearer to the observation than the noise on the right one. Otherwise the position is
-   still ambiguous and the search goes on (a candidate not verified yet may be decisively closer); if the budget runs
-   out first, the closest is kept and the position flagged uncertain. Tokens with a tied twin (identical input
-   vectors) are not searched past: no state can separate them, and the engine flags them. Two other contenders
-   that both reproduce the observation to float32's resolution (a collision: a model that is not injective)
-   make the position ambiguous at once: nothing can be decisively closer than an exact match. Every position
-   after an ambiguous one is reported uncertain as well: it was found given a guess (on a model that is not
-   injective, a wrong prefix can be continued by tokens whose states match exactly).
+A search gathers evidence and never decides: after each verified batch and each confirmation it hands the acceptor
+(:mod:`.acceptor`, where the acceptance rule and every threshold of it are stated) every verified candidate's cached
+distance, the plain distances of those re-measured, and the radii of this position (from :mod:`.tolerance`, measured per
+model, dtype, layer and device, plus the error model's bound, :mod:`.sources`). The acceptor answers with a token and
+its verdict, the contenders to *confirm* (recomputed the way the observer computed them: a plain uncached forward of
+prefix + candidate, same dtype, filled to the observed length so that the kernels see the observer's shapes, which on
+the same device reproduces the true token's observed state bit for bit; the first alone, then up to
+``acceptor.MAX_CONFIRM`` in one forward), or "more candidates". Where the ball is decisive (narrower than the smallest
+gap), contenders reach ``REACH`` times its radius, at most half the gap (Gemma-3-270m layer 9, a random-id prompt's
+last position: the true token's cached state lay 1.9x the radius away, the prefix's keys having come from a forward of
+another shape).
 
 Screening (a float32 model on a CPU with native bfloat16 GEMMs, :mod:`.engine`): a large batch is first computed with
 bfloat16 GEMMs; only its candidates whose screened state lies within the screening radius (calibrated like the others,
 :func:`.tolerance.screen_calibration`), the closest ``RECHECK``, are verified as above and recorded. The others are
-screened out: marked seen, never recorded (no test above and no policy looks at their states), and verified in full
-before a position's search would end without an accepted candidate (:meth:`PromptSearch.propose`), so screening
-changes which candidates are verified first, never the answer.
-
-This matters in half precision, where the radius (several 1e-2 of the state's norm) is wider than the gaps between
-tokens (at attention-sink positions ~1e-3 of the huge norm; at deep layers a few 1e-2): there a candidate is accepted
-only if it reproduces the observation within half the smallest gap (Theorem 3.2's Δ/2), which the observer-shaped plain
-forward does for the right token (distance 0); one that does not is flagged uncertain, with every position after it (the
-observer's shapes or kernels could not be reproduced: states from another device or batch layout). A position whose
-budget runs out without an accepted candidate keeps its closest candidate (by the plain distance where one was measured)
-and is flagged uncertain: never a wrong answer given as certain.
+screened out: marked seen, never recorded (neither the acceptor nor a policy looks at their states), and verified in
+full before a position's search would end without a decision (:meth:`PromptSearch.propose`), so screening changes which
+candidates are verified first, never the answer.
 """
 
 from __future__ import annotations
@@ -129,12 +106,11 @@ class PromptSearch:
         self.generator = generator
         self.clean = clean
         self.positions: list[PositionResult] = []
-        # a position decided by a guess among several matching tokens (or, where injectivity is not assumed, with no
-        # match at all): every later position is found given that guess, so it is reported uncertain too
+        # a position decided by a guess (several tokens fit, or none): every later position is found given that guess,
+        # so it is reported uncertain too (:func:`.acceptor.final_verdict`)
         self.guessed = False
         # a position of this prompt was confirmed by a bit-exact reproduction: the observer's shapes and kernels are
-        # reproduced here, so a contender that does not reproduce the observation within half the gap is most likely
-        # wrong, and the search goes on (up to SEARCH_ON candidates) for one that does
+        # reproduced here (evidence for the acceptor, :attr:`.acceptor.Evidence.reproduced`)
         self.reproduced = False
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.elapsed = 0.0  # this prompt's share of the timed work
@@ -335,7 +311,7 @@ class PromptSearch:
         return Evidence(
             ids=ctx.all_ids(),
             dists=ctx.all_dists(),
-            states=ctx.all_states(),
+            states=ctx.all_states,
             target=ctx.target,
             plain=dict(self.plain),
             reach=self.reach,
