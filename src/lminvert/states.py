@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
+from .captures import read_capture
 from .errors import LminvertError
 from .paths import atomic_file
 
@@ -39,6 +40,7 @@ class HiddenStates:
     dtype: str | None = None
     token_ids: tuple[tuple[int, ...], ...] | None = None
     lminvert_version: str | None = None
+    notes: tuple[str, ...] = ()  # what reading them assumed or changed (pad rows dropped, the entry taken)
 
     def __post_init__(self) -> None:
         if not self.states:
@@ -94,32 +96,42 @@ class HiddenStates:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> HiddenStates:
-        """Read a states file (.safetensors written by lminvert) or a plain array (.npy / .pt)."""
+    def load(cls, path: str | Path, key: str | None = None, mask: str | Path | None = None) -> HiddenStates:
+        """Read a states file: a ``.safetensors`` written by lminvert, or a capture saved elsewhere (see
+        :mod:`lminvert.captures`: ``.npy``, ``.pt``/``.pth`` holding a tensor, a list or a dict of tensors, or a
+        ``.safetensors`` with any key names; ``key`` picks one entry of several). Pad rows are dropped: those a
+        ``mask`` file (``[N, T]`` or ``[T]`` of 0/1) or a mask saved beside the states marks, and runs of identical
+        rows at a prompt's start or end; ``notes`` says what was dropped or assumed."""
         path = Path(path)
         if not path.exists():
             raise LminvertError(f"states file not found: {path}")
         if not path.is_file():
             raise LminvertError(f"not a file: {path}")
         suffix = path.suffix.lower()
-        if suffix == ".safetensors":
-            return cls._load_safetensors(path)
-        if suffix in (".npy", ".pt", ".pth"):
-            return cls._load_array(path)
-        raise LminvertError(f"unsupported states file '{path.name}': use .safetensors (lminvert encode), .npy or .pt")
+        if suffix == ".safetensors" and key is None:
+            own = cls._load_own(path)
+            if own is not None:
+                if mask is not None:
+                    raise LminvertError("--mask is for captures saved elsewhere: a states file from encode has no pads")
+                return own
+        if suffix not in (".safetensors", ".npy", ".pt", ".pth"):
+            raise LminvertError(
+                f"unsupported states file '{path.name}': use .safetensors (lminvert encode or any), .npy, .pt or .pth"
+            )
+        states, notes = read_capture(path, key=key, mask=mask)
+        return cls.from_array(states, notes=notes)
 
     @classmethod
-    def _load_safetensors(cls, path: Path) -> HiddenStates:
+    def _load_own(cls, path: Path) -> HiddenStates | None:
+        """A states file written by lminvert, or None where the safetensors file is not one."""
         try:
             with safe_open(str(path), framework="pt") as handle:
                 meta = handle.metadata() or {}
+            if meta.get("format") != FORMAT:
+                return None
             tensors = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as exc:
             raise LminvertError(f"cannot read {path.name} as safetensors ({exc}); is it a states file?") from exc
-        if meta.get("format") != FORMAT:
-            if set(tensors) == {"states"}:  # a bare safetensors array
-                return cls.from_array(tensors["states"])
-            raise LminvertError(f"{path.name} is not an lminvert states file (no '{FORMAT}' metadata)")
         n = int(meta.get("n_prompts", "0"))
         try:
             states = tuple(tensors[f"states.{i}"] for i in range(n))
@@ -138,21 +150,6 @@ class HiddenStates:
             token_ids=ids,
             lminvert_version=meta.get("lminvert_version") or None,
         )
-
-    @classmethod
-    def _load_array(cls, path: Path) -> HiddenStates:
-        try:
-            if path.suffix.lower() == ".npy":
-                array = torch.from_numpy(np.load(path, allow_pickle=False))
-            else:
-                array = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise LminvertError(
-                f"cannot read {path.name} as an array ({type(exc).__name__}); give a [T, d] or [N, T, d] float array"
-            ) from exc
-        if not isinstance(array, torch.Tensor):
-            raise LminvertError(f"{path.name} does not hold a single tensor; give a [T, d] or [N, T, d] array")
-        return cls.from_array(array)
 
     @classmethod
     def from_array(cls, array: torch.Tensor | np.ndarray | Sequence[torch.Tensor], **meta) -> HiddenStates:

@@ -14,7 +14,7 @@ import sys
 
 from ..errors import LminvertError
 
-COMMANDS = ["models", "encode", "invert", "collisions", "exhaustive", "experiment", "lab", "report", "demo"]
+COMMANDS = ["models", "encode", "inspect", "invert", "collisions", "exhaustive", "experiment", "lab", "report", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,16 @@ def add_model_args(
     )
 
 
+def add_states_args(parser: argparse.ArgumentParser, model_help: str, dtype_help: str) -> None:
+    """A states file and how to read it (`invert`, `inspect`): the file, --key, --mask, the model and its dtype."""
+    parser.add_argument("states", help="states file: .safetensors (lminvert encode, or any keys), .npy, .pt/.pth")
+    parser.add_argument("--key", default=None, help="the entry holding the states in a file of several (name or index)")
+    parser.add_argument(
+        "--mask", default=None, help="the batch's attention mask ([N, T] of 0/1, .npy/.pt): rows it marks 0 are dropped"
+    )
+    add_model_args(parser, default=None, dtype=None, model_help=model_help, dtype_help=dtype_help)
+
+
 def model_from_args(args: argparse.Namespace, name: str | None = None, dtype: str | None = None) -> LoadedModel:
     """The CLI is the one place that turns a model name into a loaded model."""
     return load_model(name or args.model, dtype=dtype or args.dtype or "float32", device=args.device)

@@ -7,18 +7,19 @@ import json
 import sys
 from pathlib import Path
 
+from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, invert, parse_source
 from ..models.loading import DTYPES
 from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
-from .common import Formatter, add_model_args, add_ray_arg, executor_from_args, model_from_args, print_json
+from .common import Formatter, add_ray_arg, add_states_args, executor_from_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
   lminvert invert leak.safetensors                       # model and layer from the file
   lminvert invert leak.safetensors --json --out result.json
-  lminvert invert leak.npy --model smollm2-135m --layer 15   # a capture from elsewhere: --source float by default
+  lminvert invert leak.npy --model smollm2-135m          # a capture from elsewhere: layer found, --source float
   lminvert invert leak.pt --model smollm2-135m --layer 15 --dtype bfloat16 --source noise:0.01
   lminvert invert leak.safetensors --noise 1e-3          # robustness: add relative Gaussian noise first
   lminvert invert leak-bf16.safetensors --device cuda     # dtype from the file (bfloat16 here), on a GPU
@@ -34,15 +35,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=Formatter,
     )
-    parser.add_argument("states", help="states file (.safetensors from `lminvert encode`, or .npy/.pt array)")
-    add_model_args(
+    add_states_args(
         parser,
-        default=None,
-        dtype=None,
         model_help="model (default: the one recorded in the file)",
         dtype_help="precision (default: the one recorded in the file, else float32); must match the file's",
     )
-    parser.add_argument("--layer", default=None, help="layer (default: the one recorded in the file)")
+    parser.add_argument(
+        "--layer",
+        default=None,
+        help="layer (default: the one recorded in the file, else found from the states); lminvert's numbering: "
+        "see --source-library",
+    )
+    parser.add_argument(
+        "--source-library",
+        default="lminvert",
+        choices=LIBRARIES,
+        help="whose numbering --layer uses: hf (output_hidden_states index; the last is after the final norm), "
+        "nnsight (model.model.layers[i]), tl (blocks.i.hook_resid_post), lminvert (block outputs 0..L, final)",
+    )
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score a bare array against every layer first and refuse a --layer it decisively does not match, or "
+        "states that fit no layer of the model (--no-check: search the given layer anyway)",
+    )
     parser.add_argument(
         "--method",
         default="sipit",
@@ -100,7 +117,7 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    states = HiddenStates.load(args.states)
+    states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
     name = args.model or states.model
     if not name:
         raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
@@ -119,10 +136,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)
     model = model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
+    layer = args.layer
+    if layer is not None and args.source_library != "lminvert":
+        layer = library_layer(layer, args.source_library, model.probe.n_layers)
     results = invert(
         model,
         states,
-        args.layer,
+        layer,
         method=args.method,
         policy=args.policy,
         noise=args.noise,
@@ -133,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         certify=args.certify,
         screen=args.screen,
         source=args.source,
+        check=args.check,
         progress=not args.json,
         executor=executor_from_args(args),
     )

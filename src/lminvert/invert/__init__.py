@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from ..models.probe import has_hooks
 from ..models.ties import tied_token_groups
 from ..states import HiddenStates
 from .engine import InvertConfig, invert_prompt, invert_prompts
+from .layerfit import resolve_layer
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
 from .sources import SOURCES, ErrorModel, Exact, Float, Noise, parse_source
@@ -49,6 +50,7 @@ def invert(
     speculate: bool = True,
     screen: bool | None = None,
     source: str | ErrorModel | None = None,
+    check: bool = True,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -76,6 +78,12 @@ def invert(
     ``None`` (default): what the states say: ``exact`` for a states file from :func:`lminvert.encode` (it records the
     weights that made it), ``float`` for a bare array (nobody can promise its bits), ``noise:S`` with ``noise``.
 
+    ``layer`` may be left out for states that do not record it (a bare array): it is found from the states
+    (:mod:`lminvert.invert.layerfit`), and the result's notes say so. ``check`` (default): states that do not record
+    their layer are scored against every layer first, within seconds: a given layer that another one decisively
+    beats, or states that fit no layer of the model, raise a one-line error naming the closest layer instead of a
+    long search (``check=False``: search the given layer anyway).
+
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
     which is exact because the model is injective; ``None`` (default) certifies when injectivity cannot be assumed:
@@ -100,8 +108,8 @@ def invert(
         raise LminvertError(
             f"screening runs a float32 model's candidate batches in bfloat16; {reason}: drop --screen (screen=True)"
         )
-    resolved = check_compatible(states, model, layer)
     error_model = _source(states, source, noise)
+    resolved, found = _layer(model, states, layer, error_model, check)
     if certify is None:
         certify = has_hooks(model.model)
         if certify:
@@ -147,7 +155,24 @@ def invert(
             live[0] = 0
     finally:
         bar.close()
-    return [r for chunk_results in results for r in chunk_results]
+    flat = [r for chunk_results in results for r in chunk_results]
+    return [replace(r, notes=found + r.notes) for r in flat] if found else flat
+
+
+def _layer(
+    model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, source: ErrorModel, check: bool
+) -> tuple[Layer, tuple[str, ...]]:
+    """The layer to search (see :func:`invert`'s ``layer`` and ``check``) and the notes every result carries."""
+    resolved = check_compatible(states, model, layer)
+    notes = states.notes
+    if states.layer is None and (check or resolved is None):
+        resolved, fit = resolve_layer(model, list(states.states), resolved, source)
+        log.info("layer fit: %s", fit.describe())
+        if layer is None:
+            notes += (f"layer {resolved.name} found from the states: {fit.describe()}",)
+    if resolved is None:
+        raise LminvertError("the states do not say which layer they hold: pass --layer")
+    return resolved, notes
 
 
 def _source(states: HiddenStates, source: str | ErrorModel | None, noise: float) -> ErrorModel:

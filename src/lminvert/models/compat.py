@@ -8,8 +8,9 @@ from .layers import Layer, LayerSpec
 from .loading import LoadedModel
 
 
-def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec | None) -> Layer:
-    """Check that ``states`` can come from ``model``; return the resolved layer (from the file if not given)."""
+def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec | None) -> Layer | None:
+    """Check that ``states`` can come from ``model``; return the resolved layer (from the file if not given; None
+    where neither says: the caller finds it from the states)."""
     probe = model.probe
     if states.weights_hash and states.weights_hash != model.weights_hash:
         raise LminvertError(
@@ -30,7 +31,7 @@ def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec 
     if layer is None:
         layer = states.layer
     if layer is None:
-        raise LminvertError("the states file does not say which layer it holds: pass --layer")
+        return None
     resolved = probe.layer(layer)
     if states.layer is not None and probe.layer(states.layer) != resolved:
         raise LminvertError(f"the states file holds layer {states.layer}, not {layer}; drop --layer or fix it")

@@ -1,0 +1,218 @@
+"""States as people capture them: whatever a notebook or a deployment saved, read as one ``[T, d]`` tensor per prompt.
+
+Accepted (:meth:`lminvert.states.HiddenStates.load` comes here for all but states files from ``lminvert encode``):
+
+* ``.npy``: one array ``[T, d]``, ``[1, T, d]`` or ``[N, T, d]``;
+* ``.pt``/``.pth`` (``torch.save``, read with ``weights_only``): a tensor as above, a list or tuple of ``[T, d]``
+  tensors (one per prompt), or a dict (an nnsight ``.save()`` gathered into one, a TransformerLens cache's entries);
+* ``.safetensors`` with any key names.
+
+A list or dict with several candidate entries is ambiguous (``output_hidden_states`` is one tensor per layer; a
+TransformerLens cache holds every hook): ``key`` picks one, by name or by index. An entry named ``attention_mask`` or
+``mask`` beside the states is the batch's attention mask. Pad rows are dropped, with a note: the rows such a mask (or
+a ``mask`` file) marks 0, else runs of two or more *identical* rows at a prompt's start or end (left padding always
+gives them; right padding does where the pads' positions do not advance). One pad row alone, or right padding whose
+pad rows differ, needs the mask.
+
+Layer numbering (``library_layer``): lminvert's layer ``l`` is the residual stream after block ``l`` (0: the
+embeddings; ``final``: after the final norm). transformers' ``hidden_states[i]`` is layer ``i`` except the last
+(``i = L``), which is ``final``; nnsight's ``model.model.layers[i].output`` and TransformerLens'
+``blocks.{i}.hook_resid_post`` are layer ``i + 1`` (``blocks.{i}.hook_resid_pre``: layer ``i``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .errors import LminvertError
+
+MASK_KEYS = ("attention_mask", "mask")
+LIBRARIES = ("lminvert", "hf", "nnsight", "tl")
+PAD_RUN = 2  # identical rows in a run at a prompt's start or end that are taken for pads (two real positions never
+# share a state: the model is injective, and a position's state depends on its position)
+
+
+def read_capture(
+    path: Path, key: str | None = None, mask: str | Path | None = None
+) -> tuple[list[torch.Tensor], tuple[str, ...]]:
+    """The states saved in ``path`` (see the module docstring), one tensor per prompt with its pad rows dropped, and
+    notes saying what was read and dropped."""
+    entries = _entries(path)
+    given_mask = _read_mask(Path(mask)) if mask is not None else None
+    saved_mask = next((entries.pop(k) for k in MASK_KEYS if k in entries), None)
+    name, value = _pick(path, entries, key)
+    states = _as_prompts(path, value)
+    notes = [f"read entry '{name}' of {path.name}"] if name is not None else []
+    mask_tensor = given_mask if given_mask is not None else saved_mask
+    if mask_tensor is not None:
+        states, dropped = _apply_mask(states, mask_tensor)
+        notes.append(f"dropped {dropped} row(s) the attention mask marks as padding")
+    else:
+        states, dropped = _drop_identical(states)
+        if dropped:
+            notes.append(
+                f"dropped {dropped} pad row(s): runs of identical rows at a prompt's start or end (--mask to say which)"
+            )
+    return states, tuple(notes)
+
+
+def _entries(path: Path) -> dict[str, Any]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            return {"": torch.from_numpy(np.load(path, allow_pickle=False))}
+        if suffix == ".safetensors":
+            return dict(load_file(str(path)))
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as exc:
+        raise LminvertError(
+            f"cannot read {path.name} ({type(exc).__name__}); give a [T, d] or [N, T, d] float array, a list or a dict "
+            "of them"
+        ) from exc
+    except Exception as exc:  # torch.load's unpickler refuses arbitrary objects with its own exception types
+        raise LminvertError(
+            f"cannot read {path.name} with torch.load(weights_only=True) ({type(exc).__name__}): save plain tensors "
+            "(e.g. torch.save(h.cpu(), path)), a list or a dict of them"
+        ) from exc
+    if isinstance(loaded, dict):
+        return {str(k): v for k, v in loaded.items()}
+    if isinstance(loaded, (list, tuple)):
+        if loaded and all(isinstance(t, torch.Tensor) and (t.dim() == 2 or t.shape[:1] == (1,)) for t in loaded):
+            return {"": list(loaded)}  # one [T, d] (or [1, T, d]) tensor per prompt
+        return {str(i): v for i, v in enumerate(loaded)}
+    return {"": loaded}
+
+
+def _pick(path: Path, entries: dict[str, Any], key: str | None) -> tuple[str | None, Any]:
+    """The entry holding the states: ``key``'s, else the only floating-point one."""
+    if key is not None:
+        if key not in entries:
+            listed = ", ".join(sorted(entries, key=_natural)[:12]) or "none"
+            raise LminvertError(f"{path.name} has no entry '{key}': its entries are {listed}")
+        return key, entries[key]
+    if len(entries) == 1:  # the only entry: what is wrong with it is said by the shape checks
+        ((name, value),) = entries.items()
+        return (name or None), value
+    floats = {k: v for k, v in entries.items() if _is_states(v)}
+    if len(floats) == 1:
+        ((name, value),) = floats.items()
+        return (name or None), value
+    if not floats:
+        raise LminvertError(f"{path.name} holds no floating-point [T, d] or [N, T, d] tensor: is it a states file?")
+    listed = ", ".join(sorted(floats, key=_natural)[:12])
+    raise LminvertError(
+        f"{path.name} holds {len(floats)} tensors ({listed}{', ...' if len(floats) > 12 else ''}): pick the states "
+        "with --key NAME (e.g. one layer of output_hidden_states: see --source-library)"
+    )
+
+
+def _is_states(value: Any) -> bool:
+    if isinstance(value, list):
+        return bool(value) and all(_is_states(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() in (2, 3)
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _as_prompts(path: Path, value: Any) -> list[torch.Tensor]:
+    if isinstance(value, list):
+        return [t.detach() if t.dim() == 2 else _one(path, t) for t in value]
+    if not isinstance(value, torch.Tensor):
+        raise LminvertError(f"{path.name}: the states entry is a {type(value).__name__}, not a tensor")
+    if not value.is_floating_point():
+        raise LminvertError(f"states must be floating point, got {value.dtype}")
+    if value.dim() == 2:
+        return [value.detach()]
+    if value.dim() == 3:
+        return [p.detach() for p in value]
+    raise LminvertError(f"states must have shape [T, d] or [N, T, d], got {list(value.shape)}")
+
+
+def _one(path: Path, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() != 3 or tensor.shape[0] != 1:
+        raise LminvertError(f"{path.name}: a list entry must be [T, d] or [1, T, d], got {list(tensor.shape)}")
+    return tensor[0].detach()
+
+
+def _read_mask(path: Path) -> torch.Tensor:
+    if not path.is_file():
+        raise LminvertError(f"mask file not found: {path}")
+    entries = _entries(path)
+    named = next((entries[k] for k in (*MASK_KEYS, "") if k in entries), None)
+    if named is None and len(entries) == 1:
+        named = next(iter(entries.values()))
+    if not isinstance(named, torch.Tensor) or named.dim() not in (1, 2):
+        raise LminvertError(f"{path.name}: a mask must be one [N, T] or [T] tensor of 0/1")
+    return named
+
+
+def _apply_mask(states: list[torch.Tensor], mask: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    mask = mask.reshape(1, -1) if mask.dim() == 1 else mask
+    lengths = [len(s) for s in states]
+    if mask.shape[0] != len(states) or any(mask.shape[1] != n for n in lengths):
+        raise LminvertError(
+            f"the mask has shape {list(mask.shape)} but the states hold {len(states)} prompt(s) of "
+            f"{sorted(set(lengths))} rows: give the batch's attention mask, [N, T]"
+        )
+    keep = mask.bool()
+    if not keep.any(1).all():
+        raise LminvertError("the mask keeps no row of some prompt: is it the attention mask of these states?")
+    return [s[k] for s, k in zip(states, keep, strict=True)], int((~keep).sum())
+
+
+def _drop_identical(states: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    out, dropped = [], 0
+    for s in states:
+        if len(s) < PAD_RUN + 1:  # too short to hold pads and a prompt (an empty one is refused by HiddenStates)
+            out.append(s)
+            continue
+        start, stop = 0, len(s)
+        lead = _run(s)
+        if lead >= PAD_RUN:
+            start = lead
+        trail = _run(s.flip(0))
+        if trail >= PAD_RUN and len(s) - trail > start:
+            stop = len(s) - trail
+        if stop - start < 1:  # every row identical: nothing to tell pads from the prompt
+            out.append(s)
+            continue
+        dropped += len(s) - (stop - start)
+        out.append(s[start:stop])
+    return out, dropped
+
+
+def _run(rows: torch.Tensor) -> int:
+    """How many rows from the first are identical to it."""
+    same = (rows == rows[0]).all(1)
+    return int(same.long().cumprod(0).sum())
+
+
+def library_layer(index: str, library: str, n_layers: int) -> str:
+    """lminvert's name of layer ``index`` as ``library`` numbers it (see the module docstring)."""
+    if library not in LIBRARIES:
+        raise LminvertError(f"unknown --source-library '{library}': use one of {', '.join(LIBRARIES)}")
+    if library == "lminvert":
+        return index
+    try:
+        i = int(index)
+    except ValueError:
+        raise LminvertError(
+            f"--layer {index} with --source-library {library}: give the library's integer index"
+        ) from None
+    if library == "hf":
+        if not -(n_layers + 1) <= i <= n_layers:
+            raise LminvertError(f"hidden_states has indices 0..{n_layers} for this model, not {i}")
+        i %= n_layers + 1
+        return "final" if i == n_layers else str(i)
+    if not 0 <= i < n_layers:
+        raise LminvertError(f"{library} numbers this model's blocks 0..{n_layers - 1}, not {i}")
+    return str(i + 1)

@@ -1,0 +1,116 @@
+"""`lminvert inspect`: what a states file holds, which layer of which model, and the command that inverts it."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import torch
+
+from ..invert.layerfit import fit_layers
+from ..models.compat import check_compatible
+from ..models.loading import DTYPES
+from ..states import HiddenStates
+from .common import Formatter, add_states_args, model_from_args, print_json
+
+EXAMPLES = """examples:
+  lminvert inspect leak.safetensors                       # a file from `lminvert encode`: what it records
+  lminvert inspect leak.npy --model smollm2-135m          # a capture: the layer found, pads, BOS, the command
+  lminvert inspect cache.pt --key hidden_states.15 --model smollm2-135m --json
+"""
+
+BOS_MATCH = 1e-3  # position 0 within this relative distance of the BOS token's own state is called BOS: a token's
+# first-position state differs from another's by 4e-3 of its norm at the least at SmolLM2's sink layers, 7e-2 elsewhere
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "inspect",
+        help="states file -> shape, layer, pads, BOS",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=Formatter,
+    )
+    add_states_args(
+        parser,
+        model_help="model to score the states against (default: the file's)",
+        dtype_help="precision (default: the file's, else float32)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
+    doc: dict = {
+        "file": args.states,
+        "prompts": len(states),
+        "rows": states.lengths,
+        "hidden_size": states.hidden_size,
+        "array_dtype": str(states.states[0].dtype).replace("torch.", ""),
+        "recorded": {k: v for k, v in (("model", states.model), ("layer", states.layer), ("dtype", states.dtype)) if v},
+        "notes": list(states.notes),
+    }
+    name = args.model or states.model
+    if name:
+        model = model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
+        check_compatible(states, model, None)
+        doc |= _against(model, states)
+        layer = doc["layer"]["best"] if doc["layer"]["fits"] and doc["layer"]["decisive"] else "L"
+        command = ["lminvert", "invert", args.states, "--model", name]
+        if states.layer is None:
+            command += ["--layer", layer]
+        command += [f"--{k}={v}" for k, v in (("key", args.key), ("mask", args.mask)) if v]
+        doc["command"] = shlex.join(command)
+    if args.json:
+        print_json(doc)
+        return 0
+    _print(doc)
+    return 0
+
+
+def _against(model, states: HiddenStates) -> dict:
+    fit = fit_layers(model, list(states.states))
+    out = {
+        "model": model.name,
+        "layer": {
+            "best": fit.best,
+            "fits": fit.fits,
+            "decisive": fit.decisive,
+            "describe": fit.describe(),
+            "after_final_norm": fit.best == "final",
+        },
+    }
+    bos = getattr(model.tokenizer, "bos_token_id", None) if model.tokenizer is not None else None
+    if bos is not None and fit.fits:
+        layer = model.probe.layer(fit.best)
+        alone = model.probe.states(torch.tensor([[bos]]), [layer])[layer][0, 0].float().cpu()
+        rel = [float((s[0].float() - alone).norm() / alone.norm()) for s in states.states]
+        out["bos"] = {"token_id": int(bos), "position0_distance": rel, "is_bos": [r <= BOS_MATCH for r in rel]}
+    return out
+
+
+def _print(doc: dict) -> None:
+    rows = doc["rows"]
+    print(
+        f"{doc['file']}: {doc['prompts']} prompt(s), rows {rows if len(rows) <= 8 else [*rows[:8], '...']}, "
+        f"d = {doc['hidden_size']}, {doc['array_dtype']}"
+    )
+    if doc["recorded"]:
+        print("  recorded: " + ", ".join(f"{k} {v}" for k, v in doc["recorded"].items()))
+    for note in doc["notes"]:
+        print(f"  note: {note}")
+    if "layer" not in doc:
+        print("  pass --model M to find the layer, the BOS and the command that inverts it")
+        return
+    layer = doc["layer"]
+    verdict = "fits" if layer["fits"] else "fits NO layer of this model"
+    decisive = "" if layer["decisive"] else " (not decisive: give --layer)"
+    print(f"  {doc['model']}: {layer['describe']}: {verdict}{decisive}")
+    if layer["after_final_norm"]:
+        print("  these are states after the final norm (transformers' last hidden_states): layer final")
+    if "bos" in doc:
+        flags = doc["bos"]["is_bos"]
+        print(f"  position 0 is the BOS token (id {doc['bos']['token_id']}) in {sum(flags)} of {len(flags)} prompt(s)")
+    if layer["fits"]:
+        print(f"  invert with: {doc['command']}")

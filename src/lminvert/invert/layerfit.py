@@ -1,0 +1,231 @@
+"""Which layer of a model a states array holds, found from the states alone (no tokens, no search).
+
+Each layer's states occupy their own region of the hidden space: the residual stream's norm and direction grow block
+by block, and position 0 (an attention sink in most models) takes a layer-specific form whatever its token. A
+*signature* per model and dtype, built once from one forward of sample prompts (prose from the built-in corpus and
+random token ids) at every layer and cached, holds per layer the mean state at position 0 and at later positions, and
+one covariance pooled over layers for each. A given array is scored against every layer by its summed squared
+Mahalanobis distance (linear discriminant analysis; the source's error, e.g. added noise, widens the covariance), and:
+
+* the lowest score names the layer, *decisively* when every other layer scores at least ``MARGIN`` more;
+* a best score above ``FIT`` per row and dimension means the states fit no layer of this model (another model whose
+  hidden size matches by chance, random numbers, a window that does not start at position 0).
+
+It decides which layer the search runs at and refuses a given layer that decisively does not fit, within seconds and
+before any search; what the search then accepts is the acceptor's business alone (:mod:`.acceptor`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..corpora import sample_prompts
+from ..errors import LminvertError
+from ..models import Layer, LoadedModel
+from .sources import ErrorModel, Exact
+from .tables import read_tables, write_tables
+
+log = logging.getLogger(__name__)
+
+KIND = "layer-signature1"  # the cache's name for the signature; a new name whenever how it is built changes
+PROMPTS = 64  # sample prompts of each kind (prose, random ids): 2 x 64 x 24 rows per layer, ~3 s on SmolLM2 here
+TOKENS = 24  # tokens per sample prompt
+RIDGE = 1e-3  # the pooled covariances' diagonal loading, relative to their mean variance (a 576-dim estimate from
+# ~4,000 rows at position 0 would otherwise be near singular in the directions no sample spans)
+MARGIN = 100.0  # twice the log-likelihood ratio by which the best layer must beat every other to be called decisive:
+# on SmolLM2's held-out prompts (5 texts and 8 random-id prompts at every layer, float32 and bfloat16, noise to 0.1) a
+# wrong best layer never led by more than 22, the right one by a median of 300 (docs/results.md)
+FIT = 6.0  # a best spread above this fits no layer: SmolLM2's held-out prompts spread 3.7 at most (float32, bfloat16,
+# noise up to 0.1), Gaussian random numbers of any scale 9.7 at the least (docs/results.md); position 0's spread is
+# not calibrated (its covariance is estimated from 128 rows), so states of one row per prompt are never refused on it
+DOF = 8.0  # the t distribution's degrees of freedom
+ROWS = 64  # rows scored at most (the first ones): enough to decide, and a constant cost for long prompts
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Per layer (index = layer, ``0..L+1``) the mean state at position 0 and at later positions; each pooled
+    covariance as its eigenbasis and eigenvalues."""
+
+    first_scale: torch.Tensor  # [L + 2]: each layer's median norm
+    first_mean: torch.Tensor  # [L + 2, d] float64, of states divided by the layer's scale
+    first_basis: torch.Tensor  # [d, d]
+    first_var: torch.Tensor  # [d]
+    rest_scale: torch.Tensor
+    rest_mean: torch.Tensor
+    rest_basis: torch.Tensor
+    rest_var: torch.Tensor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """How well states fit each layer of one model: ``scores`` (layer name -> summed squared Mahalanobis distance)."""
+
+    model: str
+    scores: dict[str, float]  # minus twice the log-likelihood, summed over rows (lower: better)
+    spreads: dict[str, float]  # the median later row's squared Mahalanobis distance per dimension (about 1: in place)
+    measured: bool = True  # False: one row per prompt, whose spread is not a measure of fit (never refused on it)
+
+    @property
+    def ranked(self) -> list[str]:
+        return sorted(self.scores, key=self.scores.__getitem__)
+
+    @property
+    def best(self) -> str:
+        return self.ranked[0]
+
+    @property
+    def fit(self) -> float:
+        """The best layer's spread (about 1 for states of this model)."""
+        return self.spreads[self.best]
+
+    @property
+    def fits(self) -> bool:
+        return not self.measured or self.fit <= FIT
+
+    @property
+    def decisive(self) -> bool:
+        """Whether the best layer beats every other by ``MARGIN``."""
+        ranked = self.ranked
+        return len(ranked) == 1 or self.scores[ranked[1]] - self.scores[ranked[0]] >= MARGIN
+
+    def rules_out(self, layer: str) -> bool:
+        """Whether the states decisively do not come from ``layer``: another layer fits, and beats it by ``MARGIN``."""
+        return self.fits and layer != self.best and self.scores[layer] - self.scores[self.best] >= MARGIN
+
+    def describe(self) -> str:
+        """One phrase: the best layer, its fit and the runner-up."""
+        ranked = self.ranked
+        text = f"layer {self.best} (fit {self.fit:.3g}"
+        if len(ranked) > 1:
+            gap = self.scores[ranked[1]] - self.scores[ranked[0]]
+            text += f"; next: layer {ranked[1]}, {gap:.3g} worse"
+        return text + ")"
+
+
+def signature(model: LoadedModel) -> Signature:
+    """The model's layer signature in its dtype (built on first use: one forward of the sample prompts at every
+    layer; cached on the loaded model and on disk)."""
+    probe = model.probe
+    key = (KIND, model.dtype)
+    if key in model.memo:
+        return model.memo[key]
+    anchor = probe.layer(0)
+    stored = read_tables(model, anchor, KIND)
+    if stored is None:
+        log.info("building the layer signature of %s (%s)", model.name, model.dtype)
+        stored = _build(model)
+        write_tables(model, anchor, KIND, stored)
+    value = Signature(**{name: t.double() for name, t in stored.items()})
+    model.memo[key] = value
+    return value
+
+
+def _sample_ids(model: LoadedModel) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, model.probe.vocab_size, (TOKENS,), generator=gen) for _ in range(PROMPTS)]
+    if model.tokenizer is not None:
+        prompts, _ = sample_prompts(model.tokenizer, "prose", PROMPTS, max_tokens=TOKENS, seed=0, min_tokens=TOKENS)
+        rows += [torch.tensor(p.ids[:TOKENS]) for p in prompts if len(p.ids) >= TOKENS]
+    return torch.stack(rows).clamp_(max=model.probe.vocab_size - 1)
+
+
+def _build(model: LoadedModel) -> dict[str, torch.Tensor]:
+    probe = model.probe
+    layers = [*range(probe.n_layers + 1), "final"]
+    ids = _sample_ids(model)
+    by_layer: list[torch.Tensor] = []
+    with torch.no_grad():
+        for chunk in ids.split(32):
+            states = probe.states(chunk, layers)
+            by_layer.append(torch.stack([states[layer].double().cpu() for layer in sorted(states)]))
+    every = torch.cat(by_layer, 1)  # [L + 2, prompts, T, d]
+    out: dict[str, torch.Tensor] = {}
+    for name, rows in (("first", every[:, :, 0]), ("rest", every[:, :, 1:].flatten(1, 2))):
+        scale = rows.norm(dim=-1).median(dim=1).values  # [L + 2]: each layer's typical norm
+        rows = rows / scale[:, None, None]
+        mean = rows.mean(1)
+        centred = (rows - mean[:, None]).flatten(0, 1)
+        cov = centred.T @ centred / len(centred)
+        cov += RIDGE * cov.diagonal().mean() * torch.eye(len(cov), dtype=cov.dtype)
+        var, basis = torch.linalg.eigh(cov)
+        out |= {f"{name}_scale": scale, f"{name}_mean": mean, f"{name}_basis": basis}
+        out[f"{name}_var"] = var.clamp(min=1e-30)
+    return {k: v.float() if k.endswith("mean") else v for k, v in out.items()}
+
+
+def fit_layers(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | None = None) -> LayerFit:
+    """Score every layer of ``model`` against ``states`` (each ``[T, d]``, from position 0). ``source`` widens the
+    covariance by its bound's per-dimension share at each row (e.g. added noise)."""
+    sig = signature(model)
+    source = source or Exact()
+    n_layers = model.probe.n_layers
+    total = torch.zeros(n_layers + 2, dtype=torch.float64)
+    spreads: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for prompt in states:
+        x = prompt[:ROWS].detach().cpu().double()
+        for start, part, scale, mean, basis, var in (
+            (0, x[:1], sig.first_scale, sig.first_mean, sig.first_basis, sig.first_var),
+            (1, x[1:], sig.rest_scale, sig.rest_mean, sig.rest_basis, sig.rest_var),
+        ):
+            if not len(part):
+                continue
+            extra = torch.tensor(
+                [(source.bound(row, start + i) / math.sqrt(row.numel())) ** 2 for i, row in enumerate(part)],
+                dtype=torch.float64,
+            )
+            d = part.shape[1]
+            z = (part[None] / scale[:, None, None] - mean.double()[:, None]) @ basis  # [L + 2, rows, d]
+            # each layer's covariance in the states' own units, widened by the source's error: s^2 var + extra
+            spread = scale[:, None, None] ** 2 * var + extra[None, :, None]  # [L + 2, rows, d]
+            m2 = (z.square() * scale[:, None, None] ** 2 / spread).sum(-1)  # [L + 2, rows]
+            # minus twice the log density of a multivariate t (DOF degrees of freedom: a row far from every layer
+            # weighs in logarithmically), up to what is the same for every layer
+            total += ((DOF + d) * torch.log1p(m2 / DOF) + spread.log().sum(-1)).sum(1)
+            spreads[start].append(m2 / d)
+    names = [Layer(i, n_layers).name for i in range(n_layers + 2)]
+    later = bool(spreads[1])  # later positions' spread is the calibrated measure of fit; position 0's is not
+    spread = torch.cat(spreads[1] if later else spreads[0], 1).median(1).values
+    return LayerFit(
+        model.name,
+        dict(zip(names, total.tolist(), strict=True)),
+        dict(zip(names, spread.tolist(), strict=True)),
+        measured=later,
+    )
+
+
+def resolve_layer(
+    model: LoadedModel, states: list[torch.Tensor], given: Layer | None, source: ErrorModel | None = None
+) -> tuple[Layer, LayerFit]:
+    """The layer to search at: ``given``, unless the states decisively come from another layer (a one-line error
+    naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive."""
+    fit = fit_layers(model, states, source)
+    probe = model.probe
+    if not fit.fits:
+        anyway = "--no-check" if given is not None else "--layer L --no-check"
+        raise LminvertError(
+            f"these states fit no layer of {model.name}: the closest is {fit.describe()}, where its own states score "
+            f"about 1 and at most {FIT:g}; are they another model's, random, or not starting at the prompt's first "
+            f"token? (pass the right --model, or {anyway} to search anyway)"
+        )
+    if given is None:
+        if not fit.decisive:
+            raise LminvertError(
+                f"cannot tell which layer of {model.name} these states hold: the closest is {fit.describe()}; "
+                "pass --layer"
+            )
+        return probe.layer(fit.best), fit
+    if fit.rules_out(given.name):
+        raise LminvertError(
+            f"these states are {model.name}'s {fit.describe()}, not layer {given.name}: pass --layer {fit.best} "
+            "(or leave --layer out), or --no-check to search layer "
+            f"{given.name} anyway"
+        )
+    return given, fit

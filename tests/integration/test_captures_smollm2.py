@@ -1,0 +1,63 @@
+"""The real default model's states as people capture them: the layer found from the states alone, a wrong --layer
+refused in one line, random numbers diagnosed in one line, `lminvert inspect`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import lminvert
+from lminvert.invert import invert
+from lminvert.invert.layerfit import fit_layers
+from lminvert.states import HiddenStates
+
+from ..conftest import run_cli
+from ..unit.test_foreign import padded_capture
+
+TEXTS = [
+    "Contact Jane Doe at jane.doe@example.com about invoice 4471.",
+    "The meeting moved to Thursday at 3pm in room B.",
+    "def add(a, b): return a + b",
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layer_is_found_from_padded_transformers_captures(dtype):
+    model = lminvert.load_model("smollm2-135m", dtype=dtype)
+    prompts = [model.tokenize(t) for t in TEXTS]
+    n = model.probe.n_layers
+    for index, name in ((1, "1"), (14, "14"), (15, "15"), (n - 1, str(n - 1)), (n, "final")):
+        for side in ("left", "right"):
+            fit = fit_layers(model, padded_capture(model, prompts, index, side))
+            assert (fit.best, fit.fits, fit.decisive) == (name, True, True), (index, side, fit.describe())
+    own = model.probe.states(torch.tensor([prompts[0]]), [n])[model.probe.layer(n)][0]
+    assert fit_layers(model, [own]).best == str(n)  # lminvert's layer 30: before the final norm
+
+
+def test_a_capture_inverts_without_its_layer():
+    model = lminvert.load_model("smollm2-135m")
+    prompts = [model.tokenize(t) for t in TEXTS[:2]]
+    (result, second) = invert(model, HiddenStates.from_array(padded_capture(model, prompts, 1, "right")))
+    assert [result.token_ids, second.token_ids] == prompts
+    assert any("layer 1 found from the states" in note for note in result.notes)
+
+
+def test_a_wrong_layer_and_random_numbers_are_one_line_errors(tmp_path):
+    model = lminvert.load_model("smollm2-135m")
+    states = model.probe.states(torch.tensor([model.tokenize(TEXTS[0])]), [15])[model.probe.layer(15)][0]
+    np.save(tmp_path / "leak.npy", states.numpy())
+    np.save(tmp_path / "random.npy", np.random.default_rng(0).standard_normal((20, 576)).astype(np.float32))
+    for args, says in (
+        (["leak.npy", "--layer", "14"], "--layer 15"),
+        (["leak.npy", "--layer", "15", "--source-library", "hf", "--layer", "16"], "--layer 15"),
+        (["random.npy"], "fit no layer"),
+        (["random.npy", "--layer", "15"], "fit no layer"),
+    ):
+        proc = run_cli("invert", str(tmp_path / args[0]), "--model", "smollm2-135m", *args[1:])
+        assert proc.returncode != 0 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    proc = run_cli("inspect", str(tmp_path / "leak.npy"), "--model", "smollm2-135m", "--json", check=True)
+    doc = json.loads(proc.stdout)
+    assert doc["layer"]["best"] == "15" and doc["command"].endswith("--layer 15")
