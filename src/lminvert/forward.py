@@ -97,7 +97,7 @@ def _batched(
     progress: bool,
     same_length: bool = False,
 ) -> Iterator[tuple[list[int], dict[Layer, torch.Tensor]]]:
-    bar = tqdm(total=len(ids), desc="encoding", unit="prompt", disable=not progress, leave=False)
+    bar = tqdm(total=len(ids), desc="encoding", unit="prompt", disable=None if progress else True, leave=False)
     try:
         for rows in length_batches(ids, batch_tokens, same_length):
             batch, mask = padded_batch(ids, rows)
@@ -165,7 +165,9 @@ def vocabulary_states(
     resolved = probe.layers(layers)
     prefix = probe.prefix(list(prefix_ids), max(resolved))
     tokens = torch.arange(probe.vocab_size) if tokens is None else tokens
-    bar = tqdm(total=len(tokens), desc=desc, unit="token", unit_scale=True, disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(tokens), desc=desc, unit="token", unit_scale=True, disable=None if progress else True, leave=False
+    )
     try:
         with torch.no_grad():
             for chunk in tokens.split(batch):

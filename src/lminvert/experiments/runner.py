@@ -130,7 +130,14 @@ def run_experiment(
     todo = [unit for unit in units if not (run / _unit_file(unit.key)).exists()]
     resumed = len(units) - len(todo)
     infos: dict[str, dict[str, Any]] = {}  # models loaded by workers in other processes
-    bar = tqdm(total=len(units), initial=resumed, desc=experiment.name, unit="unit", disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(units),
+        initial=resumed,
+        desc=experiment.name,
+        unit="unit",
+        disable=None if progress else True,
+        leave=False,
+    )
     runner = get_executor(executor)
     setup = _UnitSetup(experiment, ctx, load)
     for index, (done, described) in runner.map_with(setup, _run_unit, todo):

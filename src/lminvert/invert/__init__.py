@@ -138,7 +138,7 @@ def invert(
     observed = [add_noise(c, noise, generator) if noise > 0 else c for c in clean]
     chunks = [slice(first, first + together) for first in range(0, len(observed), together)]
     tasks = [(observed[c], clean[c] if noise > 0 else None) for c in chunks]
-    bar = tqdm(total=sum(states.lengths), desc="inverting", unit="tok", disable=not progress, leave=False)
+    bar = tqdm(total=sum(states.lengths), desc="inverting", unit="tok", disable=None if progress else True, leave=False)
     live = [0]  # positions reported since the last finished chunk (only where the chunks run in this process)
 
     def on_position(prompt: int, position: int, result: PositionResult) -> None:
