@@ -14,6 +14,7 @@ from ..executors import executor_spec
 from ..models import load_model
 from ..models.loading import DEVICES, DTYPES, LoadedModel
 from ..models.registry import DEFAULT_MODEL
+from ..states import HiddenStates
 
 
 def add_model_args(
@@ -45,6 +46,11 @@ def add_states_args(parser: argparse.ArgumentParser, model_help: str, dtype_help
         "--mask", default=None, help="the batch's attention mask ([N, T] of 0/1, .npy/.pt): rows it marks 0 are dropped"
     )
     add_model_args(parser, default=None, dtype=None, model_help=model_help, dtype_help=dtype_help)
+
+
+def model_for_states(args: argparse.Namespace, name: str, states: HiddenStates) -> LoadedModel:
+    """The model that reads ``states``: ``name``, in --dtype, else the dtype the states record, else float32."""
+    return model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
 
 
 def model_from_args(args: argparse.Namespace, name: str | None = None, dtype: str | None = None) -> LoadedModel:

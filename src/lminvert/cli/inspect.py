@@ -9,9 +9,8 @@ import torch
 
 from ..invert.layerfit import fit_layers
 from ..models.compat import check_compatible
-from ..models.loading import DTYPES
 from ..states import HiddenStates
-from .common import Formatter, add_states_args, model_from_args, print_json
+from .common import Formatter, add_states_args, model_for_states, print_json
 
 EXAMPLES = """examples:
   lminvert inspect leak.safetensors                       # a file from `lminvert encode`: what it records
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     }
     name = args.model or states.model
     if name:
-        model = model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
+        model = model_for_states(args, name, states)
         check_compatible(states, model, None)
         doc |= _against(model, states)
         layer = doc["layer"]["best"] if doc["layer"]["fits"] and doc["layer"]["decisive"] else "L"

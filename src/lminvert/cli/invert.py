@@ -10,10 +10,9 @@ from pathlib import Path
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, invert, parse_source
-from ..models.loading import DTYPES
 from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
-from .common import Formatter, add_ray_arg, add_states_args, executor_from_args, model_from_args, print_json
+from .common import Formatter, add_ray_arg, add_states_args, executor_from_args, model_for_states, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -135,10 +134,8 @@ def run(args: argparse.Namespace) -> int:
             raise LminvertError("give either --noise (added here, and modelled) or --source, not both")
     if args.out:
         check_output_file(args.out)
-    model = model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
-    layer = args.layer
-    if layer is not None and args.source_library != "lminvert":
-        layer = library_layer(layer, args.source_library, model.probe.n_layers)
+    model = model_for_states(args, name, states)
+    layer = None if args.layer is None else library_layer(args.layer, args.source_library, model.probe.n_layers)
     results = invert(
         model,
         states,

@@ -4,12 +4,14 @@ Each layer's states occupy their own region of the hidden space: the residual st
 by block, and position 0 (an attention sink in most models) takes a layer-specific form whatever its token. A
 *signature* per model and dtype, built once from one forward of sample prompts (prose from the built-in corpus and
 random token ids) at every layer and cached, holds per layer the mean state at position 0 and at later positions, and
-one covariance pooled over layers for each. A given array is scored against every layer by its summed squared
-Mahalanobis distance (linear discriminant analysis; the source's error, e.g. added noise, widens the covariance), and:
+one covariance pooled over layers for each (states divided by the layer's median norm). A given array is scored
+against every layer by minus twice its log-likelihood under a multivariate t with that mean and covariance (the
+source's error, e.g. added noise, widens the covariance), and:
 
 * the lowest score names the layer, *decisively* when every other layer scores at least ``MARGIN`` more;
-* a best score above ``FIT`` per row and dimension means the states fit no layer of this model (another model whose
-  hidden size matches by chance, random numbers, a window that does not start at position 0).
+* a best layer's *spread* (the median later row's squared Mahalanobis distance per dimension) above ``FIT`` means the
+  states fit no layer of this model (another model whose hidden size matches by chance, random numbers, a window
+  that does not start at position 0).
 
 It decides which layer the search runs at and refuses a given layer that decisively does not fit, within seconds and
 before any search; what the search then accepts is the acceptor's business alone (:mod:`.acceptor`).
@@ -52,7 +54,7 @@ class Signature:
     covariance as its eigenbasis and eigenvalues."""
 
     first_scale: torch.Tensor  # [L + 2]: each layer's median norm
-    first_mean: torch.Tensor  # [L + 2, d] float64, of states divided by the layer's scale
+    first_mean: torch.Tensor  # [L + 2, d], of states divided by the layer's scale (all float64 in memory)
     first_basis: torch.Tensor  # [d, d]
     first_var: torch.Tensor  # [d]
     rest_scale: torch.Tensor
@@ -60,13 +62,11 @@ class Signature:
     rest_basis: torch.Tensor
     rest_var: torch.Tensor
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
 
 @dataclass(frozen=True)
 class LayerFit:
-    """How well states fit each layer of one model: ``scores`` (layer name -> summed squared Mahalanobis distance)."""
+    """How well states fit each layer of one model, by layer name: ``scores`` decide which layer, ``spreads`` whether
+    any fits."""
 
     model: str
     scores: dict[str, float]  # minus twice the log-likelihood, summed over rows (lower: better)
@@ -182,7 +182,7 @@ def fit_layers(model: LoadedModel, states: list[torch.Tensor], source: ErrorMode
                 dtype=torch.float64,
             )
             d = part.shape[1]
-            z = (part[None] / scale[:, None, None] - mean.double()[:, None]) @ basis  # [L + 2, rows, d]
+            z = (part[None] / scale[:, None, None] - mean[:, None]) @ basis  # [L + 2, rows, d]
             # each layer's covariance in the states' own units, widened by the source's error: s^2 var + extra
             spread = scale[:, None, None] ** 2 * var + extra[None, :, None]  # [L + 2, rows, d]
             m2 = (z.square() * scale[:, None, None] ** 2 / spread).sum(-1)  # [L + 2, rows]
