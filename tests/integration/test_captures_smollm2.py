@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import lminvert
+from lminvert.captures import library_layer
 from lminvert.invert import invert
 from lminvert.invert.layerfit import fit_layers
 from lminvert.states import HiddenStates
 
 from ..conftest import run_cli
+from ..libraries import nnsight_states, transformer_lens_cache
 from ..unit.test_foreign import padded_capture
 
 TEXTS = [
@@ -29,7 +31,7 @@ def test_the_layer_is_found_from_padded_transformers_captures(dtype):
     model = lminvert.load_model("smollm2-135m", dtype=dtype)
     prompts = [model.tokenize(t) for t in TEXTS]
     n = model.probe.n_layers
-    for index, name in ((1, "1"), (14, "14"), (15, "15"), (n - 1, str(n - 1)), (n, "final")):
+    for index, name in ((0, "0"), (1, "1"), (14, "14"), (15, "15"), (n - 1, str(n - 1)), (n, "final")):
         for side in ("left", "right"):
             fit = fit_layers(model, padded_capture(model, prompts, index, side))
             assert (fit.best, fit.fits, fit.decisive) == (name, True, True), (index, side, fit.describe())
@@ -50,14 +52,35 @@ def test_a_wrong_layer_and_random_numbers_are_one_line_errors(tmp_path):
     states = model.probe.states(torch.tensor([model.tokenize(TEXTS[0])]), [15])[model.probe.layer(15)][0]
     np.save(tmp_path / "leak.npy", states.numpy())
     np.save(tmp_path / "random.npy", np.random.default_rng(0).standard_normal((20, 576)).astype(np.float32))
+    # at the embeddings' scale, random numbers fit layer 0's covariance, but lie far from every token's embedding
+    np.save(tmp_path / "small.npy", 0.03 * np.random.default_rng(1).standard_normal((20, 576)).astype(np.float32))
     for args, says in (
         (["leak.npy", "--layer", "14"], "--layer 15"),
         (["leak.npy", "--layer", "15", "--source-library", "hf", "--layer", "16"], "--layer 15"),
         (["random.npy"], "fit no layer"),
         (["random.npy", "--layer", "15"], "fit no layer"),
+        (["small.npy"], "beyond every token's embedding"),
     ):
         proc = run_cli("invert", str(tmp_path / args[0]), "--model", "smollm2-135m", *args[1:])
         assert proc.returncode != 0 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     proc = run_cli("inspect", str(tmp_path / "leak.npy"), "--model", "smollm2-135m", "--json", check=True)
     doc = json.loads(proc.stdout)
     assert doc["layer"]["best"] == "15" and doc["command"].endswith("--layer 15")
+
+
+@pytest.mark.parametrize("library", ["nnsight", "tl"])
+def test_other_libraries_captures_invert_at_layers_1_15_30(library):
+    """nnsight's model.model.layers[i].output and TransformerLens' blocks.{i}.hook_resid_post (compatibility mode:
+    folded RMSNorm weights, the same states up to rounding) at blocks 0, 14 and 29: the layer found from the states,
+    every token right, nothing below confident."""
+    model = lminvert.load_model("smollm2-135m")
+    ids = model.tokenize(TEXTS[0])
+    n = model.probe.n_layers
+    if library == "tl":
+        cache = transformer_lens_cache(model, ids, compatibility=True)
+    for block in (0, 14, n - 1):
+        states = nnsight_states(model, ids, block) if library == "nnsight" else cache[f"blocks.{block}.hook_resid_post"]
+        (result,) = invert(model, states)
+        assert result.layer == library_layer(str(block), library, n), result.notes
+        assert result.token_ids == ids
+        assert "uncertain" not in result.verdicts, (block, result.verdicts)

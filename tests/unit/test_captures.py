@@ -11,7 +11,11 @@ import lminvert
 from lminvert.captures import library_layer
 from lminvert.errors import LminvertError
 from lminvert.forward import padded_batch
+from lminvert.invert import invert
+from lminvert.invert.layerfit import fit_layers
 from lminvert.states import HiddenStates
+
+from ..libraries import nnsight_states, transformer_lens_cache
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
 
@@ -86,3 +90,94 @@ def test_library_layer_numbering():
     for bad, says in ((("31", "hf", 30), "0..30"), (("30", "tl", 30), "0..29"), (("x", "nnsight", 30), "integer")):
         with pytest.raises(LminvertError, match=says):
             library_layer(*bad)
+    assert library_layer("15", "vllm", 30) == "15"  # eagle_aux_hidden_state_layer_ids count as lminvert's layers
+
+
+def test_a_vllm_hidden_state_file(tmp_path):
+    """vLLM's extract_hidden_states connector saves one file per request: hidden_states [K, T, d] (one slice per
+    eagle_aux_hidden_state_layer_ids entry) and the prompt's token_ids."""
+    model = lminvert.load_model("tiny-llama")
+    ids = PROMPTS[0]
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    layer_ids = [0, 1]  # (hidden_states' last index, after the final norm, has no vLLM id)
+    save_file(
+        {"hidden_states": torch.stack([hidden[i][0] for i in layer_ids]), "token_ids": torch.tensor(ids)},
+        str(tmp_path / "req-0.safetensors"),
+    )
+    with pytest.raises(LminvertError, match="--key"):
+        HiddenStates.load(tmp_path / "req-0.safetensors")
+    states = HiddenStates.load(tmp_path / "req-0.safetensors", key="hidden_states.1")
+    torch.testing.assert_close(states.states[0], hidden[1][0], rtol=0, atol=0)
+    assert any("vLLM" in n and "plain text" in n for n in states.notes)
+    (result,) = invert(model, states, library_layer("1", "vllm", model.probe.n_layers))
+    assert result.token_ids == ids
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_the_layer_is_found_at_every_layer_of_a_tiny_model(name):
+    """The best layer is the true one at every layer (random tiny models' adjacent layers differ little, so it is
+    not always decisive there; SmolLM2's are: tests/integration/test_captures_smollm2.py)."""
+    model = lminvert.load_model(name)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.probe.vocab_size, (8,), generator=gen) for _ in range(3)]
+    for layer in [*range(model.probe.n_layers + 1), "final"]:
+        states = [model.probe.states(p[None], [layer])[model.probe.layer(layer)][0] for p in prompts]
+        fit = fit_layers(model, states)
+        assert (fit.best, fit.fits) == (str(layer), True), fit.describe()
+
+
+def test_nnsight_and_transformer_lens_captures_invert():
+    model = lminvert.load_model("tiny-llama")
+    ids = PROMPTS[0]
+    block = 0
+    layer = library_layer(str(block), "nnsight", model.probe.n_layers)
+    captured = {
+        "nnsight": nnsight_states(model, ids, block),
+        "tl": transformer_lens_cache(model, ids)[f"blocks.{block}.hook_resid_post"],
+        # RMSNorm models: compatibility mode folds the norms' weights into the next layers; the states differ by
+        # rounding only, and invert as float states
+        "tl-compat": transformer_lens_cache(model, ids, compatibility=True)[f"blocks.{block}.hook_resid_post"],
+    }
+    for how, states in captured.items():
+        (result,) = invert(model, states, layer)
+        assert result.token_ids == ids, how
+        assert result.source == "float" and "uncertain" not in result.verdicts, (how, result.verdicts)
+
+
+def test_transformer_lens_compatibility_mode_on_a_layernorm_model_is_refused():
+    """GPT-2's LayerNorm: compatibility mode centres the writing weights, so every state loses its mean."""
+    model = lminvert.load_model("tiny-gpt2")
+    ids = PROMPTS[0]
+    raw = transformer_lens_cache(model, ids)["blocks.0.hook_resid_post"]
+    (result,) = invert(model, raw, 1)
+    assert result.token_ids == ids
+    centred = transformer_lens_cache(model, ids, compatibility=True)["blocks.0.hook_resid_post"]
+    with pytest.raises(LminvertError, match="compatibility mode"):
+        invert(model, centred, 1)
+    (result,) = invert(model, centred, 1, check=False)  # searched anyway: nothing fits, nothing better than uncertain
+    assert set(result.verdicts) == {"uncertain"} and any("no candidate fits" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_captures_with_and_without_bos_invert(bos):
+    model = lminvert.load_model("tiny-llama")
+    text = model.tokenize("Hello there, world")
+    ids = [model.tokenizer.bos_token_id, *text] if bos else text
+    states = model.probe.states(torch.tensor([ids]), [1])[model.probe.layer(1)][0]
+    (result,) = invert(model, states, 1)
+    assert result.token_ids == ids
+    assert any(("is the BOS token" if bos else "is not the BOS token") in n for n in result.notes), result.notes
+
+
+def test_a_time_bound_stops_the_search():
+    """States that fit nothing are searched through the vocabulary at every position; a time bound stops that, and
+    the positions it cut say so, none better than uncertain."""
+    model = lminvert.load_model("tiny-llama")
+    noise = torch.randn(6, model.probe.hidden_size, generator=torch.Generator().manual_seed(0))
+    (result,) = invert(model, noise, 1, check=False, max_seconds=1e-6)
+    assert set(result.verdicts) == {"uncertain"}
+    assert any("time bound stopped the search at 6 of 6 positions" in n for n in result.notes), result.notes
+    assert max(result.candidates_checked) < model.probe.vocab_size
+    with pytest.raises(LminvertError, match="max_seconds"):
+        invert(model, noise, 1, max_seconds=0)

@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="lminvert",
         choices=LIBRARIES,
         help="whose numbering --layer uses: hf (output_hidden_states index; the last is after the final norm), "
-        "nnsight (model.model.layers[i]), tl (blocks.i.hook_resid_post), lminvert (block outputs 0..L, final)",
+        "nnsight (model.model.layers[i]), tl (blocks.i.hook_resid_post), vllm (eagle_aux_hidden_state_layer_ids), "
+        "lminvert (block outputs 0..L, final)",
     )
     parser.add_argument(
         "--check",
@@ -75,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
     parser.add_argument("--max-candidates", type=int, default=None, help="budget per position (default |V|)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="bound the search: after this many seconds each position stops after its first batch and keeps the "
+        "closest candidate verified, with the acceptor's verdict on that evidence (default: no bound)",
+    )
     parser.add_argument(
         "--together",
         type=int,
@@ -122,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
     if args.max_candidates is not None and args.max_candidates < 1:
         raise LminvertError("--max-candidates must be at least 1")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise LminvertError("--max-seconds must be a positive number of seconds")
     if args.noise < 0 or args.noise != args.noise:
         raise LminvertError("--noise must be a non-negative number (a relative level, e.g. 0.001)")
     if args.together < 1:
@@ -145,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         noise=args.noise,
         seed=args.seed,
         max_candidates=args.max_candidates,
+        max_seconds=args.max_seconds,
         together=args.together,
         tolerance_scale=args.tolerance_scale,
         certify=args.certify,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,6 +19,7 @@ from ..models.loading import require_loaded
 from ..models.probe import has_hooks
 from ..models.ties import tied_token_groups
 from ..states import HiddenStates
+from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .layerfit import resolve_layer
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
@@ -40,6 +42,7 @@ def invert(
     noise: float = 0.0,
     seed: int = 0,
     max_candidates: int | None = None,
+    max_seconds: float | None = None,
     first_table: bool = True,
     together: int = 32,
     tolerance_scale: float = 1.0,
@@ -84,6 +87,10 @@ def invert(
     beats, or states that fit no layer of the model, raise a one-line error naming the closest layer instead of a
     long search (``check=False``: search the given layer anyway).
 
+    ``max_seconds``: a bound on the search, counted from this call: once it has passed, every position stops after its
+    first batch of candidates and keeps the closest one verified; the acceptor gives such positions their verdict as
+    for any budget (``max_candidates`` bounds candidates instead), and the results' notes count them.
+
     ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
     token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
     which is exact because the model is injective; ``None`` (default) certifies when injectivity cannot be assumed:
@@ -95,6 +102,9 @@ def invert(
         raise LminvertError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
     if noise < 0 or noise != noise:
         raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
+    if max_seconds is not None and not max_seconds > 0:
+        raise LminvertError("max_seconds must be a positive number of seconds")
+    deadline = None if max_seconds is None else time.time() + max_seconds
     if together < 1:
         raise LminvertError("together must be at least 1 (prompts inverted at once)")
     if batch_scale is not None and batch_scale < 1:
@@ -124,6 +134,7 @@ def invert(
         policy=policy,
         first_table=first_table,
         max_candidates=max_candidates,
+        deadline=deadline,
         tolerance_scale=tolerance_scale,
         source=error_model,
         seed=seed,
@@ -156,7 +167,21 @@ def invert(
     finally:
         bar.close()
     flat = [r for chunk_results in results for r in chunk_results]
+    if states.weights_hash is None:  # a capture from elsewhere: whether it began with BOS is not known beforehand
+        return [replace(r, notes=(*found, *r.notes, *_bos_note(model, r))) for r in flat]
     return [replace(r, notes=found + r.notes) for r in flat] if found else flat
+
+
+def _bos_note(model: LoadedModel, result: InversionResult) -> tuple[str, ...]:
+    """What position 0 turned out to be, where the tokenizer has a BOS token (nothing about it is assumed: position 0
+    is searched over the whole vocabulary like any other, so captures with and without BOS both invert); nothing where
+    position 0 itself is uncertain."""
+    bos = getattr(model.tokenizer, "bos_token_id", None)
+    if bos is None or not result.token_ids or result.verdicts[0] == UNCERTAIN:
+        return ()
+    if result.token_ids[0] == bos:
+        return (f"position 0 is the BOS token {model.decode([bos])!r} (the capture included special tokens)",)
+    return (f"position 0 is not the BOS token {model.decode([bos])!r} (captured without it; nothing assumed)",)
 
 
 def _layer(

@@ -71,6 +71,9 @@ class InvertConfig:
     policy: str = "linear"
     first_table: bool = True  # rank position 0 with the first-position table (policies that support it)
     max_candidates: int | None = None  # per position; default: the whole vocabulary
+    # wall-clock time (time.time()) after which each position stops after its first batch, keeping the closest
+    # candidate (the acceptor then rules, as for any budget: such a position is at best what its evidence shows)
+    deadline: float | None = None
     tolerance_scale: float = 1.0  # multiplies the measured acceptance radii
     # where the states come from: how far an observation may lie from this machine's plain forward (:mod:`.sources`)
     source: ErrorModel = field(default_factory=Exact)
@@ -156,6 +159,7 @@ def invert_prompts(
         ties=ties or {},
         scale=config.batch_scale or batch_scale(device, len(states)),
         table_norms=None if table is None else squared_norms(model, f"table-{layer.name}", table),
+        deadline=config.deadline,
     )
     for policy in policies:  # what a policy keeps per model and layer (the position-1 map's norms), like the tables
         policy.prepare(model, layer, first_table=table is not None, reading=reading)
@@ -237,9 +241,16 @@ def invert_prompts(
 def _notes(search: PromptSearch, source: ErrorModel) -> tuple[str, ...]:
     """What the prompt's result says about its states as a whole."""
     misfit = sum(p.reason == acceptor.NO_FIT for p in search.positions)
+    notes: tuple[str, ...] = ()
+    if search.cut:
+        notes += (
+            f"the time bound stopped the search at {search.cut} of {len(search.positions)} positions: each kept the "
+            "closest candidate of what it had verified",
+        )
     if not misfit:
-        return ()
+        return notes
     return (
+        *notes,
         f"{misfit} of {len(search.positions)} positions: no candidate fits the error model '{source.label}': these "
         "states do not match this model's computation at this layer (another model, layer or dtype, a fine-tuned "
         "copy, or an error larger than the model allows: try --source noise:LEVEL)",

@@ -29,11 +29,11 @@ from ..corpora import sample_prompts
 from ..errors import LminvertError
 from ..models import Layer, LoadedModel
 from .sources import ErrorModel, Exact
-from .tables import read_tables, write_tables
+from .tables import first_position_table, read_tables, write_tables
 
 log = logging.getLogger(__name__)
 
-KIND = "layer-signature1"  # the cache's name for the signature; a new name whenever how it is built changes
+KIND = "layer-signature2"  # the cache's name for the signature; a new name whenever how it is built changes
 PROMPTS = 64  # sample prompts of each kind (prose, random ids): 2 x 64 x 24 rows per layer, ~3 s on SmolLM2 here
 TOKENS = 24  # tokens per sample prompt
 RIDGE = 1e-3  # the pooled covariances' diagonal loading, relative to their mean variance (a 576-dim estimate from
@@ -46,6 +46,12 @@ FIT = 6.0  # a best spread above this fits no layer: SmolLM2's held-out prompts 
 # not calibrated (its covariance is estimated from 128 rows), so states of one row per prompt are never refused on it
 DOF = 8.0  # the t distribution's degrees of freedom
 ROWS = 64  # rows scored at most (the first ones): enough to decide, and a constant cost for long prompts
+CENTRED = 1e-3  # a row whose mean is below this fraction of its RMS is centred; a model's own rows are not (a real
+# row's mean is ~1/sqrt(d) of its RMS at random, so that every one of CENTRED_ROWS rows passes by chance is ~1e-8)
+CENTRED_ROWS = 4
+EMBEDDING = 0.05  # layer 0 holds the tokens' embeddings: position 0 of a capture lies within rounding of one
+# (bfloat16: ~4e-3 of its norm) beyond the source's bound; random numbers at the embeddings' scale fit layer 0's
+# covariance (SmolLM2: N(0, 0.03) fits it at 0.43) but lie ~2.6 of their norm from every embedding
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class Signature:
     rest_mean: torch.Tensor
     rest_basis: torch.Tensor
     rest_var: torch.Tensor
+    centred: torch.Tensor  # [L + 2]: 1 where every sample row of the layer is centred (:func:`centred`), else 0
 
 
 @dataclass(frozen=True)
@@ -147,13 +154,13 @@ def _build(model: LoadedModel) -> dict[str, torch.Tensor]:
             states = probe.states(chunk, layers)
             by_layer.append(torch.stack([states[layer].double().cpu() for layer in sorted(states)]))
     every = torch.cat(by_layer, 1)  # [L + 2, prompts, T, d]
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {"centred": torch.tensor([float(centred(list(rows))) for rows in every])}
     for name, rows in (("first", every[:, :, 0]), ("rest", every[:, :, 1:].flatten(1, 2))):
         scale = rows.norm(dim=-1).median(dim=1).values  # [L + 2]: each layer's typical norm
         rows = rows / scale[:, None, None]
         mean = rows.mean(1)
-        centred = (rows - mean[:, None]).flatten(0, 1)
-        cov = centred.T @ centred / len(centred)
+        dev = (rows - mean[:, None]).flatten(0, 1)
+        cov = dev.T @ dev / len(dev)
         cov += RIDGE * cov.diagonal().mean() * torch.eye(len(cov), dtype=cov.dtype)
         var, basis = torch.linalg.eigh(cov)
         out |= {f"{name}_scale": scale, f"{name}_mean": mean, f"{name}_basis": basis}
@@ -201,6 +208,29 @@ def fit_layers(model: LoadedModel, states: list[torch.Tensor], source: ErrorMode
     )
 
 
+def centred(states: list[torch.Tensor]) -> bool:
+    """Whether every row's mean over the hidden dimensions is ~0 (``CENTRED``), over ``CENTRED_ROWS`` rows at least:
+    states with the residual's mean removed, as TransformerLens' compatibility mode computes them for models with
+    LayerNorm (for RMSNorm models it folds weights only: the states differ by rounding, about 1e-6 of their norm)."""
+    rows = torch.cat([s.detach().double().reshape(-1, s.shape[-1]) for s in states])
+    if len(rows) < CENTRED_ROWS:
+        return False
+    rms = rows.square().mean(-1).sqrt()
+    return bool((rows.mean(-1).abs() <= CENTRED * rms).all() and (rms > 0).all())
+
+
+def _embedding_gap(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel) -> float:
+    """How far beyond the source's bound position 0 lies from the nearest token's layer-0 state (median over the
+    prompts), relative to its norm."""
+    table = first_position_table(model, model.probe.layer(0), progress=False)
+    gaps = []
+    for prompt in states:
+        row = prompt[0].detach().to(table.device, torch.float32)
+        nearest = ((table - row) ** 2).sum(-1).min().sqrt()
+        gaps.append(max(0.0, float(nearest) - source.bound(row, 0)) / max(float(row.norm()), 1e-30))
+    return float(torch.tensor(gaps).median())
+
+
 def resolve_layer(
     model: LoadedModel, states: list[torch.Tensor], given: Layer | None, source: ErrorModel | None = None
 ) -> tuple[Layer, LayerFit]:
@@ -208,12 +238,25 @@ def resolve_layer(
     naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive."""
     fit = fit_layers(model, states, source)
     probe = model.probe
+    searched = given.name if given is not None else fit.best
+    if centred(states) and not signature(model).centred[int(probe.layer(searched))]:
+        raise LminvertError(
+            f"every row of these states has mean 0, which {model.name}'s own states at layer {searched} do not: "
+            "TransformerLens' compatibility mode (center_writing_weights) removes each row's mean; capture them "
+            "without enable_compatibility_mode() (or pass --no-check to search anyway)"
+        )
     if not fit.fits:
         anyway = "--no-check" if given is not None else "--layer L --no-check"
         raise LminvertError(
             f"these states fit no layer of {model.name}: the closest is {fit.describe()}, where its own states score "
             f"about 1 and at most {FIT:g}; are they another model's, random, or not starting at the prompt's first "
             f"token? (pass the right --model, or {anyway} to search anyway)"
+        )
+    if int(probe.layer(searched)) == 0 and (gap := _embedding_gap(model, states, source or Exact())) > EMBEDDING:
+        raise LminvertError(
+            f"these states fit no layer of {model.name}: as layer 0 (the embeddings), position 0 lies {gap:.2g} of its "
+            "norm beyond every token's embedding, where the model's own states lie within rounding of one; random "
+            "numbers at the embeddings' scale? (pass the right --model, or --layer L --no-check to search anyway)"
         )
     if given is None:
         if not fit.decisive:

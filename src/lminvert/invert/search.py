@@ -85,6 +85,11 @@ class Settings:
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
     table_norms: torch.Tensor | None = None  # the table's squared row norms (computed once per loaded model)
+    deadline: float | None = None  # wall-clock time (time.time()) after which a position stops after its first batch
+
+    def late(self) -> bool:
+        """Whether the deadline has passed."""
+        return self.deadline is not None and time.time() > self.deadline
 
 
 class PromptSearch:
@@ -113,6 +118,7 @@ class PromptSearch:
         # reproduced here (evidence for the acceptor, :attr:`.acceptor.Evidence.reproduced`)
         self.reproduced = False
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
+        self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
         self.decision = acceptor.PENDING  # the acceptor's decision at the current position, once final
@@ -189,14 +195,18 @@ class PromptSearch:
         ctx = self.ctx
         assert ctx is not None
         ids = None
-        if ctx.forwarded < self.settings.budget:
+        late = ctx.forwarded > 0 and self.settings.late()  # one batch at least, so a closest candidate exists
+        if late and not self.exhausted:
+            self.cut += 1
+        if ctx.forwarded < self.settings.budget and not late:
             with self.clock("ranking"):
                 ids = self.active.propose(ctx)
             if ids is not None and ids.numel():
                 ids = ids[~ctx.seen[ids]][: self.settings.budget - ctx.forwarded]
             if self.settings.exhaustive and (ids is None or ids.numel() == 0):  # the policy is spent: sweep the rest
                 ids = SWEEP.propose(ctx)[: self.settings.budget - ctx.forwarded]
-        if (ids is None or ids.numel() == 0) and self.screened_out:  # before giving up: the screened-out, in full
+        # before giving up: the screened-out, in full
+        if (ids is None or ids.numel() == 0) and self.screened_out and not late:
             screened_ids, screened = (torch.cat(parts) for parts in zip(*self.screened_out, strict=True))
             ids, self.screened_out, self.unscreening = screened_ids[screened.argsort()], [], True
             ctx.screened -= len(ids)  # counted once, as verified now
