@@ -17,7 +17,8 @@ import time
 import torch
 
 import lminvert
-from lminvert.invert.layerfit import FIT, MARGIN, fit_layers, signature
+from lminvert.errors import LminvertError
+from lminvert.invert.layerfit import FIT, MARGIN, fit_layers, resolve_layer, signature
 from lminvert.invert.sources import Noise
 from lminvert.invert.tolerance import add_noise
 
@@ -76,9 +77,16 @@ def main() -> None:
             src = Noise(sigma=sigma) if modelled else None
             cases = [(k.name, add_noise(s[0], sigma, gen), src) for k, s in states.items()]
             report(model, f"noise {sigma:g}{'' if modelled else ' unmodelled'}", cases)
-    for scale in (0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 1e4):
-        fit = fit_layers(model, [scale * torch.randn(20, 576, generator=gen)])
-        print(f"random numbers x {scale:<6g} closest {fit.describe()}: {'FITS' if fit.fits else 'refused'}")
+    for scale in (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 1e4):
+        noise = [scale * torch.randn(20, 576, generator=gen)]
+        fit = fit_layers(model, noise)
+        try:
+            resolve_layer(model, noise, None)
+            verdict = "ACCEPTED"
+        except LminvertError as exc:
+            said = str(exc)
+            verdict = "refused: " + ("far from every embedding" if "embedding" in said else said[:40])
+        print(f"random numbers x {scale:<6g} closest {fit.describe()}: {verdict}")
 
 
 if __name__ == "__main__":
