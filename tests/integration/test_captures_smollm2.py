@@ -11,6 +11,7 @@ import torch
 
 import lminvert
 from lminvert.captures import library_layer
+from lminvert.errors import LminvertError
 from lminvert.invert import invert
 from lminvert.invert.layerfit import fit_layers
 from lminvert.states import HiddenStates
@@ -84,3 +85,25 @@ def test_other_libraries_captures_invert_at_layers_1_15_30(library):
         assert result.layer == library_layer(str(block), library, n), result.notes
         assert result.token_ids == ids
         assert "uncertain" not in result.verdicts, (block, result.verdicts)
+
+
+def test_states_of_another_model_of_the_same_width_fit_no_layer():
+    """A (random) Llama whose hidden size is SmolLM2's, 576: its states at every layer are refused in one line."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = lminvert.load_model("smollm2-135m")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=model.probe.vocab_size,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=3,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    other = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        hidden = other(input_ids=torch.tensor([model.tokenize(TEXTS[0])]), output_hidden_states=True).hidden_states
+    for states in hidden:
+        with pytest.raises(LminvertError, match="fit no layer"):
+            invert(model, states[0])
