@@ -40,7 +40,7 @@ lint: $(STAMP)
 # layer on a 2-core CPU, ~3x less where its bfloat16 products are native (docs/results.md); layers already cached are
 # skipped, so an interrupted run resumes and a second run trains nothing. Layer 30 with the whole vocabulary in each
 # step's softmax and 4,000 random-id training prompts instead of 1,000 (each change read that layer's random token ids
-# with a fraction of the candidates: docs/results.md).
+# with a fraction of the candidates: docs/history.md, fifth and sixth rounds).
 readers: setup
 	$(BIN)/lminvert -v models --prepare smollm2-135m --reader 3,6,9,12,15,18,21,24,27
 	$(BIN)/lminvert -v models --prepare smollm2-135m --reader 30 --negatives 0 --random-prompts 4000

@@ -79,7 +79,10 @@ def read_json(path: str | Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise LminvertError(f"cannot read {path} ({type(exc).__name__}); delete it to recompute") from exc
+        raise LminvertError(
+            f"cannot read {path} ({type(exc).__name__}): not a JSON file lminvert wrote, or cut short (a run's own "
+            "file: delete it to recompute)"
+        ) from exc
 
 
 def _probe_directory(directory: Path, what: str) -> None:

@@ -109,7 +109,8 @@ class RunDirectory:
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = dict(config)
         manifest = self.path / MANIFEST
-        self.resumed = manifest.exists()
+        # a manifest with nothing computed beside it (a run stopped by bad input before any work) is not resumed
+        self.resumed = manifest.exists() and any(p.is_file() and p.name != MANIFEST for p in self.path.rglob("*"))
         if not self.resumed:
             write_json(manifest, {"kind": kind, "config": self.config, "versions": versions()})
             return

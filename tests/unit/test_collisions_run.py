@@ -294,3 +294,17 @@ def test_pairs_per_block_defaults_to_one_task_in_process_and_fills_workers_on_ra
     assert SearchSettings(block_pairs=123).pairs_per_block(get_executor(None), 100_000, 30) == 123
     with pytest.raises(LminvertError, match="--block-pairs must be"):
         SearchSettings(block_pairs=-1)
+
+
+def test_a_run_stopped_before_any_work_does_not_lock_its_directory(tmp_path):
+    """Bad input refused after the manifest was written (a typo in --corpus) must not make the corrected command
+    refuse the directory; once something was computed there, another run's config is refused."""
+    from lminvert.runs import RunDirectory
+
+    RunDirectory(tmp_path, "collisions", {"corpus": "nosuch"}, ["corpus"])
+    run = RunDirectory(tmp_path, "collisions", {"corpus": "mixed"}, ["corpus"])
+    assert not run.resumed
+    run.step("store.json", lambda: {"done": 1})
+    assert RunDirectory(tmp_path, "collisions", {"corpus": "mixed"}, ["corpus"]).resumed
+    with pytest.raises(LminvertError, match="different collisions run"):
+        RunDirectory(tmp_path, "collisions", {"corpus": "prose"}, ["corpus"])

@@ -14,6 +14,14 @@ import sys
 
 from ..errors import LminvertError
 
+EXAMPLES = """Run `lminvert <command> --help` for its options and examples.
+
+examples:
+  lminvert demo                                           # the whole job on smollm2-135m, offline
+  lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
+  lminvert invert leak.safetensors                        # the exact prompt, from the states alone
+"""
+
 COMMANDS = ["models", "encode", "inspect", "invert", "collisions", "exhaustive", "experiment", "lab", "report", "demo"]
 
 
@@ -21,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lminvert",
         description="Recover prompts from transformer hidden states; test injectivity at scale.",
-        epilog="Run `lminvert <command> --help` for examples.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")

@@ -34,8 +34,7 @@ EXAMPLES = """corpora (--corpus):
 
 examples:
   lminvert collisions --corpus mixed --n-prompts 2000 --layers 1,middle,-1 --out runs/c2k
-  lminvert collisions --model gpt2-small-random --corpus code --n-prompts 20000 --layers all --max-tokens 16 \\
-      --threshold 1e-6 --k 10 --seed 1 --out runs/gpt2
+  lminvert collisions --model gpt2-small-random --corpus code --n-prompts 20000 --max-tokens 16 --out runs/gpt2
   lminvert collisions --corpus notes.jsonl --n-prompts 500 --out runs/mine --json
   lminvert collisions --n-prompts 100000 --ray auto --out runs/c100k   # on a running Ray cluster
 """

@@ -28,7 +28,7 @@ def add_model_args(
     parser.add_argument(
         "--model",
         default=default,
-        help=model_help or f"alias (see `lminvert models`), hub id, directory or .gguf (default: {default})",
+        help=model_help or "alias (see `lminvert models`), hub id, directory or .gguf (default: %(default)s)",
     )
     parser.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=dtype_help)
     parser.add_argument(

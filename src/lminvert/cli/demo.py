@@ -27,12 +27,19 @@ log = logging.getLogger(__name__)
 
 SAMPLE = "Hi, I'm Alice Smith and my card number is 4111 1111 1111 1111."
 
+EXAMPLES = """examples:
+  lminvert demo                                           # smollm2-135m at layer 15, files in out/demo
+  lminvert demo --model tiny-llama --layer 1 --n-prompts 50 --out runs/demo-tiny
+  lminvert demo --text "my IBAN is DE89 3704 0044 0532 0130 00" --device cuda --out runs/demo-iban
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "demo",
         help="run the end-to-end demo on the default model",
         description=__doc__,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(parser)

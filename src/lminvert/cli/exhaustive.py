@@ -24,14 +24,14 @@ from .common import (
 )
 from .runs import report_run
 
-EXAMPLES = """examples:
+EXAMPLES = """A prefix run to the top layer takes |V| one-token forwards over its cache: 72 s for SmolLM2 on 2 idle CPU
+cores (317 s while sharing them with another job), plus 10-22 s of search per layer.
+
+examples:
   lminvert exhaustive --prefix "The capital of France is" --layers 1,15,30 --out runs/ex1
   lminvert exhaustive --from-collisions runs/c2k --prefixes 3 --out runs/ex-closest
   lminvert exhaustive --model tiny-llama --prefix "hello" --prefix "def f(x):" --layers all --out runs/tiny
   lminvert exhaustive --prefix "The capital of France is" --layers all --ray auto --out runs/ex-cluster
-
-A prefix run to the top layer takes |V| one-token forwards over its cache: 72 s for SmolLM2 on 2 idle CPU cores
-(317 s while sharing them with another job), plus 10-22 s of search per layer.
 """
 
 

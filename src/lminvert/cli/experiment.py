@@ -20,9 +20,7 @@ from .common import Formatter, add_model_args, add_ray_arg, executor_from_args, 
 EXAMPLES = """examples:
   lminvert experiment --list
   lminvert experiment methods --quick --out runs/methods-quick
-  lminvert experiment methods --model gpt2-small-random --out runs/methods-gpt2
   lminvert experiment noise --quick --model tiny-llama --out runs/noise
-  lminvert experiment methods --ray auto --out runs/methods     # units on a Ray cluster's workers
   lminvert experiment splits --size per_kind=10 --size 'kinds=["prose","chat"]' --out runs/splits
   lminvert report runs/methods-quick runs/noise --out report.html
 """

@@ -20,9 +20,6 @@ EXAMPLES = """examples:
   lminvert invert leak.safetensors --json --out result.json
   lminvert invert leak.npy --model smollm2-135m          # a capture from elsewhere: layer found, --source float
   lminvert invert leak.pt --model smollm2-135m --layer 15 --dtype bfloat16 --source noise:0.01
-  lminvert invert leak.safetensors --noise 1e-3          # robustness: add relative Gaussian noise first
-  lminvert invert leak-bf16.safetensors --device cuda     # dtype from the file (bfloat16 here), on a GPU
-  lminvert invert many.safetensors --together 8 --ray auto   # chunks of 8 prompts on a Ray cluster's workers
 """
 
 

@@ -22,8 +22,8 @@ from .common import Formatter, print_json
 
 EXAMPLES = """examples:
   lminvert lab init --quick --out runs/lab-init
-  lminvert lab train --out runs/lab-train
-  lminvert invert --model runs/lab-train/models/adam --prompt "def main():"
+  lminvert lab train --out runs/lab-train                 # trained models in runs/lab-train/models/{sgd,adam}
+  lminvert encode --model runs/lab-train/models/adam --layer -1 --text "def main():" --out trained.safetensors
   lminvert lab break --quick --out runs/lab-break
   lminvert report runs/lab-init runs/lab-train runs/lab-break --out lab.html
 """

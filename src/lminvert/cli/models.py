@@ -11,9 +11,21 @@ from ..models import REGISTRY, load_model, sources
 from ..models.loading import DTYPES
 from .common import print_json
 
+EXAMPLES = """examples:
+  lminvert models                                         # the aliases, their shapes, whether usable offline
+  lminvert models --prepare smollm2-135m                  # convert the GGUF into the cache now
+  lminvert models --prepare smollm2-135m --reader 15,30   # also train reading networks for layers 15 and 30
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("models", help="list model aliases", description="List registered model aliases.")
+    parser = sub.add_parser(
+        "models",
+        help="list model aliases",
+        description="List registered model aliases.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--prepare", metavar="ALIAS", help="convert ALIAS into the cache now (idempotent)")
     parser.add_argument(

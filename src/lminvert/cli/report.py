@@ -5,14 +5,16 @@ beside it; an existing page keeps everything outside its generated block."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from ..errors import LminvertError
 from ..paths import check_output_file
 from ..report.html import write_report
 from .common import Formatter
 
 EXAMPLES = """examples:
   lminvert report runs/methods runs/depth runs/c2k --out report.html
-  lminvert invert leak.safetensors --out result.json && lminvert report result.json --out leak.html
+  lminvert report result.json --title "What leak.safetensors held" --out leak.html   # from invert --out result.json
   lminvert report out/results/* --out docs/results.md
 """
 
@@ -32,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.out.endswith((".html", ".md")):
+        raise LminvertError(f"--out must end in .html (one page) or .md (markdown), got '{Path(args.out).name}'")
     if args.out.endswith(".md"):
         from ..report.markdown_page import write_markdown
 

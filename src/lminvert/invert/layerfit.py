@@ -40,9 +40,10 @@ RIDGE = 1e-3  # the pooled covariances' diagonal loading, relative to their mean
 # ~4,000 rows at position 0 would otherwise be near singular in the directions no sample spans)
 MARGIN = 100.0  # twice the log-likelihood ratio by which the best layer must beat every other to be called decisive:
 # on SmolLM2's held-out prompts (5 texts and 8 random-id prompts at every layer, float32 and bfloat16, noise to 0.1) a
-# wrong best layer never led by more than 22, the right one by a median of 300 (docs/results.md)
+# wrong best layer never led by more than 21.6, the right one by a median of 310-612 (docs/results.md)
 FIT = 6.0  # a best spread above this fits no layer: SmolLM2's held-out prompts spread 3.7 at most (float32, bfloat16,
-# noise up to 0.1), Gaussian random numbers of any scale 9.7 at the least (docs/results.md); position 0's spread is
+# noise up to 0.1), Gaussian random numbers from 0.3 per coordinate up 9.9 at the least (docs/results.md; below that
+# the layer-0 check refuses them: EMBEDDING); position 0's spread is
 # not calibrated (its covariance is estimated from 128 rows), so states of one row per prompt are never refused on it
 DOF = 8.0  # the t distribution's degrees of freedom
 ROWS = 64  # rows scored at most (the first ones): enough to decide, and a constant cost for long prompts
@@ -245,10 +246,10 @@ def resolve_layer(
             "TransformerLens' compatibility mode (center_writing_weights) removes each row's mean; capture them "
             "without enable_compatibility_mode() (or pass --no-check to search anyway)"
         )
+    anyway = "--no-check" if given is not None else "--layer LAYER --no-check"
     if not fit.fits:
-        anyway = "--no-check" if given is not None else "--layer L --no-check"
         raise LminvertError(
-            f"these states fit no layer of {model.name}: the closest is {fit.describe()}, where its own states score "
+            f"these states fit no layer of {model.name}: the closest is {fit.describe()}, where its own states fit "
             f"about 1 and at most {FIT:g}; are they another model's, random, or not starting at the prompt's first "
             f"token? (pass the right --model, or {anyway} to search anyway)"
         )
@@ -256,7 +257,7 @@ def resolve_layer(
         raise LminvertError(
             f"these states fit no layer of {model.name}: as layer 0 (the embeddings), position 0 lies {gap:.2g} of its "
             "norm beyond every token's embedding, where the model's own states lie within rounding of one; random "
-            "numbers at the embeddings' scale? (pass the right --model, or --layer L --no-check to search anyway)"
+            f"numbers at the embeddings' scale? (pass the right --model, or {anyway} to search anyway)"
         )
     if given is None:
         if not fit.decisive:

@@ -247,8 +247,8 @@ class LinearPolicy(Policy):
       Each later batch is split between the secant ranking, this one and the proposal order by their records in the
       prompt (:meth:`_stream_shares`: each one's first ranking at the positions that needed one; the best gets the
       whole batch size, another ``2**-(its mean log2 rank - the best's)`` of it, at least :data:`STREAM_FLOOR`).
-      Same-run A/B on 7 benchmark and 7 held-out prompts (docs/results.md): candidates per position at layer 30
-      43.5 / 103.1 -> 41.4 / 37.8, layer 27 11.8 / 49.9 -> 6.3 / 20.0; layers 3-21 within +-0.9;
+      Same-run A/B on 7 benchmark and 7 held-out prompts (docs/history.md, sixth round): candidates per position at
+      layer 30 43.5 / 103.1 -> 41.4 / 37.8, layer 27 11.8 / 49.9 -> 6.3 / 20.0; layers 3-21 within +-0.9;
     * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
       ``carried`` of the secant ranking with the offset carried over from the previous position (the mean of
       ``h - e_v J`` over its verified pairs: no forward needed to estimate it), and only ``anchors`` random entries
