@@ -29,8 +29,11 @@ setup-gemma: $(STAMP)
 demo: setup
 	$(BIN)/lminvert demo
 
-test: setup
-	@$(MAKE) --no-print-directory chromium || echo "chromium could not be installed: the browser test will be skipped"
+# chromium installs (apt) while the environment sets up (pip), then the suite runs
+test:
+	@$(MAKE) --no-print-directory chromium >/dev/null 2>&1 & chromium=$$!; \
+	$(MAKE) --no-print-directory setup || exit 1; \
+	wait $$chromium || echo "chromium could not be installed: the browser test will be skipped"; \
 	$(BIN)/pytest -q
 
 lint: $(STAMP)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,8 +53,30 @@ def smollm2():
 
 
 def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
-    """Run the `lminvert` command as a user would."""
-    proc = subprocess.run([sys.executable, "-m", "lminvert", *args], capture_output=True, text=True, timeout=600)
+    """Run the `lminvert` command as a user would, in this process (``lminvert.cli.main``: the same parsing, exit
+    status, stdout and stderr as ``python -m lminvert``, without a new interpreter importing torch for each call);
+    what the command logs reaches its stderr as the command's own logging set-up would send it."""
+    from lminvert.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    verbose = "-v" in args or "--verbose" in args
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.INFO if verbose else logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(min(level, handler.level) if level else handler.level)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse: --help, usage errors
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    proc = subprocess.CompletedProcess(["lminvert", *args], code, out.getvalue(), err.getvalue())
     if check and proc.returncode != 0:
         raise AssertionError(f"lminvert {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc

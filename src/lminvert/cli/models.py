@@ -29,6 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--prepare", metavar="ALIAS", help="convert ALIAS into the cache now (idempotent)")
     parser.add_argument(
+        "--signature",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --prepare: also cache the model's layer signature, so that a capture's layer is found in seconds "
+        "on first use",
+    )
+    parser.add_argument(
         "--reader",
         metavar="LAYERS",
         help="with --prepare: also train and cache the reading network at LAYERS (e.g. 30, or 15,30), which "
@@ -91,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.prepare}: nothing to convert")
         else:
             print(f"{spec.alias}: ready in {sources.convert(spec)}")
-            _layer_signature(args)
+            if args.signature:
+                _layer_signature(args)
         if args.reader:
             _train_readers(args)
         return 0
