@@ -65,10 +65,30 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # change kernels
+
+
+def cpu_features() -> str:
+    """The CPU's vector features that decide which kernels torch runs (and so the last bits of what they compute):
+    torch's dispatch level and the half-precision units ``/proc/cpuinfo`` reports, e.g. ``AVX512 avx2 amx_bf16``."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    level = torch.backends.cpu.get_cpu_capability()
+    return " ".join([level, *(f for f in CPU_FLAGS if f in flags)])
+
+
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_features": cpu_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "blas": "mkl" if torch.backends.mkl.is_available() else "other",
@@ -92,6 +112,7 @@ def run_metadata(model_info: Mapping[str, Any], seed: int) -> dict[str, Any]:
         "dtype": model_info.get("dtype"),
         "threads": here["torch_threads"],
         "machine": here,
+        "versions": versions(),
         "model_info": dict(model_info),
     }
 

@@ -96,21 +96,8 @@ def invert(
     which is exact because the model is injective; ``None`` (default) certifies when injectivity cannot be assumed:
     the model carries forward hooks that edit what its weights compute (as the lab's constructions do).
     """
-    if method not in METHODS:
-        raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
-    if policy not in POLICIES:
-        raise LminvertError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
-    if noise < 0 or noise != noise:
-        raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
-    if max_seconds is not None and not max_seconds > 0:
-        raise LminvertError("max_seconds must be a positive number of seconds")
+    _check_options(method, policy, noise, max_seconds, together, batch_scale, tolerance_scale)
     deadline = None if max_seconds is None else time.time() + max_seconds
-    if together < 1:
-        raise LminvertError("together must be at least 1 (prompts inverted at once)")
-    if batch_scale is not None and batch_scale < 1:
-        raise LminvertError("batch_scale must be at least 1 (candidate batches relative to a CPU's)")
-    if not tolerance_scale > 0:
-        raise LminvertError("tolerance_scale must be positive (1 = the measured radii)")
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
@@ -182,6 +169,32 @@ def _bos_note(model: LoadedModel, result: InversionResult) -> tuple[str, ...]:
     if result.token_ids[0] == bos:
         return (f"position 0 is the BOS token {model.decode([bos])!r} (the capture included special tokens)",)
     return (f"position 0 is not the BOS token {model.decode([bos])!r} (captured without it; nothing assumed)",)
+
+
+def _check_options(
+    method: str,
+    policy: str,
+    noise: float,
+    max_seconds: float | None,
+    together: int,
+    batch_scale: int | None,
+    tolerance_scale: float,
+) -> None:
+    """One-line errors for :func:`invert`'s options, before anything is loaded or computed."""
+    if method not in METHODS:
+        raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
+    if policy not in POLICIES:
+        raise LminvertError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
+    if noise < 0 or noise != noise:
+        raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
+    if max_seconds is not None and not max_seconds > 0:
+        raise LminvertError("max_seconds must be a positive number of seconds")
+    if together < 1:
+        raise LminvertError("together must be at least 1 (prompts inverted at once)")
+    if batch_scale is not None and batch_scale < 1:
+        raise LminvertError("batch_scale must be at least 1 (candidate batches relative to a CPU's)")
+    if not tolerance_scale > 0:
+        raise LminvertError("tolerance_scale must be positive (1 = the measured radii)")
 
 
 def _layer(

@@ -91,9 +91,9 @@ def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
     key = (KIND, int(layer), model.dtype)
     if key not in model.memo:
         net = None
-        weights = read_tables(model, layer, KIND)
+        weights = read_tables(model, layer, KIND, strict=False)
         if weights is None and model.dtype != "float32":
-            weights = read_tables(model, layer, KIND, dtype="float32")
+            weights = read_tables(model, layer, KIND, dtype="float32", strict=False)
         if weights is not None:
             shapes = [weights[f"{i}.weight"].shape for i in (0, 2, 4)]
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])

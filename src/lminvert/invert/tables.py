@@ -6,7 +6,9 @@ sink with a norm ~100x the others, which makes gradient signals there useless.) 
 first token and itself; a secant map fitted over random first tokens is a good prior for the linear policy.
 
 Both are built with the batched forwards of :mod:`lminvert.forward` and written atomically to
-``<cache>/tables/<weights hash>-<dtype>-layer<L>...safetensors``; a loaded model keeps them in memory
+``<cache>/tables/<weights hash>-<dtype>-layer<L>...safetensors``, with the :func:`provenance` that made them in the
+file's metadata: an entry made under another provenance (torch or transformers version, CPU features, GPU, numeric
+path) is recomputed, never reused; a loaded model keeps them in memory
 (on its own :attr:`~lminvert.models.LoadedModel.memo`, so edited weights never see stale tables). Files hold CPU
 float32 tensors whatever the device that built them; a table read from disk is moved to the model's device. They
 are keyed by the model's dtype: a bfloat16 model builds its own (its states differ from float32's by more than
@@ -15,18 +17,22 @@ the gaps a table has to resolve at some positions), and reads it on any device.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
 from ..models.probe import has_hooks
 from ..paths import atomic_file, cache_dir
+from ..runs import cpu_features
 from .secant import centre, fit_secant_map
 
 log = logging.getLogger(__name__)
@@ -42,26 +48,58 @@ def table_path(
     return cache_dir() / "tables" / name
 
 
+def provenance(model: LoadedModel) -> dict[str, str]:
+    """What made a cache entry besides the weights, dtype, layer and device type its name records: the torch and
+    transformers versions, the CPU's features, the GPU's name, and the probe's numeric path."""
+    out = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": cpu_features(),
+        "numeric": model.probe.numeric_path,
+    }
+    if model.device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(model.device)
+    return out
+
+
 def read_tables(
-    model: LoadedModel, layer: Layer, kind: str, device: str | None = None, dtype: str | None = None
+    model: LoadedModel,
+    layer: Layer,
+    kind: str,
+    device: str | None = None,
+    dtype: str | None = None,
+    strict: bool = True,
 ) -> dict[str, torch.Tensor] | None:
     """The tensors kept on disk under ``kind`` for this model's weights, dtype (or ``dtype``) and ``layer`` (CPU
-    tensors), or None: none kept, or a model whose forward hooks change what it computes (its weights hash cannot
-    name that)."""
+    tensors), or None: none kept; kept under another :func:`provenance` (to be recomputed; with ``strict=False``, for
+    what only orders candidates and costs minutes to remake, returned with a warning instead); or a model whose
+    forward hooks change what it computes (its weights hash cannot name that)."""
     path = table_path(model, layer, kind, device, dtype)
     if has_hooks(model.model) or not path.is_file():
         return None
+    with safe_open(str(path), framework="pt") as handle:
+        saved = json.loads((handle.metadata() or {}).get("provenance", "{}"))
+    here = provenance(model)
+    if saved != here:
+        changed = sorted(k for k in {*saved, *here} if saved.get(k) != here.get(k))
+        if strict:
+            log.info("recomputing %s (cached under another %s)", path.name, ", ".join(changed))
+            return None
+        if set(changed) - {"numeric"}:  # a reader made for float32 serves a half model of the same weights by design
+            log.warning("%s was made under another %s: used as it is (it only orders candidates)", path.name, changed)
     return load_file(str(path))
 
 
 def write_tables(
     model: LoadedModel, layer: Layer, kind: str, tensors: dict[str, torch.Tensor], device: str | None = None
 ) -> None:
-    """Keep ``tensors`` on disk under ``kind`` (:func:`read_tables`), except for a hooked model."""
+    """Keep ``tensors`` on disk under ``kind`` (:func:`read_tables`) with their provenance, except for a hooked
+    model."""
     if has_hooks(model.model):  # what it computes is not what its weights hash names: keep it off the disk
         return
+    meta = {"provenance": json.dumps(provenance(model), sort_keys=True)}
     with atomic_file(table_path(model, layer, kind, device)) as tmp:  # two processes building it cannot collide
-        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(tmp))
+        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(tmp), metadata=meta)
 
 
 def cached(

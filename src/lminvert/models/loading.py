@@ -115,6 +115,7 @@ class LoadedModel:
             "device": str(self.device),
             "weights_hash": self.weights_hash,
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+            "numeric_path": probe.numeric_path,
             "threads": torch.get_num_threads(),
         }
 
@@ -146,6 +147,10 @@ def _external(name: str) -> tuple[PreTrainedModel, object]:
             where: str | Path = path.parent
         else:
             kwargs = {}
+            # a path, not a hub id (org/name): a leading ./ / ~, or more than one separator
+            local = name.startswith((".", "/", "~")) or (os.sep in name and name.count("/") != 1)
+            if local and not path.exists():
+                raise LminvertError(f"model directory not found: {name}")
             where = path if path.exists() else name
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
         try:

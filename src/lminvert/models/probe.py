@@ -336,6 +336,12 @@ class LayerProbe:
         return None
 
     @property
+    def numeric_path(self) -> str:
+        """How the cached forwards compute: ``native`` (the dtype's own kernels), or ``half-as-float32`` (a half
+        model's linear layers as float32 GEMMs rounded back where the CPU's half GEMMs are slow: ``HalfAsFloat32``)."""
+        return "native" if self._half is None else "half-as-float32"
+
+    @property
     def can_screen(self) -> bool:
         """Whether :meth:`screening` pays here: a model it can run on (:attr:`screen_refusal`) on a CPU with native
         bfloat16 GEMMs (:func:`.halfmath.native_bfloat16`; a GPU's verification is latency-bound)."""

