@@ -17,78 +17,32 @@ Ray is optional: ``pip install 'lminvert[ray]'``. Nothing imports it unless a Ra
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from .errors import LminvertError
 from .models.loading import LoadedModel
+from .tasking import Executor, Plain, TaskRecord, WorkerSetup, ordered, run_task, since
+
+__all__ = [
+    "Executor",
+    "InProcessExecutor",
+    "ModelSetup",
+    "Plain",
+    "TaskRecord",
+    "WorkerSetup",
+    "executor_spec",
+    "get_executor",
+    "ordered",
+    "run_task",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class WorkerSetup(Protocol):
-    """What a worker makes once and hands to every task it runs (``key`` names it in the worker's cache)."""
-
-    key: str
-
-    def make(self) -> Any: ...
-
-    def here(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class TaskRecord:
-    """One finished task: which worker ran it, when (seconds since the map began) and for how long."""
-
-    index: int
-    worker: str
-    started: float
-    seconds: float
-    finished: float
-
-
-class Executor(Protocol):
-    name: str
-    workers: int  # tasks it runs at once
-    records: list[TaskRecord]
-
-    def map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]: ...
-
-    def map_with(
-        self, setup: WorkerSetup | None, fn: Callable[[Any, T], R], tasks: Sequence[T]
-    ) -> Iterator[tuple[int, R]]: ...
-
-
-def run_task(state: Any, fn: Callable[[Any, T], R], index: int, task: T) -> tuple[int, R, TaskRecord]:
-    """Run one task where it was sent and time it (shared by both executors)."""
-    began = time.time()
-    result = fn(state, task)
-    seconds = time.time() - began
-    return index, result, TaskRecord(index, f"{os.uname().nodename}:{os.getpid()}", began, seconds, began + seconds)
-
-
-@dataclass(frozen=True)
-class Plain:
-    """``fn(task)`` as a ``fn(state, task)`` that ignores the worker's state."""
-
-    fn: Callable[[Any], Any]
-
-    def __call__(self, state: Any, task: Any) -> Any:
-        return self.fn(task)
-
-
-def ordered(stream: Iterator[tuple[int, R]], n: int) -> list[R]:
-    """The results of a :meth:`Executor.map_with` stream, in task order."""
-    out: list[Any] = [None] * n
-    for index, result in stream:
-        out[index] = result
-    return out
 
 
 class InProcessExecutor:
@@ -110,15 +64,11 @@ class InProcessExecutor:
         start = time.time()
         for index, task in enumerate(tasks):
             _, result, record = run_task(state, fn, index, task)
-            self.records.append(_since(record, start))
+            self.records.append(since(record, start))
             yield index, result
 
     def close(self) -> None:
         pass
-
-
-def _since(record: TaskRecord, start: float) -> TaskRecord:
-    return TaskRecord(record.index, record.worker, record.started - start, record.seconds, record.finished - start)
 
 
 @dataclass(frozen=True)

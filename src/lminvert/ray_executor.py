@@ -1,7 +1,7 @@
 """The Ray executor: the same interface as :class:`~.executors.InProcessExecutor`, on a Ray cluster.
 
 Work runs on a fixed pool of actors (``workers`` of them, ``cpus_per_worker`` CPUs and, where the cluster has
-GPUs, one GPU each). An actor makes each :class:`~.executors.WorkerSetup` once (a model is loaded once per
+GPUs, one GPU each). An actor makes each :class:`~.tasking.WorkerSetup` once (a model is loaded once per
 worker) and keeps it for every later task. Ray's :class:`~ray.util.ActorPool` hands tasks to idle actors and
 yields results as they finish. A worker process that dies is restarted by Ray (always: deaths are counted per
 task, not over the worker's life, so a long run survives any number of spread-out failures) and its task
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .errors import LminvertError
-from .executors import Plain, TaskRecord, WorkerSetup, _since, ordered, run_task
+from .tasking import Plain, TaskRecord, WorkerSetup, ordered, run_task, since
 
 try:
     import ray
@@ -156,7 +156,7 @@ class RayExecutor:
         results = pool.map_unordered(lambda actor, item: actor.run.remote(setup, fn, *item), list(enumerate(tasks)))
         try:
             for index, result, record in results:
-                self.records.append(_since(record, start))
+                self.records.append(since(record, start))
                 yield index, result
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause
