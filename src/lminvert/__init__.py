@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .collisions import exhaustive_test, find_collisions, pairwise_min
 from .errors import LminvertError
 from .forward import encode

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__
+from ._version import __version__
 from .errors import LminvertError
 from .models import LoadedModel
 from .models.layers import Layer, LayerSpec

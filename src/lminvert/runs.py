@@ -43,7 +43,7 @@ def versions() -> dict[str, str]:
     import numpy
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     return {
         "lminvert": __version__,
