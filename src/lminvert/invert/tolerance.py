@@ -39,6 +39,7 @@ import torch
 
 from ..forward import padded_batch, padded_positions, prompt_states
 from ..models import Layer, LoadedModel
+from ..models.hf_internals import attn_implementation
 from ..models.observed import attention
 from .context import batch_scale
 from .tables import cached
@@ -293,7 +294,7 @@ def _layouts(model: LoadedModel, layer: Layer, prompts: list[list[int]]) -> list
         out.append([probe.states(torch.tensor(p), [layer])[layer][0].float().cpu() for p in prompts])
     finally:
         torch.set_num_threads(threads)
-    if getattr(probe.model.config, "_attn_implementation", None) not in (None, "eager"):
+    if attn_implementation(probe.model.config) not in (None, "eager"):
         with attention(probe, "eager"):
             out.append(padded_states(probe, layer, cut, "right"))
     return out

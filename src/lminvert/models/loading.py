@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from ..errors import LminvertError
 from . import sources
+from .hf_internals import attn_implementation
 from .probe import LayerProbe
 from .registry import DEFAULT_MODEL, ModelSpec, resolve
 
@@ -114,7 +115,7 @@ class LoadedModel:
             "dtype": self.dtype,
             "device": str(self.device),
             "weights_hash": self.weights_hash,
-            "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+            "attn_implementation": attn_implementation(self.model.config),
             "numeric_path": probe.numeric_path,
             "threads": torch.get_num_threads(),
         }

@@ -25,9 +25,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import DynamicCache
+
+from .hf_internals import attn_implementation, register_attention, sdpa_attention_forward, using_attention
 
 log = logging.getLogger(__name__)
 CHECKS = 4  # shortcuts from kept keys (prefixes of several lengths) checked against the whole forward before trusted
@@ -55,8 +55,8 @@ def _observed_attention(module, query, key, value, attention_mask, **kwargs):
     return out[:, start:total], None
 
 
-AttentionInterface.register(ATTENTION, _observed_attention)
-AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # causal by shape: the observer had no mask
+# causal by shape: the observer had no mask
+register_attention(ATTENTION, _observed_attention, lambda *args, **kwargs: None)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class ObservedForward:
         probe, config = self.probe, self.probe.config
         if probe.device.type != "cpu" or probe.dtype not in (torch.bfloat16, torch.float16):
             return False
-        if getattr(probe.model.config, "_attn_implementation", None) != "sdpa":
+        if attn_implementation(probe.model.config) != "sdpa":
             return False
         windows = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size")]
         if any(isinstance(w, int) and w > 0 for w in windows):
@@ -184,11 +184,5 @@ class ObservedForward:
 def attention(probe, name: str):
     """The model's attention implementation switched to ``name`` (and the text model's, where it has its own config)."""
     configs = [probe.model.config] + ([probe.config] if probe.config is not probe.model.config else [])
-    before = [config._attn_implementation for config in configs]
-    for config in configs:
-        config._attn_implementation = name
-    try:
+    with using_attention(configs, name):
         yield
-    finally:
-        for config, value in zip(configs, before, strict=True):
-            config._attn_implementation = value

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import LminvertError
 from .halfmath import HalfAsFloat32, LinearMath, all_linear_plain, half_is_slow, native_bfloat16
+from .hf_internals import Cache, CacheLayerMixin, attn_implementation
 from .layers import Layer, LayerSpec, parse_layers
 from .observed import ObservedForward, PlainKeys, PlainRows
 
@@ -891,7 +891,7 @@ class LayerProbe:
         or where a sliding window or attention chunk could end inside the packed row (the mask would not repeat it)."""
         if prefix.cache is None or self.pack <= 0:
             return None
-        attention = getattr(self.model.config, "_attn_implementation", None)
+        attention = attn_implementation(self.model.config)
         if attention not in PACKED_ATTENTION:
             return None
         windows = [getattr(self.config, name, None) for name in ("sliding_window", "attention_chunk_size")]
