@@ -67,7 +67,7 @@ def test_encode_file_jsonl(cli, tmp):
         (["--model", "tiny-llama", "--layer", "7", "--text", "x"], "0..2"),
         (["--model", "tiny-llama", "--layer", "1", "--text", "  "], "empty text"),
         (["--model", "tiny-llama", "--layer", "1", "--file", "/no/such.txt"], "not found"),
-        (["--model", "/no/such/dir", "--layer", "1", "--text", "x"], "could not load"),
+        (["--model", "/no/such/dir", "--layer", "1", "--text", "x"], "model directory not found"),
     ],
 )
 def test_encode_errors(cli, tmp, args, needle):
