@@ -96,11 +96,12 @@ def _probe_directory(directory: Path, what: str) -> None:
         raise LminvertError(f"cannot write {what} ({reason}): choose another --out") from None
 
 
-def check_output_file(path: str | Path, suffix: str | None = None) -> Path:
-    """Fail now, before any work, if ``path`` cannot be written (or has the wrong suffix)."""
+def check_output_file(path: str | Path, suffix: str | tuple[str, ...] | None = None) -> Path:
+    """Fail now, before any work, if ``path`` cannot be written (or has none of the ``suffix`` es)."""
     path = Path(path)
-    if suffix is not None and path.suffix != suffix:
-        raise LminvertError(f"--out must end in {suffix}, got '{path.name}'")
+    allowed = (suffix,) if isinstance(suffix, str) else suffix
+    if allowed is not None and path.suffix not in allowed:
+        raise LminvertError(f"--out must end in {' or '.join(allowed)}, got '{path.name}'")
     if path.is_dir():
         raise LminvertError(f"--out {path} is a directory: give a file path")
     _probe_directory(path.parent, f"{path}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lminvert.cli import main
+from ..conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", "docs/guide.md"]
@@ -56,10 +56,8 @@ def _run_sh(page: str, block: Block) -> None:
         assert argv[0] == "lminvert", (
             f"{where}: only lminvert commands run here; mark the block <!-- not run here: why -->"
         )
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv[1:])
-        assert code == 0, f"{where}: `{line}` exited {code}: {err.getvalue().strip()[-500:]}"
+        proc = run_cli(*argv[1:])
+        assert proc.returncode == 0, f"{where}: `{line}` exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -5,9 +5,7 @@ beside it; an existing page keeps everything outside its generated block."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ..errors import LminvertError
 from ..paths import check_output_file
 from ..report.html import write_report
 from .common import Formatter
@@ -34,13 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.out.endswith((".html", ".md")):
-        raise LminvertError(f"--out must end in .html (one page) or .md (markdown), got '{Path(args.out).name}'")
-    if args.out.endswith(".md"):
+    out = check_output_file(args.out, (".html", ".md"))  # one page, or markdown
+    if out.suffix == ".md":
         from ..report.markdown_page import write_markdown
 
-        path = write_markdown(args.inputs, check_output_file(args.out), args.title)
+        path = write_markdown(args.inputs, out, args.title)
     else:
-        path = write_report(args.inputs, check_output_file(args.out, ".html"), args.title)
+        path = write_report(args.inputs, out, args.title)
     print(f"report: {path}")
     return 0

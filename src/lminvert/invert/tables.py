@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
@@ -77,17 +77,19 @@ def read_tables(
     path = table_path(model, layer, kind, device, dtype)
     if has_hooks(model.model) or not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as handle:
+    with safe_open(str(path), framework="pt") as handle:  # the provenance first, the tensors only if it matches
         saved = json.loads((handle.metadata() or {}).get("provenance", "{}"))
-    here = provenance(model)
-    if saved != here:
-        changed = sorted(k for k in {*saved, *here} if saved.get(k) != here.get(k))
-        if strict:
-            log.info("recomputing %s (cached under another %s)", path.name, ", ".join(changed))
-            return None
-        if set(changed) - {"numeric"}:  # a reader made for float32 serves a half model of the same weights by design
-            log.warning("%s was made under another %s: used as it is (it only orders candidates)", path.name, changed)
-    return load_file(str(path))
+        here = provenance(model)
+        if saved != here:
+            changed = sorted(k for k in {*saved, *here} if saved.get(k) != here.get(k))
+            if strict:
+                log.info("recomputing %s (cached under another %s)", path.name, ", ".join(changed))
+                return None
+            if set(changed) - {"numeric"}:  # a float32 reader serves a half model of the same weights by design
+                log.warning(
+                    "%s was made under another %s: used as it is (it only orders candidates)", path.name, changed
+                )
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (a file handle, not a dict)
 
 
 def write_tables(
