@@ -15,7 +15,7 @@ from ..collisions import find_collisions
 from ..errors import LminvertError
 from ..paths import check_output_dir
 from .common import (
-    Formatter,
+    add_command,
     add_model_args,
     add_search_args,
     executor_from_args,
@@ -41,12 +41,8 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "collisions",
-        help="exact minimum distances between prompts' hidden states, per layer",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
+    parser = add_command(
+        sub, "collisions", "exact minimum distances between prompts' hidden states, per layer", __doc__, EXAMPLES
     )
     add_model_args(parser)
     parser.add_argument("--corpus", default="mixed", help="code, prose, mixed, a file or directory, or hf:NAME")

@@ -115,3 +115,17 @@ def print_json(obj: Any) -> None:
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     pass
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    help_text: str,
+    description: str | None,
+    examples: str,
+    defaults: bool = True,
+) -> argparse.ArgumentParser:
+    """A sub-command's parser: its one-line help, its description (the module's docstring) and its examples as the
+    epilog, laid out as written (``defaults``: each option's default appended to its help)."""
+    formatter = Formatter if defaults else argparse.RawDescriptionHelpFormatter
+    return sub.add_parser(name, help=help_text, description=description, epilog=examples, formatter_class=formatter)

@@ -21,7 +21,7 @@ from ..models import DEFAULT_LAYERS, LoadedModel
 from ..paths import check_output_dir
 from ..report import render
 from ..states import HiddenStates
-from .common import add_model_args, model_from_args
+from .common import add_command, add_model_args, model_from_args
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,7 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "demo",
-        help="run the end-to-end demo on the default model",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, "demo", "run the end-to-end demo on the default model", __doc__, EXAMPLES, defaults=False)
     add_model_args(parser)
     parser.add_argument("--out", default="out/demo", help="directory for the demo's files")
     parser.add_argument("--layer", default="15", help="layer to encode and invert at")

@@ -8,7 +8,7 @@ from ..corpora import read_prompts_file
 from ..errors import LminvertError
 from ..forward import encode
 from ..paths import check_output_file
-from .common import Formatter, add_model_args, model_from_args, print_json
+from .common import add_command, add_model_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "My card number is 4111 1111 1111 1111" --out leak.safetensors
@@ -17,9 +17,7 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "encode", help="prompts -> hidden-states file", description=__doc__, epilog=EXAMPLES, formatter_class=Formatter
-    )
+    parser = add_command(sub, "encode", "prompts -> hidden-states file", __doc__, EXAMPLES)
     add_model_args(parser)
     parser.add_argument("--layer", required=True, help="0 (embeddings) .. L, negative from the top, or 'final'")
     source = parser.add_mutually_exclusive_group(required=True)

@@ -15,7 +15,7 @@ from ..errors import LminvertError
 from ..models import DEFAULT_LAYERS
 from ..paths import check_output_dir
 from .common import (
-    Formatter,
+    add_command,
     add_model_args,
     add_search_args,
     executor_from_args,
@@ -36,12 +36,12 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "exhaustive",
-        help="compare all one-token continuations of a prefix (the exhaustive injectivity test)",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
+        "compare all one-token continuations of a prefix (the exhaustive injectivity test)",
+        __doc__,
+        EXAMPLES,
     )
     add_model_args(parser)
     source = parser.add_mutually_exclusive_group(required=True)

@@ -15,7 +15,7 @@ from ..errors import LminvertError
 from ..experiments import EXPERIMENTS, get_experiment
 from ..experiments import run as run_experiment
 from ..paths import check_output_dir
-from .common import Formatter, add_model_args, add_ray_arg, executor_from_args, model_from_args, print_json
+from .common import add_command, add_model_args, add_ray_arg, executor_from_args, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert experiment --list
@@ -27,12 +27,12 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "experiment",
-        help="reproduce one of the paper's experiments (methods, depth, vocabulary, splits, quantization, ...)",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
+        "reproduce one of the paper's experiments (methods, depth, vocabulary, splits, quantization, ...)",
+        __doc__,
+        EXAMPLES,
     )
     parser.add_argument("name", nargs="?", help="experiment name (see --list)")
     parser.add_argument("--list", action="store_true", help="list the experiments with their sizes and exit")

@@ -10,7 +10,7 @@ import torch
 from ..invert.layerfit import fit_layers
 from ..models.compat import check_compatible
 from ..states import HiddenStates
-from .common import Formatter, add_states_args, model_for_states, print_json
+from .common import add_command, add_states_args, model_for_states, print_json
 
 EXAMPLES = """examples:
   lminvert inspect leak.safetensors                       # a file from `lminvert encode`: what it records
@@ -23,13 +23,7 @@ BOS_MATCH = 1e-3  # position 0 within this relative distance of the BOS token's 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "inspect",
-        help="states file -> shape, layer, pads, BOS",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
-    )
+    parser = add_command(sub, "inspect", "states file -> shape, layer, pads, BOS", __doc__, EXAMPLES)
     add_states_args(
         parser,
         model_help="model to score the states against (default: the file's)",

@@ -12,7 +12,14 @@ from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, invert, parse_source
 from ..paths import atomic_file, check_output_file
 from ..states import HiddenStates
-from .common import Formatter, add_ray_arg, add_states_args, executor_from_args, model_for_states, print_json
+from .common import (
+    add_command,
+    add_ray_arg,
+    add_states_args,
+    executor_from_args,
+    model_for_states,
+    print_json,
+)
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -24,13 +31,7 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "invert",
-        help="hidden-states file -> exact prompt",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
-    )
+    parser = add_command(sub, "invert", "hidden-states file -> exact prompt", __doc__, EXAMPLES)
     add_states_args(
         parser,
         model_help="model (default: the one recorded in the file)",

@@ -18,7 +18,7 @@ from ..errors import LminvertError
 from ..lab import LABS, get_lab
 from ..lab import run as run_lab
 from ..paths import check_output_dir
-from .common import Formatter, print_json
+from .common import add_command, print_json
 
 EXAMPLES = """examples:
   lminvert lab init --quick --out runs/lab-init
@@ -30,12 +30,8 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "lab",
-        help="the injectivity lab: at random init, through training, constructed breaks",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
+    parser = add_command(
+        sub, "lab", "the injectivity lab: at random init, through training, constructed breaks", __doc__, EXAMPLES
     )
     parser.add_argument("name", choices=list(LABS), help="which lab")
     parser.add_argument("--quick", action="store_true", help="the small size (about a minute)")

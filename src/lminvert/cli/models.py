@@ -9,7 +9,7 @@ from ..invert import reader
 from ..invert.tables import table_path
 from ..models import REGISTRY, load_model, sources
 from ..models.loading import DTYPES
-from .common import print_json
+from .common import add_command, print_json
 
 EXAMPLES = """examples:
   lminvert models                                         # the aliases, their shapes, whether usable offline
@@ -19,12 +19,8 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "models",
-        help="list model aliases",
-        description="List registered model aliases.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, "models", "list model aliases", "List registered model aliases.", EXAMPLES, defaults=False
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--prepare", metavar="ALIAS", help="convert ALIAS into the cache now (idempotent)")

@@ -8,7 +8,7 @@ import argparse
 
 from ..paths import check_output_file
 from ..report.html import write_report
-from .common import Formatter
+from .common import add_command
 
 EXAMPLES = """examples:
   lminvert report runs/methods runs/depth runs/c2k --out report.html
@@ -18,12 +18,8 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "report",
-        help="one HTML page from output directories and inversion results",
-        description=__doc__,
-        epilog=EXAMPLES,
-        formatter_class=Formatter,
+    parser = add_command(
+        sub, "report", "one HTML page from output directories and inversion results", __doc__, EXAMPLES
     )
     parser.add_argument("inputs", nargs="+", help="output directories and/or inversion result .json files")
     parser.add_argument("--out", required=True, help="the .html (or .md) file to write")
