@@ -16,6 +16,7 @@ seed, the model's description and the peak memory. Rendering (results.md, figure
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -54,15 +55,24 @@ def versions() -> dict[str, str]:
     }
 
 
-def _cpu_model() -> str:
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (read once per process; empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the end of the first processor's block
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return fields
+
+
+def _cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or "unknown"
 
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # change kernels
@@ -71,15 +81,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 def cpu_features() -> str:
     """The CPU's vector features that decide which kernels torch runs (and so the last bits of what they compute):
     torch's dispatch level and the half-precision units ``/proc/cpuinfo`` reports, e.g. ``AVX512 avx2 amx_bf16``."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = set(_cpuinfo().get("flags", "").split())
     level = torch.backends.cpu.get_cpu_capability()
     return " ".join([level, *(f for f in CPU_FLAGS if f in flags)])
 

@@ -27,7 +27,7 @@ from ..errors import LminvertError
 from ..executors import Executor, get_executor
 from ..models import LoadedModel
 from ..paths import check_output_dir, read_json
-from ..runs import RunDirectory, run_metadata, versions
+from ..runs import RunDirectory, run_metadata
 from .base import Context, Experiment, Unit
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,7 @@ def run_experiment(
         "units_seconds": unit_seconds,
         "units_resumed": resumed,
         "compute_seconds": sum(unit_seconds.values()),
-        **run_metadata(main, seed),
-        "versions": versions(),
+        **run_metadata(main, seed),  # with the versions
         "models_info": infos,
         "summary": asdict(summary),
         "rows": rows,
