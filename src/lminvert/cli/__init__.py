@@ -22,7 +22,8 @@ examples:
   lminvert invert leak.safetensors                        # the exact prompt, from the states alone
 """
 
-COMMANDS = ["models", "encode", "inspect", "invert", "collisions", "exhaustive", "experiment", "lab", "report", "demo"]
+COMMANDS = ["models", "encode", "inspect", "invert", "collisions", "exhaustive", "experiment", "lab", "audit", "report"]
+COMMANDS += ["demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ def render(results: Any, figure: bool = True, directory: str | None = None) -> d
     from ..collisions import CollisionResults, ExhaustiveResults
     from .collisions import render_collisions, render_exhaustive
 
-    if isinstance(results, dict) and results.get("kind") in ("experiment", "lab"):
+    if isinstance(results, dict) and results.get("kind") in ("experiment", "lab", "audit"):
         if directory is None:
             raise LminvertError("rendering an experiment's results needs its directory")
         from .experiments import render_experiment

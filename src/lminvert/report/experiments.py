@@ -26,8 +26,8 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> lis
 def command_line(doc: Mapping[str, Any]) -> str:
     config = doc["config"]
     name = doc.get("experiment", "")
-    verb = "lminvert lab" if doc.get("kind") == "lab" else "lminvert experiment"
-    parts = [verb, name]
+    verb = {"lab": "lminvert lab", "audit": "lminvert audit"}.get(doc.get("kind", ""), "lminvert experiment")
+    parts = [verb] if doc.get("kind") == "audit" else [verb, name]
     if config.get("quick"):
         parts.append("--quick")
     models = config.get("models", [])

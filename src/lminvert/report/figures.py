@@ -88,7 +88,8 @@ def plot_nn_distances(
 
 
 def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
-    """Draw a :class:`lminvert.experiments.base.FigureSpec` (as its JSON dict): ``line`` or ``bar``."""
+    """Draw a :class:`lminvert.experiments.base.FigureSpec` (as its JSON dict): ``line``, ``bar`` or ``heatmap`` (one
+    series per row, its ``x`` the columns, values in 0..1 shown as percentages)."""
     from matplotlib.figure import Figure
 
     path = Path(path)
@@ -96,7 +97,9 @@ def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
     series = list(spec.get("series", []))
     fig = Figure(figsize=(7.5, 4.4))
     ax = fig.subplots()
-    if spec.get("kind") == "bar":
+    if spec.get("kind") == "heatmap":
+        _heatmap(fig, ax, series)
+    elif spec.get("kind") == "bar":
         categories = list(dict.fromkeys(str(x) for s in series for x in s["x"]))
         width = 0.8 / max(len(series), 1)
         for i, s in enumerate(series):
@@ -121,9 +124,26 @@ def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
     ax.set_ylabel(spec.get("ylabel", ""))
     ax.set_title("\n".join(textwrap.wrap(spec.get("title", ""), 90)), fontsize=9)
     ax.grid(alpha=0.3)
-    if any(s.get("label") for s in series) or spec.get("hline_label"):
+    if spec.get("kind") == "heatmap":
+        ax.grid(False)
+    elif any(s.get("label") for s in series) or spec.get("hline_label"):
         ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
     return path
+
+
+def _heatmap(fig: Any, ax: Any, series: Sequence[Mapping[str, Any]]) -> None:
+    columns = [str(x) for x in series[0]["x"]] if series else []
+    values = np.array([[np.nan if v is None else float(v) for v in s["y"]] for s in series], dtype=float)
+    image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="Reds", aspect="auto")
+    for (i, j), value in np.ndenumerate(values):
+        if not np.isnan(value):
+            ax.text(j, i, f"{100 * value:.0f}%", ha="center", va="center", fontsize=8,
+                    color="white" if value > 0.6 else "black")  # fmt: skip
+    ax.set_xticks(np.arange(len(columns)))
+    ax.set_xticklabels(columns, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(np.arange(len(series)))
+    ax.set_yticklabels([s["label"] for s in series])
+    fig.colorbar(image, ax=ax, label="tokens recovered")

@@ -163,7 +163,7 @@ def collect(path: str | Path) -> RunSection:
     doc = read_json(results)
     kind = str(doc.get("kind") or read_json(path / "manifest.json").get("kind", "?"))
     markdown = path / "results.md"
-    if kind in ("experiment", "lab"):
+    if kind in ("experiment", "lab", "audit"):
         from .experiments import render_experiment
 
         render_experiment(doc, path)  # always current with this version's renderer

@@ -1,0 +1,63 @@
+"""``lminvert audit``: what leaks from a deployment (states, a KV cache, an embedding) at each layer, under each
+defence, and what each defence costs; on the shared runner (:mod:`lminvert.experiments.runner`), resumable.
+
+Parts: :mod:`.leaks` (what an attacker holds), :mod:`.defences` (one small class each), :mod:`.attack` (the strongest
+attack lminvert has on each), :mod:`.search` (inversion in a shipped rows' space), :mod:`.experiment` (units and rows),
+:mod:`.summary` (the leak matrices and verdict sentences).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import LminvertError
+from ..models import LoadedModel
+from .defences import DEFAULT, DEFENCES, Defence, Shipped, parse_defence
+from .experiment import Audit
+from .leaks import LEAKS, Leak, make_leak
+
+KIND = "audit"
+
+
+def audit(
+    out: str | Path,
+    *,
+    model: str = "smollm2-135m",
+    quick: bool = False,
+    load: Callable[[str], LoadedModel] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    **sizes: Any,
+) -> dict[str, Any]:
+    """Run the audit of ``model`` into ``out`` (resumed if it holds the same run) and write its report files.
+
+    ``sizes`` change the preset (``quick`` or full): ``layers`` (e.g. ``[1, "middle", -1]``), ``leaks``
+    (``states``, ``kv``, ``last``), ``defences`` (names as :func:`.defences.parse_defence` reads them), ``prompts``,
+    ``length``, ``kinds``, ``prompts_file`` (one prompt a line). Returns the results document."""
+    from ..experiments.runner import run_experiment
+    from ..models import load_model
+    from ..report.experiments import render_experiment
+
+    experiment = Audit()
+    unknown = set(sizes) - set(experiment.full_size)
+    if unknown:
+        raise LminvertError(
+            f"the audit has no size {', '.join(sorted(unknown))}: use {', '.join(experiment.full_size)}"
+        )
+    for name in sizes.get("defences") or ():
+        parse_defence(name)
+    for name in sizes.get("leaks") or ():
+        if name not in LEAKS:
+            raise LminvertError(f"unknown leak '{name}': use {', '.join(LEAKS)}")
+    doc = run_experiment(
+        experiment, load or load_model, out, quick=quick, models=(model,), seed=seed, overrides=sizes,
+        progress=progress, kind=KIND,
+    )  # fmt: skip
+    render_experiment(doc, out)
+    return doc
+
+
+__all__ = ["DEFAULT", "DEFENCES", "KIND", "LEAKS", "Audit", "Defence", "Leak", "Shipped", "audit", "make_leak"]
+__all__ += ["parse_defence"]

@@ -1,0 +1,145 @@
+"""The strongest attack lminvert has on one leak under one defence, for a batch of prompts.
+
+* lminvert's own states shipped whole (no defence, or a secret permutation once undone): :func:`lminvert.invert`, whose
+  verdicts certify them (``exact``).
+* A secret permutation of the dimensions is undone first (:func:`unpermute`): position 0's row depends on the first
+  token alone, so its sorted values match those of exactly one token's row in the first-position table; aligning the
+  two sorted rows gives the permutation, which every other position shares ("Hidden No More", ICML 2025, matches
+  such permutation-invariant statistics).
+* Anything else (a KV cache, a public projection, positions missing, noise, quantisation): :class:`.search.RowSearch`,
+  the comparison made in the shipped rows' space with the defence's error model (``noise:S``, ``quant:B``). On noisy or
+  quantised states it recovers more than the engine (SmolLM2 layer 15, ``quant:int8``, two 8-token prompts: 14 of 16
+  tokens against the engine's 5: docs/audit.md).
+* The last position alone: the first-position table's nearest row, as a guess (no error model bounds how far the last
+  position's state lies from a token's state alone: the verdict is ``uncertain``). Exact recovery of a prompt from one
+  position is not expected beyond a few tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..invert import acceptor
+from ..invert.acceptor import Evidence, Radii
+from ..invert.sources import Exact, Float, parse_source
+from ..invert.tables import first_position_table
+from ..models import LoadedModel
+from ..states import HiddenStates
+from .defences import Shipped
+from .leaks import Leak
+from .search import Measured, RowSearch, measure
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """One prompt's attack: token ids (``None`` where nothing is claimed), verdicts, seconds, candidates verified."""
+
+    token_ids: list[int | None]
+    verdicts: list[str]
+    seconds: float
+    checked: list[int]
+    half_gaps: list[float | None]
+    route: str  # which attack ran (engine, rows, last)
+
+
+def unpermute(rows: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rows ``[T, k]`` under a secret permutation of their dimensions, with it undone from position 0 and ``table``
+    ``[V, k]`` (every token's row at position 0), and the first token it matched."""
+    ordered = table.float().sort(dim=1).values
+    first = rows[0].float()
+    token = int((ordered - first.sort().values).norm(dim=1).argmin())
+    out = torch.empty_like(rows)
+    out[:, table[token].float().argsort()] = rows[:, first.argsort()]
+    return out, token
+
+
+class Attack:
+    """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence)."""
+
+    def __init__(self, leak: Leak, measured: Callable[[], Measured] | None = None) -> None:
+        self.leak = leak
+        self.model: LoadedModel = leak.model
+        self._measured: dict[bool, Measured] = {}
+        self._table: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """Every token's row at position 0 ``[V, D]``."""
+        if self._table is None:
+            states = first_position_table(self.model, self.leak.states_layer, progress=False).float()
+            self._table = self.leak.rows_of(states, 0)
+        return self._table
+
+    def run(self, prompts: list[list[int]], shipped: list[Shipped], states: HiddenStates | None) -> list[Recovered]:
+        """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
+        gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``)."""
+        first = shipped[0]
+        if self.leak.name == "last":
+            return [self._last(s) for s in shipped]
+        whole = all(not torch.isnan(s.rows).any() for s in shipped) and first.public is None
+        rows = [unpermute(s.rows, self.table)[0] if s.permuted else s.rows for s in shipped]
+        if self.leak.name == "states" and whole and states is not None and first.source is None:
+            return self._engine(rows, first.source, states)
+        public = first.public
+        source = Float() if first.source is None else parse_source(first.source)
+        search = RowSearch(self.model, self.leak.states_layer, self._rows_of(public), source, self._measure(public))
+        out = []
+        for r in rows:
+            found = search.run(r)
+            out.append(
+                Recovered(found.token_ids, found.verdicts, found.seconds, found.checked, found.half_gaps, "rows")
+            )
+        return out
+
+    def _rows_of(self, public: Callable[[torch.Tensor], torch.Tensor] | None):
+        if public is None:
+            return self.leak.rows_of
+        return lambda states, t: public(self.leak.rows_of(states, t))
+
+    def _measure(self, public) -> Measured:
+        key = public is not None
+        if key not in self._measured:
+            capture = self.leak.capture if public is None else (lambda ids: public(self.leak.capture(ids)))
+            self._measured[key] = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
+        return self._measured[key]
+
+    def _engine(self, rows: list[torch.Tensor], source: str | None, states: HiddenStates) -> list[Recovered]:
+        from .. import invert  # the public API (the package imports this module's package lazily)
+
+        given = replace(states, states=tuple(r.to(states.states[0].dtype) for r in rows))
+        results = invert(self.model, given, source=source or Exact(), progress=False)
+        out = []
+        for result in results:
+            verdicts = [p.verdict for p in result.positions]
+            gaps = [p.certified_radius for p in result.positions]
+            ids: list[int | None] = list(result.token_ids)
+            out.append(Recovered(ids, verdicts, result.seconds, result.candidates_checked, gaps, "engine"))
+        return out
+
+    def _last(self, shipped: Shipped) -> Recovered:
+        target, table = shipped.rows[-1].float(), self.table
+        if shipped.public is not None:
+            table = shipped.public(table)
+        if shipped.permuted:  # compared by their sorted values: what a secret permutation leaves
+            target, table = target.sort().values, table.sort(dim=1).values
+        dists = (table.double() - target.double()).norm(dim=1)
+        ids = torch.arange(len(dists))
+        evidence = Evidence(ids, dists, table, target, {}, 0.0, False, exhausted=True, swept=True)
+        decision = acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        verdict = acceptor.final_verdict(decision, tied=False, after_guess=False)
+        return Recovered([decision.token], [verdict], 0.0, [len(ids)], [None], "last")
+
+
+def perturbation(clean: torch.Tensor, shipped: Shipped) -> list[float | None]:
+    """Per position, the norm of what the defence changed in the rows (None where a position is missing; the change in
+    the public map's space where there is one; 0 for a permutation, which an attacker who undoes it sees no change
+    of)."""
+    reference = clean.float() if shipped.public is None else shipped.public(clean)
+    if shipped.permuted:
+        return [0.0] * len(clean)
+    out = (shipped.rows.float() - reference).norm(dim=1).tolist()
+    return [None if math.isnan(x) else x for x in out]

@@ -1,0 +1,151 @@
+"""The audit on the shared runner: one unit per (leak, layer, defence), its rows one per prompt.
+
+Each row holds what the attack recovered (tokens right, exact prompt, verdict counts, wrong tokens claimed certified or
+confident: never any), the time, per position the defence's perturbation beside half the gap to the nearest other
+verified candidate (Theorem 3.2's Delta/2 where the whole vocabulary was verified), and the defence's utility: the
+deployment's next-token predictions computed with what it keeps, against the undefended model's on the same prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import LminvertError
+from ..experiments.base import Context, Experiment, Row, Unit
+from ..experiments.prompts import evaluation_prompts
+from ..forward import encode
+from ..models import LoadedModel
+from .attack import Attack, Recovered, perturbation
+from .defences import DEFAULT, parse_defence
+from .leaks import Leak, make_leak
+from .summary import summarise
+
+CLAIMED = ("certified", "confident")
+
+
+def _key(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in text)
+
+
+def read_prompts(model: LoadedModel, path: str, length: int | None) -> list[list[int]]:
+    """One prompt per non-empty line of a text file, tokenized (cut to ``length`` tokens when given)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.strip() for line in handle if line.strip()]
+    except OSError as err:
+        raise LminvertError(
+            f"cannot read prompts file {path}: {err.strerror}; give a text file, one prompt a line"
+        ) from None
+    if not lines:
+        raise LminvertError(f"prompts file {path} holds no prompt: give a text file, one prompt a line")
+    return [list(model.tokenize(line, length)) for line in lines]
+
+
+def utility(leak: Leak, token_ids: list[int], clean: torch.Tensor, kept: torch.Tensor) -> dict[str, float | None]:
+    """Top-1 agreement with the undefended model and the change in next-token loss (where the prompt holds the next
+    token), the deployment computing with ``kept``."""
+    before = leak.outputs(token_ids, None)
+    after = before if torch.equal(kept, clean) else leak.outputs(token_ids, kept)
+    top1 = float((after.argmax(-1) == before.argmax(-1)).double().mean())
+    if leak.name == "last" or len(token_ids) < 2:
+        return {"top1": top1, "dloss": None}
+    targets = torch.tensor(token_ids[1:])
+    loss = [torch.nn.functional.cross_entropy(x[:-1].double(), targets) for x in (before, after)]
+    return {"top1": top1, "dloss": float(loss[1] - loss[0])}
+
+
+def _row(token_ids: list[int], leak: str, found: Recovered) -> Row:
+    truth = token_ids[-1:] if leak == "last" else token_ids
+    offset = len(token_ids) - len(truth)
+    right = [a == b for a, b in zip(found.token_ids, truth, strict=True)]
+    claimed = [v in CLAIMED for v in found.verdicts]
+    return {
+        "length": len(token_ids),
+        "right": sum(right),
+        "exact": all(right) and leak != "last",
+        "positions": [offset + i for i in range(len(truth))],
+        "verdicts": {v: found.verdicts.count(v) for v in ("certified", "confident", "uncertain")},
+        "wrong_claimed": sum(c and not r for c, r in zip(claimed, right, strict=True)),
+        "seconds": found.seconds,
+        "checked_mean": sum(found.checked) / max(len(found.checked), 1),
+        "half_gap": found.half_gaps,
+        "route": found.route,
+    }
+
+
+class Audit(Experiment):
+    name = "audit"
+    title = "Audit: what leaks from states, a KV cache or an embedding, at each layer, under each defence"
+    paper = (
+        "Published attacks each answer one case: permuting hidden dimensions is broken by vocabulary matching "
+        "(Hidden No More, ICML 2025, whose attack stops at about 1% Gaussian noise); a KV cache is inverted "
+        "essentially perfectly without a defence (Shadow in the Cache, NDSS 2026)."
+    )
+    quick_size: ClassVar[dict[str, Any]] = {
+        "prompts": 2, "length": 8, "kinds": ["prose", "chat"], "layers": [1, "middle"],
+        "leaks": ["states", "kv", "last"], "prompts_file": None,
+        "defences": ["none", "noise:0.01", "permute", "project:128"],
+    }  # fmt: skip
+    full_size: ClassVar[dict[str, Any]] = {
+        "prompts": 20, "length": 20, "kinds": ["prose", "chat"], "layers": [1, "middle", -1],
+        "leaks": ["states", "kv", "last"], "defences": list(DEFAULT), "prompts_file": None,
+    }  # fmt: skip
+    full_duration = "see docs/audit.md for the full SmolLM2 audit's time on a 2-core CPU"
+
+    def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:
+        s = ctx.size
+
+        def build() -> list[list[int]]:
+            if s.get("prompts_file"):
+                return read_prompts(model, s["prompts_file"], s.get("length"))
+            per_kind = max(1, math.ceil(s["prompts"] / len(s["kinds"])))
+            found = evaluation_prompts(model, per_kind, s["length"], ctx.seed, kinds=s["kinds"])
+            return [list(p.ids) for p in found][: s["prompts"]]
+
+        return ctx.once(("prompts", model.name), build)
+
+    def units(self, ctx: Context) -> list[Unit]:
+        units = []
+        defences = [parse_defence(d) for d in ctx.size["defences"]]
+        for name in ctx.models:
+            model = ctx.load(name)
+            for leak in ctx.size["leaks"]:
+                for layer in model.probe.layers(ctx.size["layers"]):
+                    made = make_leak(leak, model, layer)  # one-line errors before any long work
+                    for defence in defences:
+                        defence.check(made.width)
+                        key = _key(f"{name}.{leak}.L{layer}.{defence.label}")
+                        params = {"model": name, "leak": leak, "layer": str(layer), "defence": defence.label}
+                        units.append(Unit(key, f"{leak} L{layer} {defence.label}", params))
+        return units
+
+    def run_unit(self, ctx: Context, unit: Unit) -> list[Row]:
+        p = unit.params
+        model = ctx.load(p["model"])
+        layer = model.probe.layer(p["layer"] if p["layer"] == "final" else int(p["layer"]))
+        prompts = self._prompts(ctx, model)
+        leak = make_leak(p["leak"], model, layer)
+        attack = ctx.once(("attack", p["model"], p["leak"], str(layer)), lambda: Attack(leak))
+        clean = ctx.once(("rows", p["model"], p["leak"], str(layer)), lambda: [leak.capture(ids) for ids in prompts])
+        defence = parse_defence(p["defence"])
+        generator = torch.Generator().manual_seed(ctx.seed * 7919 + sum(map(ord, unit.key)))
+        shipped = [defence.apply(rows, generator) for rows in clean]
+        states = None
+        if p["leak"] == "states":
+            states = ctx.once(("encode", p["model"], str(layer)), lambda: encode(model, prompts, layer))
+        found = attack.run(prompts, shipped, states)
+        rows = []
+        for i, (ids, rows_i, s, f) in enumerate(zip(prompts, clean, shipped, found, strict=True)):
+            row = {"model": p["model"], "leak": p["leak"], "layer": str(layer), "defence": p["defence"], "prompt": i}
+            row |= _row(ids, p["leak"], f)
+            row["perturbation"] = perturbation(rows_i, s)
+            row |= utility(leak, ids, rows_i, s.kept)
+            rows.append(row)
+        return rows
+
+    def summarise(self, ctx: Context, rows: Sequence[Row]):
+        return summarise(ctx, rows)

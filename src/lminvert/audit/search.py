@@ -1,0 +1,222 @@
+"""Inversion of rows that are a known function of each position's state (a KV cache, a public projection, states
+with positions missing): SIPIT with the comparison made in the rows' space.
+
+For each position, the candidates' states are computed over the recovered prefix's KV cache
+(:meth:`lminvert.models.LayerProbe.continuation`), turned into rows by the leak (and the public map, if any), and their
+L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
+its verdict. Every distance is measured by the cached forward, with its rounding inside the radii (no plain
+forwards: the shipped rows never reproduce bit for bit, so nothing is gained by them). Candidates come from two rankers:
+position 0 from the first-position table (every token's state alone, so every token is verified at once), later
+positions first the model's own next-token prediction from the prefix, then a ridge fit from the verified candidates'
+input vectors to their rows, re-fitted after each batch. A position whose row is missing gets the prediction's first
+token under which the next position's row finds the nearest candidate, as a guess (uncertain, and so is everything
+after it).
+
+Radii are measured, not assumed (:func:`measure`): on calibration prompts, how far the cached forward's rows lie from a
+plain forward's (rounding) and how far the deployment's own rows lie from the plain forward's (where they were
+computed); the source's error model adds the defence's bound, computed on the shipped row.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..invert import acceptor
+from ..invert.acceptor import Evidence, Radii
+from ..invert.sources import ErrorModel
+from ..invert.tables import first_position_table
+from ..invert.tolerance import FLOOR, SAFETY, calibration_prompts, norm
+from ..models import LoadedModel
+from ..models.ties import tied_token_groups
+
+BATCH = 256  # candidates verified per forward
+GUESSES = 8  # tokens tried at a missing position (the prediction's first ones)
+FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
+RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
+
+Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a position -> rows [n, k] as shipped
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Relative disagreements in the rows' space (see the module docstring)."""
+
+    rounding: float  # cached forward vs plain forward
+    first: float  # the deployment's rows vs the plain forward's, at position 0
+    rest: float  # the same at later positions
+
+
+@dataclass(frozen=True)
+class Found:
+    token_ids: list[int]
+    verdicts: list[str]
+    checked: list[int]  # candidates verified per position
+    half_gaps: list[float | None]  # half the distance from the chosen row to the nearest other verified row
+    seconds: float
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
+
+
+def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> Measured:
+    """The disagreements on two calibration prompts of 12 tokens (every position measured)."""
+    probe = model.probe
+    rounding, first, rest = 0.0, 0.0, 0.0
+    for ids in calibration_prompts(model, n=2, length=12):
+        observed = capture(ids)
+        plain = probe.states(torch.tensor(ids), [layer])[layer][0]
+        for t in range(len(ids)):
+            row = rows_of(plain[t : t + 1], t)
+            cached = rows_of(probe.continuation(probe.prefix(ids[:t], layer), torch.tensor([ids[t]])), t)
+            rounding = max(rounding, _relative(cached, row))
+            if t == 0:
+                first = max(first, _relative(observed[:1], row))
+            else:
+                rest = max(rest, _relative(observed[t : t + 1], row))
+    return Measured(rounding, first, rest)
+
+
+class _Ridge:
+    """Rows predicted from input vectors by a ridge fit on the verified candidates (dual form: fewer samples than
+    dimensions)."""
+
+    def __init__(self, vocab: torch.Tensor) -> None:
+        self.vocab = vocab  # [V, d] float32
+
+    def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        nearest = (rows.double() - target.double()).norm(dim=1).argsort()[:FIT]  # a local fit: the closest ones
+        ids, rows = ids[nearest], rows[nearest]
+        x = self.vocab[ids].double()
+        mean_x, mean_y = x.mean(0), rows.double().mean(0)
+        x = x - mean_x
+        gram = x @ x.T
+        penalty = RIDGE * float(gram.diagonal().mean()) + 1e-12
+        alpha = torch.linalg.solve(gram + penalty * torch.eye(len(x), dtype=torch.float64), rows.double() - mean_y)
+        predicted = (self.vocab.double() - mean_x) @ (x.T @ alpha) + mean_y
+        return (predicted - target.double()).norm(dim=1).argsort()
+
+
+class RowSearch:
+    """One prompt's inversion from rows (see the module docstring)."""
+
+    def __init__(self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured) -> None:
+        self.model, self.layer, self.rows_of = model, layer, rows_of
+        self.source = source.calibrated(measured.first, measured.rest)
+        self.rounding = measured.rounding
+        probe = model.probe
+        self.ridge = _Ridge(probe.vocab_matrix(torch.float32).cpu())
+        self.table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
+        self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
+
+    def radii(self, shipped: torch.Tensor, t: int) -> Radii:
+        """Every distance here is a cached forward's, so (as in :mod:`lminvert.invert.reference`, whose distances are
+        all plain) the plain radius is the cached one: the error bound plus the cached forward's rounding."""
+        bound = self.source.bound(shipped, t)
+        size = norm(shipped)
+        rounding = SAFETY * max(self.rounding, FLOOR) * size
+        return Radii(bound + rounding, bound + rounding, bound, rounding, 0.0, FLOOR * size)
+
+    def run(self, shipped: torch.Tensor) -> Found:
+        """Invert one prompt's rows ``[T, k]`` (rows of NaN: missing positions)."""
+        start = time.perf_counter()
+        ids: list[int] = []
+        verdicts: list[str] = []
+        checked: list[int] = []
+        gaps: list[float | None] = []
+        after_guess = fitted = False
+        for t, row in enumerate(shipped.float()):
+            if torch.isnan(row).any():
+                decision, count, gap = self._missing(ids, shipped[t + 1] if t + 1 < len(shipped) else None), 0, None
+            else:
+                decision, count, gap = self._position(ids, row, t, fitted)
+            assert decision.token is not None
+            verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
+            after_guess = after_guess or decision.guess
+            # after a guess, later positions fit only if it was right: they are not searched through the vocabulary
+            fitted = (fitted and not decision.guess) or verdict != acceptor.UNCERTAIN
+            ids.append(decision.token)
+            verdicts.append(verdict)
+            checked.append(count)
+            gaps.append(gap)
+        return Found(ids, verdicts, checked, gaps, time.perf_counter() - start)
+
+    def _prediction(self, prefix: list[int]) -> torch.Tensor:
+        """Every token, most likely next first (the model's own prediction from the recovered prefix)."""
+        probe = self.model.probe
+        bos = getattr(self.model.tokenizer, "bos_token_id", None) if self.model.tokenizer is not None else None
+        context = prefix or ([] if bos is None else [bos])
+        if not context:
+            return torch.arange(probe.vocab_size)
+        with torch.no_grad():
+            logits = self.model.model(input_ids=torch.tensor([context], device=probe.device)).logits[0, -1]
+        return logits.float().cpu().argsort(descending=True)
+
+    def _missing(self, prefix: list[int], after: torch.Tensor | None) -> acceptor.Decision:
+        """A missing position: of the prediction's first ``GUESSES`` tokens, the one under which the next position's
+        row (if shipped) has the nearest candidate among the prediction's first batch there."""
+        guesses = self._prediction(prefix)[:GUESSES]
+        if after is not None and not torch.isnan(after).any():
+            nearest = []
+            for g in guesses.tolist():
+                grown = [*prefix, g]
+                batch = self._prediction(grown)[:BATCH]
+                rows = self._verify(self.model.probe.prefix(grown, self.layer), batch, len(grown))
+                nearest.append(float((rows.double() - after.double()).norm(dim=1).min()))
+            guesses = guesses[torch.tensor(nearest).argsort()]
+        guess = guesses[:1]
+        empty = torch.empty(0)
+        evidence = Evidence(guess, torch.full((1,), math.inf), empty, empty, {}, 0.0, False, exhausted=True)
+        return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+
+    def _verify(self, prefix, ids: torch.Tensor, t: int) -> torch.Tensor:
+        probe = self.model.probe
+        if t == 0:
+            return self.table[ids]
+        with torch.no_grad():
+            return self.rows_of(probe.continuation(prefix, ids.to(probe.device)), t)
+
+    def _position(
+        self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool
+    ) -> tuple[acceptor.Decision, int, float | None]:
+        probe = self.model.probe
+        radii = self.radii(target, t)
+        vocab = probe.vocab_size
+        prefix = probe.prefix(prefix_ids, self.layer) if t else None
+        order = torch.arange(vocab) if t == 0 else self._prediction(prefix_ids)
+        done = torch.zeros(vocab, dtype=torch.bool)
+        seen_ids, seen_rows, seen_dists = [], [], []
+        measured: dict[int, float] = {}  # every verified distance, measured with the rounding inside the radii
+        while True:
+            batch = order[~done[order]][: vocab if t == 0 else BATCH]
+            done[batch] = True
+            rows = self._verify(prefix, batch, t)
+            dists = (rows.double() - target.double()).norm(dim=1)
+            measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
+            seen_ids.append(batch)
+            seen_rows.append(rows)
+            seen_dists.append(dists)
+            ids, rows, dists = torch.cat(seen_ids), torch.cat(seen_rows), torch.cat(seen_dists)
+            spent = bool(done.all())
+            evidence = Evidence(
+                ids, dists, rows, target, measured, radii.cached, False,
+                exhausted=spent, swept=spent, checked=len(ids), fitted=fitted, twins=self.twins,
+            )  # fmt: skip
+            decision = acceptor.decide(evidence, radii)
+            if decision.final:
+                return decision, len(ids), _half_gap(ids, rows, decision.token)
+            order = self.ridge.order(ids, rows, target)
+
+
+def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None:
+    chosen = (ids == token).nonzero().flatten()
+    if len(ids) < 2 or not len(chosen):
+        return None
+    others = torch.cat([rows[: chosen[0]], rows[chosen[0] + 1 :]])
+    gap = float((others.double() - rows[chosen[0]].double()).norm(dim=1).min()) / 2
+    return gap if math.isfinite(gap) else None

@@ -1,0 +1,138 @@
+"""Keys and values as a KV cache stores them, for the families whose attention projects ``k_proj``/``v_proj`` and
+rotates keys by a rotary embedding (Llama, Qwen2, Gemma3, SmolLM2, ...).
+
+Block ``b`` (1-based) caches ``K = RoPE_t(k_proj(norm(h)))`` and ``V = v_proj(norm(h))`` of its input ``h``, the
+layer-``b-1`` state. This module gives the three views an audit needs, all as ``[T, D]`` rows (keys of every KV head,
+then values, flattened):
+
+* :meth:`KVBlock.cached` - what a deployment's cache holds after a forward (transformers' own ``DynamicCache``);
+* :meth:`KVBlock.rows` - the same rows computed from layer-``b-1`` states ``[n, d]`` at a given position: the keys
+  and values of one position are a function of its state alone (the rotation depends on the position only, and is
+  orthogonal: distances between rows are kept);
+* :meth:`KVBlock.replaced` - a context in which the block computes given cache rows instead (to measure what a
+  defended cache costs the model's output).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from ..errors import LminvertError
+from .loading import LoadedModel
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """Block ``block``'s keys and values (see the module docstring)."""
+
+    loaded: LoadedModel
+    block: int  # 1..n_layers
+    heads: int  # key/value heads
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        return 2 * self.heads * self.head_dim
+
+    @property
+    def layer(self) -> int:
+        """The layer whose states the block reads."""
+        return self.block - 1
+
+    def _modules(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        module = self.loaded.probe.blocks[self.block - 1]
+        return module.input_layernorm, module.self_attn.k_proj, module.self_attn.v_proj, module.self_attn
+
+    def rows(self, states: torch.Tensor, position: int) -> torch.Tensor:
+        """Cache rows ``[n, D]`` (float32) that layer-``block-1`` states ``[n, d]`` at ``position`` give."""
+        return self._turn(self._unrotated(states), torch.full((len(states),), position), 1.0)
+
+    def _unrotated(self, states: torch.Tensor) -> torch.Tensor:
+        norm, k_proj, v_proj, attention = self._modules()
+        probe = self.loaded.probe
+        with torch.no_grad():
+            x = norm(states.to(device=probe.device, dtype=probe.dtype))
+            keys = k_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+            k_norm = getattr(attention, "k_norm", None)  # Gemma3/Qwen3 normalise keys per head before the rotation
+            if k_norm is not None:
+                keys = k_norm(keys)
+            return torch.cat([keys.flatten(-2), v_proj(x)], dim=-1).float().cpu()
+
+    def _turn(self, rows: torch.Tensor, positions: torch.Tensor, sign: float) -> torch.Tensor:
+        """Rows with each key rotated (``sign`` 1) or unrotated (-1) at its position ``positions`` ``[n]``."""
+        probe = self.loaded.probe
+        rotary = getattr(probe.base, "rotary_emb", None)
+        if rotary is None:
+            raise LminvertError(f"{self.loaded.name} has no rotary embedding where a Llama-style model keeps it")
+        split = self.heads * self.head_dim
+        keys = rows[:, :split].float().view(len(rows), self.heads, self.head_dim)
+        shape = torch.zeros(1, len(rows), self.head_dim, device=probe.device, dtype=torch.float32)
+        with torch.no_grad():
+            cos, sin = rotary(shape, positions.to(probe.device)[None])
+        cos, sin = cos[0].float().cpu()[:, None], sin[0].float().cpu()[:, None]  # [n, 1, head_dim]
+        keys = keys * cos + sign * _rotate_half(keys) * sin
+        return torch.cat([keys.flatten(1), rows[:, split:].float()], dim=-1)
+
+    def cached(self, token_ids: list[int]) -> torch.Tensor:
+        """The block's cache entries ``[T, D]`` (keys rotated) after a plain forward of ``token_ids``, as transformers
+        stores them."""
+        probe = self.loaded.probe
+        cache = DynamicCache(config=probe.config)
+        with torch.no_grad():
+            probe.model(input_ids=torch.tensor([token_ids], device=probe.device), past_key_values=cache, use_cache=True)
+        entry = cache.layers[self.block - 1]
+        keys, values = entry.keys[0].float().cpu(), entry.values[0].float().cpu()  # [heads, T, head_dim]
+        return torch.cat([keys.transpose(0, 1).flatten(1), values.transpose(0, 1).flatten(1)], dim=-1)
+
+    @contextlib.contextmanager
+    def replaced(self, rows: torch.Tensor) -> Iterator[None]:
+        """Within: a forward of one sequence of ``len(rows)`` tokens caches ``rows`` ``[T, D]`` (as :meth:`cached`
+        gives them) in the block, and attends with them."""
+        _, k_proj, v_proj, attention = self._modules()
+        split = self.heads * self.head_dim
+        probe = self.loaded.probe
+        rows = self._turn(rows, torch.arange(len(rows)), -1.0)  # the block rotates the keys it is given
+        keys = rows[None, :, :split].to(device=probe.device, dtype=probe.dtype)
+        values = rows[None, :, split:].to(device=probe.device, dtype=probe.dtype)
+        if getattr(attention, "k_norm", None) is not None:
+            raise LminvertError(
+                f"{self.loaded.name} normalises keys after k_proj: replacing its cache is not supported"
+            )
+        handles = [
+            k_proj.register_forward_hook(lambda module, args, output: keys),
+            v_proj.register_forward_hook(lambda module, args, output: values),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def kv_block(loaded: LoadedModel, block: int) -> KVBlock:
+    """Block ``block``'s cache view; a one-line error for a model whose attention is not Llama-style."""
+    probe = loaded.probe
+    if not 1 <= block <= probe.n_layers:
+        raise LminvertError(f"a KV cache belongs to blocks 1..{probe.n_layers}; got block {block}")
+    module = probe.blocks[block - 1]
+    attention = getattr(module, "self_attn", None)
+    if not all(hasattr(x, n) for x, n in ((module, "input_layernorm"), (attention, "k_proj"), (attention, "v_proj"))):
+        raise LminvertError(
+            f"{loaded.name}: KV leaks need Llama-style attention (input_layernorm, self_attn.k_proj/v_proj); "
+            "use the states leak for this model"
+        )
+    config = probe.config
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return KVBlock(loaded, block, heads, head_dim)

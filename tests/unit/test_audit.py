@@ -1,0 +1,143 @@
+"""The audit: defences keep their declared bounds, the attacks recover what they should and never claim a wrong token,
+KV caches are read as transformers stores them, and the command refuses bad input in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lminvert
+from lminvert.audit import audit, make_leak, parse_defence
+from lminvert.audit.attack import unpermute
+from lminvert.errors import LminvertError
+from lminvert.invert.sources import parse_source
+from lminvert.models.kv import kv_block
+
+from ..conftest import run_cli
+
+DEFENCES = ["none", "noise:0.01", "quant:int8", "quant:fp8", "permute", "drop:0.25", "project:16", "noise:1"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return lminvert.load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("audit")
+    doc = audit(out, model="tiny-llama", quick=True, kinds=["random"], defences=DEFENCES, progress=False)
+    return doc, out
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    name=st.sampled_from(["noise:0.001", "noise:0.01", "noise:0.1", "quant:bf16", "quant:fp8", "quant:int8", "quant:int4"]),
+    scale=st.floats(min_value=1e-2, max_value=1e3),
+)
+def test_each_defence_keeps_its_declared_error_bound(seed, name, scale):
+    """What a defence ships lies within its error model's bound of the true rows, computed from the shipped row (as an
+    attacker holds it)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(6, 96, generator=gen) * scale
+    rows[:, int(torch.randint(0, 96, (1,), generator=gen))] *= 40  # an outlier coordinate, as attention sinks have
+    shipped = parse_defence(name).apply(rows, gen)
+    model = parse_source(shipped.source)
+    for t in range(len(rows)):
+        error = float((shipped.rows[t].double() - rows[t].double()).norm())
+        assert error <= model.bound(shipped.rows[t], t) * (1 + 1e-5)
+
+
+def test_structural_defences_do_what_they_declare():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, 32, generator=gen)
+    permuted = parse_defence("permute").apply(rows, gen)
+    assert permuted.permuted and torch.equal(permuted.kept, rows) and torch.equal(permuted.rows.sort(1).values, rows.sort(1).values)
+    table = torch.cat([torch.randn(50, 32, generator=gen), rows[:1]])
+    undone, token = unpermute(permuted.rows, table)
+    assert token == 50 and torch.equal(undone, rows)
+    dropped = parse_defence("drop:0.5").apply(rows, gen)
+    missing = torch.isnan(dropped.rows).any(1)
+    assert int(missing.sum()) == 4 and torch.equal(dropped.rows[~missing], rows[~missing])
+    projected = parse_defence("project:8").apply(rows, gen)
+    assert projected.rows.shape == (8, 8) and torch.allclose(projected.public(rows), projected.rows)
+    p = parse_defence("project:8").matrix(32)
+    assert torch.allclose(p @ p.T, torch.eye(8), atol=1e-5) and torch.allclose(projected.kept, projected.rows @ p)
+    assert parse_defence("drop:0.99").apply(rows[:3], gen).rows[:, 0].isnan().sum() == 2  # never every position
+
+
+def test_bad_defences_and_leaks_are_refused_in_one_line(tiny):
+    for bad in ("noise", "noise:-1", "quant:int3", "drop:1", "project:0", "permute:3", "blur"):
+        with pytest.raises(LminvertError) as err:
+            parse_defence(bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(LminvertError, match="blocks 1"):
+        make_leak("kv", tiny, tiny.probe.layer(0))
+    with pytest.raises(LminvertError, match="smaller k"):
+        parse_defence("project:1000").check(64)
+
+
+def test_kv_rows_are_the_cache_transformers_keeps(tiny):
+    ids = [5, 17, 300, 2, 999, 42, 7]
+    for block in (1, tiny.probe.n_layers):
+        kv = kv_block(tiny, block)
+        cached = kv.cached(ids)
+        states = tiny.probe.states(torch.tensor(ids), [block - 1])[block - 1][0]
+        rows = torch.cat([kv.rows(states[t : t + 1], t) for t in range(len(ids))])
+        assert cached.shape == (len(ids), kv.width)
+        assert float((rows - cached).norm() / cached.norm()) < 1e-5
+        with torch.no_grad():
+            before = tiny.model(input_ids=torch.tensor([ids])).logits
+            with kv.replaced(cached):
+                after = tiny.model(input_ids=torch.tensor([ids])).logits
+            with kv.replaced(torch.zeros_like(cached)):
+                zeroed = tiny.model(input_ids=torch.tensor([ids])).logits
+        assert torch.allclose(before, after, atol=1e-4) and not torch.allclose(before, zeroed, atol=1e-4)
+
+
+def _cells(rows, **match):
+    return [r for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def test_no_defence_leaks_every_token_from_states_and_kv_alike(run):
+    doc, _ = run
+    rows = doc["rows"]
+    for leak in ("states", "kv"):
+        cell = _cells(rows, leak=leak, defence="none")
+        assert cell and all(r["exact"] for r in cell)
+        assert all(r["top1"] == 1.0 and r["dloss"] == 0.0 for r in cell)  # no defence: the deployment is unchanged
+    for leak in ("states", "kv"):  # a secret permutation is undone; a public projection searched through
+        for defence in ("permute", "project:16", "noise:0.01", "quant:int8"):
+            assert all(r["exact"] for r in _cells(rows, leak=leak, defence=defence)), (leak, defence)
+
+
+def test_no_wrong_token_is_ever_claimed_and_heavy_noise_is_uncertain(run):
+    doc, _ = run
+    assert all(r["wrong_claimed"] == 0 for r in doc["rows"])
+    heavy = _cells(doc["rows"], defence="noise:1")
+    assert heavy and all(r["verdicts"]["uncertain"] == r["length"] for r in heavy if r["leak"] != "last")
+    dropped = _cells(doc["rows"], defence="drop:0.25", leak="states")
+    assert all(r["verdicts"]["uncertain"] >= 2 for r in dropped)  # 2 of 8 positions missing: guessed, uncertain
+    assert all(r["verdicts"]["uncertain"] == 1 for r in _cells(doc["rows"], leak="last"))
+
+
+def test_the_report_holds_the_leak_matrix_and_a_verdict_per_layer(run):
+    doc, out = run
+    text = (out / "results.md").read_text()
+    assert "Leak matrix, states" in text and "Leak matrix, kv" in text and "lminvert audit --quick" in text
+    assert any(note.startswith("states at layer 1:") for note in doc["summary"]["notes"])
+    assert (out / "figures" / "audit_kv.png").exists()
+
+
+def test_the_command_refuses_bad_input_before_any_work(tmp_path):
+    for args in (
+        ["--defences", "noise:x"],
+        ["--leaks", "cache"],
+        ["--leaks", "kv", "--layers", "0"],
+        ["--prompts", str(tmp_path / "missing.txt")],
+    ):
+        result = run_cli("audit", "--model", "tiny-llama", "--quick", *args, "--out", str(tmp_path / "o"))
+        assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
