@@ -46,10 +46,11 @@ class Recovered:
     route: str  # which attack ran (engine, rows, last)
 
 
-def unpermute(rows: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, int]:
+def unpermute(rows: torch.Tensor, table: torch.Tensor, ordered: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Rows ``[T, k]`` under a secret permutation of their dimensions, with it undone from position 0 and ``table``
-    ``[V, k]`` (every token's row at position 0), and the first token it matched."""
-    ordered = table.float().sort(dim=1).values
+    ``[V, k]`` (every token's row at position 0), and the first token it matched. ``ordered``: the table's rows sorted
+    (computed when not given)."""
+    ordered = table.float().sort(dim=1).values if ordered is None else ordered
     first = rows[0].float()
     token = int((ordered - first.sort().values).norm(dim=1).argmin())
     out = torch.empty_like(rows)
@@ -60,11 +61,12 @@ def unpermute(rows: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, in
 class Attack:
     """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence)."""
 
-    def __init__(self, leak: Leak, measured: Callable[[], Measured] | None = None) -> None:
+    def __init__(self, leak: Leak) -> None:
         self.leak = leak
         self.model: LoadedModel = leak.model
         self._measured: dict[bool, Measured] = {}
         self._table: torch.Tensor | None = None
+        self._sorted: torch.Tensor | None = None  # the table's rows sorted (for a secret permutation)
 
     @property
     def table(self) -> torch.Tensor:
@@ -81,12 +83,16 @@ class Attack:
         if self.leak.name == "last":
             return [self._last(s) for s in shipped]
         whole = all(not torch.isnan(s.rows).any() for s in shipped) and first.public is None
-        rows = [unpermute(s.rows, self.table)[0] if s.permuted else s.rows for s in shipped]
+        if first.permuted and self._sorted is None:
+            self._sorted = self.table.sort(dim=1).values
+        rows = [unpermute(s.rows, self.table, self._sorted)[0] if s.permuted else s.rows for s in shipped]
         if self.leak.name == "states" and whole and states is not None and first.source is None:
             return self._engine(rows, first.source, states)
         public = first.public
         source = Float() if first.source is None else parse_source(first.source)
-        search = RowSearch(self.model, self.leak.states_layer, self._rows_of(public), source, self._measure(public))
+        table = self.table if public is None else public(self.table)
+        layer = self.leak.states_layer
+        search = RowSearch(self.model, layer, self._rows_of(public), source, self._measure(public), table)
         out = []
         for r in rows:
             found = search.run(r)

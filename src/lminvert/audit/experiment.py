@@ -65,6 +65,7 @@ def _row(token_ids: list[int], leak: str, found: Recovered) -> Row:
     claimed = [v in CLAIMED for v in found.verdicts]
     return {
         "length": len(token_ids),
+        "recovered": found.token_ids,
         "right": sum(right),
         "exact": all(right) and leak != "last",
         "positions": [offset + i for i in range(len(truth))],

@@ -98,20 +98,28 @@ class _Ridge:
         gram = x @ x.T
         penalty = RIDGE * float(gram.diagonal().mean()) + 1e-12
         alpha = torch.linalg.solve(gram + penalty * torch.eye(len(x), dtype=torch.float64), rows.double() - mean_y)
-        predicted = (self.vocab.double() - mean_x) @ (x.T @ alpha) + mean_y
-        return (predicted - target.double()).norm(dim=1).argsort()
+        weights = (x.T @ alpha).float()  # [d, k]; the prediction itself in float32: it only orders candidates
+        offset = (mean_y - mean_x @ x.T @ alpha).float()
+        return (self.vocab @ weights + offset - target.float()).norm(dim=1).argsort()
 
 
 class RowSearch:
     """One prompt's inversion from rows (see the module docstring)."""
 
-    def __init__(self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured) -> None:
+    def __init__(
+        self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
+        table: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
+        given)."""
         self.model, self.layer, self.rows_of = model, layer, rows_of
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
         self.ridge = _Ridge(probe.vocab_matrix(torch.float32).cpu())
-        self.table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
+        if table is None:
+            table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
+        self.table = table
         self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
 
     def radii(self, shipped: torch.Tensor, t: int) -> Radii:
@@ -154,7 +162,8 @@ class RowSearch:
         if not context:
             return torch.arange(probe.vocab_size)
         with torch.no_grad():
-            logits = self.model.model(input_ids=torch.tensor([context], device=probe.device)).logits[0, -1]
+            ids = torch.tensor([context], device=probe.device)
+            logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
         return logits.float().cpu().argsort(descending=True)
 
     def _missing(self, prefix: list[int], after: torch.Tensor | None) -> acceptor.Decision:
@@ -218,5 +227,5 @@ def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None
     if len(ids) < 2 or not len(chosen):
         return None
     others = torch.cat([rows[: chosen[0]], rows[chosen[0] + 1 :]])
-    gap = float((others.double() - rows[chosen[0]].double()).norm(dim=1).min()) / 2
+    gap = float((others - rows[chosen[0]]).norm(dim=1).min()) / 2
     return gap if math.isfinite(gap) else None
