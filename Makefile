@@ -34,7 +34,7 @@ test:
 	@$(MAKE) --no-print-directory chromium >/dev/null 2>&1 & chromium=$$!; \
 	$(MAKE) --no-print-directory setup || exit 1; \
 	wait $$chromium || echo "chromium could not be installed: the browser test will be skipped"; \
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -8,11 +8,11 @@ from lminvert.audit import audit
 
 def test_states_and_kv_leak_every_token_without_a_defence_and_under_a_permutation(smollm2, tmp_path):
     doc = audit(
-        tmp_path, model="smollm2-135m", load=lambda name: smollm2, prompts=2, length=8, layers=[1, "middle"],
+        tmp_path, model="smollm2-135m", load=lambda name: smollm2, prompts=1, length=8, layers=[1, "middle"],
         leaks=["states", "kv"], defences=["none", "permute"], progress=False,
     )  # fmt: skip
     rows = doc["rows"]
-    assert len(rows) == 2 * 2 * 2 * 2 and all(r["exact"] for r in rows)
+    assert len(rows) == 2 * 2 * 2 and all(r["exact"] for r in rows)
     assert all(r["wrong_claimed"] == 0 for r in rows)
     by = {(r["leak"], r["layer"], r["defence"], r["prompt"]): r["recovered"] for r in rows}
     for (leak, layer, defence, prompt), ids in by.items():

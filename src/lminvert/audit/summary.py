@@ -104,12 +104,12 @@ def summarise(ctx: Context, rows: Sequence[Row]) -> Summary:
                     "wrong, claimed",
                     "median s / prompt",
                     "cand./pos.",
-                    "median |δ|/(Δ/2)",
+                    "median ‖δ‖/(Δ/2)",
                     "Δ next-token loss",
                     "attack",
                 ],
                 details,
-                note="'wrong, claimed': tokens stated certified or confident that are wrong (never any). |δ|: the "
+                note="'wrong, claimed': tokens stated certified or confident that are wrong (never any). ‖δ‖: the "
                 "defence's perturbation of a position's row; Δ/2: half the distance from the chosen candidate's row "
                 "to the nearest other verified one (Theorem 3.2's radius where the whole vocabulary was verified, an "
                 "upper bound on it elsewhere). Attack: engine (lminvert.invert), rows (search in the shipped rows' "

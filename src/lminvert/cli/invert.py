@@ -11,6 +11,7 @@ from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, invert, parse_source
 from ..paths import atomic_file, check_output_file
+from ..runs import run_metadata
 from ..states import HiddenStates
 from .common import (
     add_command,
@@ -163,12 +164,15 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.json,
         executor=executor_from_args(args),
     )
-    # per-token text and tolerances make the JSON self-describing for `lminvert report`
+    # per-token text and tolerances make the JSON self-describing for `lminvert report`; the run's versions, machine
+    # (CPU features, threads) and the model's numeric path, so the result can be reproduced
+    run = run_metadata(model.describe(), args.seed)
     docs = [
         {
             **r.to_json(),
             "tokens": [model.decode([t]) for t in r.token_ids],
             "tolerances": [p.tolerance for p in r.positions],
+            "run": run,
         }
         for r in results
     ]
