@@ -35,7 +35,9 @@ def run(tiny, tmp_path_factory):
 @settings(max_examples=100, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    name=st.sampled_from(["noise:0.001", "noise:0.01", "noise:0.1", "quant:bf16", "quant:fp8", "quant:int8", "quant:int4"]),
+    name=st.sampled_from(
+        ["noise:0.001", "noise:0.01", "noise:0.1", "quant:bf16", "quant:fp8", "quant:int8", "quant:int4"]
+    ),
     scale=st.floats(min_value=1e-2, max_value=1e3),
 )
 def test_each_defence_keeps_its_declared_error_bound(seed, name, scale):
@@ -55,7 +57,8 @@ def test_structural_defences_do_what_they_declare():
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(8, 32, generator=gen)
     permuted = parse_defence("permute").apply(rows, gen)
-    assert permuted.permuted and torch.equal(permuted.kept, rows) and torch.equal(permuted.rows.sort(1).values, rows.sort(1).values)
+    assert permuted.permuted and torch.equal(permuted.kept, rows)
+    assert torch.equal(permuted.rows.sort(1).values, rows.sort(1).values)
     table = torch.cat([torch.randn(50, 32, generator=gen), rows[:1]])
     undone, token = unpermute(permuted.rows, table)
     assert token == 50 and torch.equal(undone, rows)
