@@ -149,7 +149,7 @@ def test_a_wrong_list_of_blocks_is_caught_not_read():
 
 
 def test_a_final_norm_that_cannot_be_found_is_named(monkeypatch):
-    from lminvert.models import probe as probe_module
+    from lminvert.models import discovery as probe_module
 
     monkeypatch.setattr(probe_module, "NORM_NAMES", ("norm",))  # as if GPT-2 named its final norm unusually
     with pytest.raises(LminvertError, match="cannot find the final norm of GPT2LMHeadModel"):

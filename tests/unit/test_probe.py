@@ -152,7 +152,7 @@ def test_vocabulary_products_for_rankings(monkeypatch, half):
     """probe.vocab_dots, the linear policy's ranking product: the float32 product, or (on a CPU, by default) one
     through a scaled float16 copy of the vocabulary, within 1e-3 of the largest product at any scale of the
     vector; the zero vector gives zeros."""
-    from lminvert.models import probe as probe_module
+    from lminvert.models import vocabulary as probe_module
 
     monkeypatch.setattr(probe_module, "HALF_DOTS", half)
     probe = lminvert.load_model("tiny-llama").probe  # a new probe: the choice is made at its first product
