@@ -17,18 +17,19 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..corpora import Prompt, sample_prompts
 from ..errors import LminvertError
 from ..executors import Executor, get_executor
-from ..models import LayerSpec, LoadedModel
+from ..models import Layer, LayerSpec, LoadedModel
 from ..models.loading import require_loaded
 from ..models.ties import representatives, same_input, tied_token_groups
 from ..paths import atomic_file
 from ..runs import RunDirectory, versions
 from .fill import fill_with_prompts, prompt_rounding_noise
 from .results import CollisionConfig, CollisionResults
-from .runner import SearchSettings, elapsed, layer_results, measure_matmul, run_summary, search_states
+from .runner import SearchedStates, SearchSettings, elapsed, layer_results, measure_matmul, run_summary, search_states
 from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 
 KIND = "collisions"
@@ -87,32 +88,11 @@ def find_collisions(
     wall = time.perf_counter()
     settings = SearchSettings(threshold, k, seed, tile_rows, tile_cols, block_pairs)
     model = require_loaded(model, "find_collisions")
-    if n_prompts < 2:
-        raise LminvertError("--n-prompts must be at least 2 (pairs of prompts are compared)")
-    if max_tokens < 1 or (min_tokens is not None and not 1 <= min_tokens <= max_tokens):
-        raise LminvertError("--max-tokens must be at least 1 and --min-tokens between 1 and --max-tokens")
-    if batch_tokens < 1 or chunk_size < 1:
-        raise LminvertError("--batch-tokens and the chunk size must be positive")
+    _check_sizes(n_prompts, max_tokens, min_tokens, batch_tokens, chunk_size)
     resolved = model.probe.layers(layers)
     runner = get_executor(executor)
-    config = CollisionConfig(
-        model=model.name,
-        weights_hash=model.weights_hash,
-        dtype=model.dtype,
-        corpus=corpus,
-        n_prompts=n_prompts,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        layers=tuple(x.name for x in resolved),
-        threshold=settings.threshold,
-        k=settings.k,
-        seed=settings.seed,
-        tile_rows=settings.tile_rows,
-        tile_cols=settings.tile_cols,
-        batch_tokens=batch_tokens,
-        chunk_size=chunk_size,
-        executor=runner.name,
-        block_pairs=block_pairs,
+    config = _config(
+        model, corpus, n_prompts, max_tokens, min_tokens, resolved, settings, batch_tokens, chunk_size, runner
     )
     run = RunDirectory(out, KIND, config.to_dict(), CollisionConfig.IDENTITY)
     prompts, corpus_summary, sample_seconds = _prompts(model, config, run)
@@ -132,6 +112,69 @@ def find_collisions(
         progress=progress,
     )
     matmul = measure_matmul(len(ids), model.probe.hidden_size, settings, earlier=before)
+    results = _results(model, config, run, prompts, corpus_summary, sample_seconds, searched, matmul, wall)
+    run.write_results(results.to_dict())
+    return results
+
+
+def _check_sizes(n_prompts: int, max_tokens: int, min_tokens: int | None, batch_tokens: int, chunk_size: int) -> None:
+    """One-line errors for :func:`find_collisions`'s sizes, before anything is sampled or computed."""
+    if n_prompts < 2:
+        raise LminvertError("--n-prompts must be at least 2 (pairs of prompts are compared)")
+    if max_tokens < 1 or (min_tokens is not None and not 1 <= min_tokens <= max_tokens):
+        raise LminvertError("--max-tokens must be at least 1 and --min-tokens between 1 and --max-tokens")
+    if batch_tokens < 1 or chunk_size < 1:
+        raise LminvertError("--batch-tokens and the chunk size must be positive")
+
+
+def _config(
+    model: LoadedModel,
+    corpus: str,
+    n_prompts: int,
+    max_tokens: int,
+    min_tokens: int | None,
+    resolved: Sequence[Layer],
+    settings: SearchSettings,
+    batch_tokens: int,
+    chunk_size: int,
+    runner: Executor,
+) -> CollisionConfig:
+    """The run's configuration, as its manifest records it."""
+    return CollisionConfig(
+        model=model.name,
+        weights_hash=model.weights_hash,
+        dtype=model.dtype,
+        corpus=corpus,
+        n_prompts=n_prompts,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        layers=tuple(x.name for x in resolved),
+        threshold=settings.threshold,
+        k=settings.k,
+        seed=settings.seed,
+        tile_rows=settings.tile_rows,
+        tile_cols=settings.tile_cols,
+        batch_tokens=batch_tokens,
+        chunk_size=chunk_size,
+        executor=runner.name,
+        block_pairs=settings.block_pairs,
+    )
+
+
+def _results(
+    model: LoadedModel,
+    config: CollisionConfig,
+    run: RunDirectory,
+    prompts: list[Prompt],
+    corpus_summary: dict,
+    sample_seconds: float,
+    searched: SearchedStates,
+    matmul: dict[str, Any],
+    wall: float,
+) -> CollisionResults:
+    """The search's results per layer (pairs under the threshold that feed identical inputs counted), the run
+    summary (timings: sampling, encoding, the total since ``wall``), the corpus summary and the data files."""
+    ids = [p.ids for p in prompts]
     rep = representatives(tied_token_groups(model))
 
     def same_inputs(layer, summary) -> dict:
@@ -145,10 +188,10 @@ def find_collisions(
         "total_seconds": elapsed(wall),
         "note": "sampling/encoding count only this invocation's work (0 when resumed from disk)",
     }
-    extra = run_summary(model, list(by_layer.values()), matmul, timings, settings.seed)
+    extra = run_summary(model, list(by_layer.values()), matmul, timings, config.seed)
     extra["n_pairs_total"] = int(sum(r.details["n_pairs"] for r in by_layer.values()))
     extra["corpus"] = corpus_summary
-    results = CollisionResults(
+    return CollisionResults(
         model=model.name,
         n_prompts=len(prompts),
         n_pairs=len(prompts) * (len(prompts) - 1) // 2,
@@ -161,5 +204,3 @@ def find_collisions(
         directory=str(run.path),
         files={"nn": {name: [path] for name, path in searched.nn_files.items()}},
     )
-    run.write_results(results.to_dict())
-    return results

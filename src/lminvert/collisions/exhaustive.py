@@ -21,7 +21,7 @@ import torch
 
 from ..errors import LminvertError
 from ..executors import Executor, get_executor
-from ..models import DEFAULT_LAYERS, LayerSpec, LoadedModel
+from ..models import DEFAULT_LAYERS, Layer, LayerSpec, LoadedModel
 from ..models.loading import require_loaded
 from ..models.ties import representatives, tied_pairs, tied_token_groups
 from ..paths import read_json
@@ -29,7 +29,7 @@ from ..runs import RunDirectory, versions
 from .fill import continuation_rounding_noise, fill_with_continuations
 from .identical_inputs import differing_summary, search_depth, tied_distances, tied_summary
 from .results import LayerResult
-from .runner import SearchSettings, elapsed, layer_results, measure_matmul, run_summary, search_states
+from .runner import SearchedStates, SearchSettings, elapsed, layer_results, measure_matmul, run_summary, search_states
 from .search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 
 KIND = "exhaustive"
@@ -182,81 +182,147 @@ def exhaustive_test(
     model = require_loaded(model, "exhaustive_test")
     if batch_size < 1:
         raise LminvertError("--batch-size must be positive")
-    probe = model.probe
+    ids = _prefix_ids(model, prefixes)
+    resolved = model.probe.layers(layers)
+    runner = get_executor(executor)
+    config = _config(model, ids, resolved, settings, batch_size, runner)
+    run = RunDirectory(out, KIND, config.to_dict(), ExhaustiveConfig.IDENTITY)
+    vocab = model.probe.vocab_size
+    groups = tied_token_groups(model)
+    tied = tied_pairs(groups)
+    rep = representatives(groups)
+    token_texts = [model.decode([t]) for t in range(vocab)]
+    before = measure_matmul(vocab, model.probe.hidden_size, settings)
+    searched_all = [
+        _search_prefix(run, model, index, ids, resolved, batch_size, settings, runner, tied, progress)
+        for index in range(len(ids))
+    ]
+    matmul = measure_matmul(vocab, model.probe.hidden_size, settings, earlier=before)
+    results = [
+        _prefix_result(model, index, prefix, searched, token_texts, groups, tied, rep, matmul, settings)
+        for index, (prefix, searched) in enumerate(zip(ids, searched_all, strict=True))
+    ]
+    done = _results(model, config, run, results, searched_all, resolved, matmul, wall)
+    run.write_results(done.to_dict())
+    return done
+
+
+def _prefix_ids(model: LoadedModel, prefixes: Sequence[str | Sequence[int]]) -> list[tuple[int, ...]]:
+    """The prefixes as token ids (text tokenized), each checked against the vocabulary; none is an error."""
     if not prefixes:
         raise LminvertError("no prefixes given: pass --prefix TEXT or --from-collisions DIR")
     ids = [tuple(model.tokenize(p)) if isinstance(p, str) else tuple(int(t) for t in p) for p in prefixes]
     for prefix in ids:
-        probe.check_ids(torch.tensor(prefix, dtype=torch.long))
-    resolved = probe.layers(layers)
-    runner = get_executor(executor)
-    config = ExhaustiveConfig(
+        model.probe.check_ids(torch.tensor(prefix, dtype=torch.long))
+    return ids
+
+
+def _config(
+    model: LoadedModel,
+    ids: list[tuple[int, ...]],
+    resolved: Sequence[Layer],
+    settings: SearchSettings,
+    batch_size: int,
+    runner: Executor,
+) -> ExhaustiveConfig:
+    """The run's configuration, as its manifest records it."""
+    return ExhaustiveConfig(
         model=model.name,
         weights_hash=model.weights_hash,
         dtype=model.dtype,
         prefixes=tuple(ids),
         layers=tuple(x.name for x in resolved),
-        threshold=threshold,
-        k=k,
-        seed=seed,
+        threshold=settings.threshold,
+        k=settings.k,
+        seed=settings.seed,
         batch_size=batch_size,
-        tile_rows=tile_rows,
-        tile_cols=tile_cols,
+        tile_rows=settings.tile_rows,
+        tile_cols=settings.tile_cols,
         executor=runner.name,
-        block_pairs=block_pairs,
+        block_pairs=settings.block_pairs,
     )
-    run = RunDirectory(out, KIND, config.to_dict(), ExhaustiveConfig.IDENTITY)
-    vocab = probe.vocab_size
-    groups = tied_token_groups(model)
-    tied = tied_pairs(groups)
-    rep = representatives(groups)
-    token_texts = [model.decode([t]) for t in range(vocab)]
-    before = measure_matmul(vocab, probe.hidden_size, settings)
-    searched_all = []
-    for index, prefix in enumerate(ids):
-        searched_all.append(
-            search_states(
-                run,
-                f"prefix_{index:03d}",
-                model,
-                resolved,
-                vocab,
-                batch_size,
-                fill=lambda store, prefix=prefix, index=index: fill_with_continuations(
-                    model, prefix, store, resolved, progress, f"prefix {index + 1}/{len(ids)}", runner
-                ),
-                rounding_noise=lambda store, prefix=prefix: continuation_rounding_noise(
-                    model, prefix, store, resolved, seed=seed
-                ),
-                settings=settings,
-                executor=runner,
-                k=search_depth(k, tied),
-                label=f"prefix {index + 1} ",
-                progress=progress,
-            )
-        )
-    matmul = measure_matmul(vocab, probe.hidden_size, settings, earlier=before)
-    results = []
-    for index, (prefix, searched) in enumerate(zip(ids, searched_all, strict=True)):
-        shown = model.decode(list(prefix)) if prefix else ""
-        full_ids = [(*prefix, t) for t in range(vocab)]
-        texts = [f"{shown}⟨{tok}⟩" for tok in token_texts]
 
-        def ties_of(layer, summary, searched=searched) -> dict:
-            distance = tied_distances(searched.states(layer), tied)  # measured once, used by both summaries
-            return {
-                "tied_tokens": tied_summary(distance, groups, threshold),
-                "inputs_differ": differing_summary(summary, tied, distance, k, threshold),
-            }
 
-        by_layer = layer_results(searched, full_ids, texts, rep, matmul, ties_of)
-        by_layer = {name: replace(r, closest_pairs=r.closest_pairs[:k]) for name, r in by_layer.items()}
-        results.append(PrefixResult(index, prefix, shown, by_layer))
+def _search_prefix(
+    run: RunDirectory,
+    model: LoadedModel,
+    index: int,
+    ids: list[tuple[int, ...]],
+    resolved: Sequence[Layer],
+    batch_size: int,
+    settings: SearchSettings,
+    runner: Executor,
+    tied: list[tuple[int, int]],
+    progress: bool,
+) -> SearchedStates:
+    """Prefix ``index``'s |V| continuations: their states per layer, searched (resumed from ``prefix_III/``)."""
+    prefix = ids[index]
+    return search_states(
+        run,
+        f"prefix_{index:03d}",
+        model,
+        resolved,
+        model.probe.vocab_size,
+        batch_size,
+        fill=lambda store: fill_with_continuations(
+            model, prefix, store, resolved, progress, f"prefix {index + 1}/{len(ids)}", runner
+        ),
+        rounding_noise=lambda store: continuation_rounding_noise(model, prefix, store, resolved, seed=settings.seed),
+        settings=settings,
+        executor=runner,
+        k=search_depth(settings.k, tied),
+        label=f"prefix {index + 1} ",
+        progress=progress,
+    )
+
+
+def _prefix_result(
+    model: LoadedModel,
+    index: int,
+    prefix: tuple[int, ...],
+    searched: SearchedStates,
+    token_texts: list[str],
+    groups: list[list[int]],
+    tied: list[tuple[int, int]],
+    rep: dict[int, int],
+    matmul: dict[str, Any],
+    settings: SearchSettings,
+) -> PrefixResult:
+    """One prefix's per-layer results, with the tied-token and differing-input summaries, ``k`` closest pairs."""
+    threshold, k = settings.threshold, settings.k
+    shown = model.decode(list(prefix)) if prefix else ""
+    full_ids = [(*prefix, t) for t in range(model.probe.vocab_size)]
+    texts = [f"{shown}⟨{tok}⟩" for tok in token_texts]
+
+    def ties_of(layer, summary) -> dict:
+        distance = tied_distances(searched.states(layer), tied)  # measured once, used by both summaries
+        return {
+            "tied_tokens": tied_summary(distance, groups, threshold),
+            "inputs_differ": differing_summary(summary, tied, distance, k, threshold),
+        }
+
+    by_layer = layer_results(searched, full_ids, texts, rep, matmul, ties_of)
+    by_layer = {name: replace(r, closest_pairs=r.closest_pairs[:k]) for name, r in by_layer.items()}
+    return PrefixResult(index, prefix, shown, by_layer)
+
+
+def _results(
+    model: LoadedModel,
+    config: ExhaustiveConfig,
+    run: RunDirectory,
+    results: list[PrefixResult],
+    searched_all: list[SearchedStates],
+    resolved: Sequence[Layer],
+    matmul: dict[str, Any],
+    wall: float,
+) -> ExhaustiveResults:
+    """The run's results: every prefix's, the run summary (throughput, timings since ``wall``), the data files."""
+    vocab = model.probe.vocab_size
     all_layers = [r for p in results for r in p.layers.values()]
     timings = {"encoding_seconds": sum(s.encode_seconds for s in searched_all), "total_seconds": elapsed(wall)}
-    extra = run_summary(model, all_layers, matmul, timings, seed)
+    extra = run_summary(model, all_layers, matmul, timings, config.seed)
     nn = {layer.name: [s.nn_files[layer.name] for s in searched_all] for layer in resolved}
-    done = ExhaustiveResults(
+    return ExhaustiveResults(
         model=model.name,
         vocab_size=vocab,
         n_pairs=vocab * (vocab - 1) // 2,
@@ -269,5 +335,3 @@ def exhaustive_test(
         directory=str(run.path),
         files={"nn": nn},
     )
-    run.write_results(done.to_dict())
-    return done

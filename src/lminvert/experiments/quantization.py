@@ -196,140 +196,161 @@ class Quantization(Experiment):
         for (model,), model_rows in group(rows, "model").items():
             minima = {(r["scheme"], r["layer"]): r["min_distance"] for r in model_rows if r["test"] == "collisions"}
             layers = list(dict.fromkeys(r["layer"] for r in model_rows if r["test"] == "collisions"))
-
-            def ratio(scheme: str, layer: str, minima=minima) -> float | None:
-                a, b = minima.get((scheme, layer)), minima.get((FLOAT, layer))
-                return a / b if a is not None and b else None
-
-            per_layer = []
-            for layer in layers:
-                cells: list = [layer, minima.get((FLOAT, layer))]
-                for q in quantised:
-                    cells += [minima.get((q, layer)), ratio(q, layer)]
-                per_layer.append(cells)
-            columns = ["layer", FLOAT] + [c for q in quantised for c in (q, f"{q} / {FLOAT}")]
-            n_prompts, max_tokens = ctx.size["n_prompts"], ctx.size["max_tokens"]
-            tables.append(
-                Table(
-                    f"{model}: minimum pairwise distance of last-token states per layer ({n_prompts} prompts)",
-                    columns,
-                    per_layer,
-                    note=(
-                        f"The same {n_prompts} prompts (corpus {ctx.size['corpus']}, up to {max_tokens} tokens) "
-                        "through every model; exact minimum over all pairs, float64 re-measured."
-                    ),
-                )
-            )
-            summary_rows = []
-            for q in schemes:
-                coll = [r for r in model_rows if r["test"] == "collisions" and r["scheme"] == q]
-                ratios = [x for x in (ratio(q, layer) for layer in layers) if x is not None]
-                noise = [
-                    r["rounding_noise_max"] / r["min_distance"]
-                    for r in coll
-                    if r.get("rounding_noise_max") is not None and r["min_distance"] > 0
-                ]
-                summary_rows.append(
-                    [
-                        q,
-                        sum(r["below_threshold"] for r in coll),
-                        min(r["min_distance"] for r in coll) if coll else None,
-                        min(ratios) if ratios and q != FLOAT else None,
-                        statistics.median(ratios) if ratios and q != FLOAT else None,
-                        max(ratios) if ratios and q != FLOAT else None,
-                        f"{sum(x >= 2 for x in ratios)}/{len(ratios)}" if q != FLOAT else "-",
-                        max(noise) if noise else None,
-                        coll[0]["quantized_layers"] if coll else None,
-                    ]
-                )
-            summary_rows.append(["paper (its models)", 0, None, None, "> 2", None, "-", None, None])
-            tables.append(
-                Table(
-                    f"{model}: collisions and the ratio to {FLOAT}, over all layers",
-                    [
-                        "scheme",
-                        "pairs under 1e-6",
-                        "smallest minimum",
-                        "min ratio",
-                        "median ratio",
-                        "max ratio",
-                        "layers with ratio >= 2",
-                        "re-encoding difference / minimum (worst layer)",
-                        "quantised linear layers",
-                    ],
-                    summary_rows,
-                    note=(
-                        "Ratio: a scheme's minimum distance at a layer over float32's at the same layer. Re-encoding "
-                        "difference: the largest distance between a prompt's stored state and the same prompt encoded "
-                        "again in a batch of its own (16 prompts), over the layer's minimum distance; 0 means the "
-                        "state does not depend on what it was batched with."
-                    ),
-                )
-            )
+            tables.append(_minima_table(ctx, model, minima, layers, quantised))
+            tables.append(_ratio_table(model, model_rows, minima, layers, schemes))
             inv = [r for r in model_rows if r["test"] == "inversion"]
             if inv:
-                inv_rows = []
-                for (q,), rs in group(inv, "scheme").items():
-                    flagged = sum(r["uncertain"] for r in rs)
-                    positions = sum(r["length"] for r in rs)
-                    shift = statistics.fmean(r["state_shift"] for r in rs)
-                    inv_rows.append([q, *inversion_cells(rs), f"{flagged}/{positions}", shift])
-                inv_rows.append(["paper: 4-bit Mistral-7B", "1.00", "-", "-", "-", "-", "0.19%", "-", "-"])
-                inv_rows.append(["paper: 4-bit Llama-3.1-8B", "1.00", "-", "-", "-", "-", "0.21%", "-", "-"])
-                layer = inv[0]["layer"]
-                table_note = (
-                    f"States of every position at layer {layer}, encoded and inverted with the same (quantised) model; "
-                    f"linear policy, first-position table {'on' if ctx.size['first_table'] else 'off'}, at most "
-                    f"{ctx.size['max_candidates']:,} candidates per position (a position not accepted by then is "
-                    "flagged). State shift: ||h_q - h_float32|| / ||h_float32|| over the prompt's states."
-                )
-                if ctx.quick:
-                    table_note += (
-                        " Quick size: layer 1 without the first-position table, because building that table for each "
-                        "quantised model at a middle layer (a forward of every vocabulary token) takes minutes."
-                    )
-                tables.append(
-                    Table(
-                        f"{model}: inversion at layer {layer}, {inv[0]['length']}-token prompts",
-                        ["scheme", *inversion_columns(), "flagged positions", "state shift"],
-                        inv_rows,
-                        note=table_note,
-                    )
-                )
-            series = []
-            for q in schemes:
-                numeric = [layer for layer in layers if layer.isdigit() and (q, layer) in minima]
-                series.append(Series(q, [int(x) for x in numeric], [minima[(q, x)] for x in numeric]))
-            figures.append(
-                FigureSpec(
-                    f"{model}-quantization-minima",
-                    f"{model}: minimum distance between last-token states per layer, one line per weight format "
-                    "(log scale; the collision threshold is 1e-6); a line above float32's means quantisation widened "
-                    "the gaps.",
-                    title="Minimum distance per layer by weight format",
-                    xlabel="layer",
-                    ylabel="minimum L2 distance",
-                    series=series,
-                    logy=True,
-                )
-            )
-            ratio_series = []
-            for q in quantised:
-                numeric = [layer for layer in layers if layer.isdigit() and ratio(q, layer) is not None]
-                ratio_series.append(Series(q, [int(x) for x in numeric], [ratio(q, x) for x in numeric]))
-            figures.append(
-                FigureSpec(
-                    f"{model}-quantization-ratio",
-                    f"{model}: each format's minimum distance over float32's, per layer (log scale); the line at 2 "
-                    "is the paper's 'more than doubles'.",
-                    title=f"Minimum distance relative to {FLOAT}",
-                    xlabel="layer",
-                    ylabel=f"minimum distance / {FLOAT}",
-                    series=ratio_series,
-                    logy=True,
-                    hline=2.0,
-                    hline_label="paper: > 2x",
-                )
-            )
+                tables.append(_inversion_table(ctx, model, inv))
+            figures.append(_minima_figure(model, minima, layers, schemes))
+            figures.append(_ratio_figure(model, minima, layers, quantised))
         notes = [LIBRARY_NOTE, f"Measured with {library_version()}.", INT8_NOTE]
         return Summary(tables, figures, notes)
+
+
+Minima = dict[tuple[str, str], float]  # (scheme, layer) -> minimum pairwise distance
+
+
+def _ratio(minima: Minima, scheme: str, layer: str) -> float | None:
+    """``scheme``'s minimum distance at ``layer`` over float32's (None where either is missing or float32's is 0)."""
+    a, b = minima.get((scheme, layer)), minima.get((FLOAT, layer))
+    return a / b if a is not None and b else None
+
+
+def _minima_table(ctx: Context, model: str, minima: Minima, layers: list[str], quantised: list[str]) -> Table:
+    """Per layer: float32's minimum distance, then each quantised scheme's and its ratio to float32's."""
+    per_layer = []
+    for layer in layers:
+        cells: list = [layer, minima.get((FLOAT, layer))]
+        for q in quantised:
+            cells += [minima.get((q, layer)), _ratio(minima, q, layer)]
+        per_layer.append(cells)
+    columns = ["layer", FLOAT] + [c for q in quantised for c in (q, f"{q} / {FLOAT}")]
+    n_prompts, max_tokens = ctx.size["n_prompts"], ctx.size["max_tokens"]
+    return Table(
+        f"{model}: minimum pairwise distance of last-token states per layer ({n_prompts} prompts)",
+        columns,
+        per_layer,
+        note=(
+            f"The same {n_prompts} prompts (corpus {ctx.size['corpus']}, up to {max_tokens} tokens) "
+            "through every model; exact minimum over all pairs, float64 re-measured."
+        ),
+    )
+
+
+def _ratio_row(scheme: str, model_rows: Sequence[Row], minima: Minima, layers: list[str]) -> list:
+    """One scheme over all layers: collisions, smallest minimum, ratios to float32, re-encoding difference."""
+    coll = [r for r in model_rows if r["test"] == "collisions" and r["scheme"] == scheme]
+    ratios = [x for x in (_ratio(minima, scheme, layer) for layer in layers) if x is not None]
+    noise = [
+        r["rounding_noise_max"] / r["min_distance"]
+        for r in coll
+        if r.get("rounding_noise_max") is not None and r["min_distance"] > 0
+    ]
+    quantised = scheme != FLOAT
+    return [
+        scheme,
+        sum(r["below_threshold"] for r in coll),
+        min(r["min_distance"] for r in coll) if coll else None,
+        min(ratios) if ratios and quantised else None,
+        statistics.median(ratios) if ratios and quantised else None,
+        max(ratios) if ratios and quantised else None,
+        f"{sum(x >= 2 for x in ratios)}/{len(ratios)}" if quantised else "-",
+        max(noise) if noise else None,
+        coll[0]["quantized_layers"] if coll else None,
+    ]
+
+
+def _ratio_table(model: str, model_rows: Sequence[Row], minima: Minima, layers: list[str], schemes: list[str]) -> Table:
+    """One row per scheme over all layers (:func:`_ratio_row`), then the paper's claim."""
+    summary_rows = [_ratio_row(q, model_rows, minima, layers) for q in schemes]
+    summary_rows.append(["paper (its models)", 0, None, None, "> 2", None, "-", None, None])
+    return Table(
+        f"{model}: collisions and the ratio to {FLOAT}, over all layers",
+        [
+            "scheme",
+            "pairs under 1e-6",
+            "smallest minimum",
+            "min ratio",
+            "median ratio",
+            "max ratio",
+            "layers with ratio >= 2",
+            "re-encoding difference / minimum (worst layer)",
+            "quantised linear layers",
+        ],
+        summary_rows,
+        note=(
+            "Ratio: a scheme's minimum distance at a layer over float32's at the same layer. Re-encoding "
+            "difference: the largest distance between a prompt's stored state and the same prompt encoded "
+            "again in a batch of its own (16 prompts), over the layer's minimum distance; 0 means the "
+            "state does not depend on what it was batched with."
+        ),
+    )
+
+
+def _inversion_table(ctx: Context, model: str, inv: list[Row]) -> Table:
+    """Inversion on each scheme's model (the rows of its ``inversion`` units), then the paper's results."""
+    inv_rows = []
+    for (q,), rs in group(inv, "scheme").items():
+        flagged = sum(r["uncertain"] for r in rs)
+        positions = sum(r["length"] for r in rs)
+        shift = statistics.fmean(r["state_shift"] for r in rs)
+        inv_rows.append([q, *inversion_cells(rs), f"{flagged}/{positions}", shift])
+    inv_rows.append(["paper: 4-bit Mistral-7B", "1.00", "-", "-", "-", "-", "0.19%", "-", "-"])
+    inv_rows.append(["paper: 4-bit Llama-3.1-8B", "1.00", "-", "-", "-", "-", "0.21%", "-", "-"])
+    layer = inv[0]["layer"]
+    table_note = (
+        f"States of every position at layer {layer}, encoded and inverted with the same (quantised) model; "
+        f"linear policy, first-position table {'on' if ctx.size['first_table'] else 'off'}, at most "
+        f"{ctx.size['max_candidates']:,} candidates per position (a position not accepted by then is "
+        "flagged). State shift: ||h_q - h_float32|| / ||h_float32|| over the prompt's states."
+    )
+    if ctx.quick:
+        table_note += (
+            " Quick size: layer 1 without the first-position table, because building that table for each "
+            "quantised model at a middle layer (a forward of every vocabulary token) takes minutes."
+        )
+    return Table(
+        f"{model}: inversion at layer {layer}, {inv[0]['length']}-token prompts",
+        ["scheme", *inversion_columns(), "flagged positions", "state shift"],
+        inv_rows,
+        note=table_note,
+    )
+
+
+def _minima_figure(model: str, minima: Minima, layers: list[str], schemes: list[str]) -> FigureSpec:
+    """Minimum distance per (numeric) layer, one line per scheme."""
+    series = []
+    for q in schemes:
+        numeric = [layer for layer in layers if layer.isdigit() and (q, layer) in minima]
+        series.append(Series(q, [int(x) for x in numeric], [minima[(q, x)] for x in numeric]))
+    return FigureSpec(
+        f"{model}-quantization-minima",
+        f"{model}: minimum distance between last-token states per layer, one line per weight format "
+        "(log scale; the collision threshold is 1e-6); a line above float32's means quantisation widened "
+        "the gaps.",
+        title="Minimum distance per layer by weight format",
+        xlabel="layer",
+        ylabel="minimum L2 distance",
+        series=series,
+        logy=True,
+    )
+
+
+def _ratio_figure(model: str, minima: Minima, layers: list[str], quantised: list[str]) -> FigureSpec:
+    """Each quantised scheme's minimum distance over float32's per (numeric) layer, with the paper's 2x line."""
+    ratio_series = []
+    for q in quantised:
+        numeric = [layer for layer in layers if layer.isdigit() and _ratio(minima, q, layer) is not None]
+        ratio_series.append(Series(q, [int(x) for x in numeric], [_ratio(minima, q, x) for x in numeric]))
+    return FigureSpec(
+        f"{model}-quantization-ratio",
+        f"{model}: each format's minimum distance over float32's, per layer (log scale); the line at 2 "
+        "is the paper's 'more than doubles'.",
+        title=f"Minimum distance relative to {FLOAT}",
+        xlabel="layer",
+        ylabel=f"minimum distance / {FLOAT}",
+        series=ratio_series,
+        logy=True,
+        hline=2.0,
+        hline_label="paper: > 2x",
+    )

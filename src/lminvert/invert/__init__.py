@@ -101,23 +101,12 @@ def invert(
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
-    if screen and (reason := model.probe.screen_refusal) is not None:
-        raise LminvertError(
-            f"screening runs a float32 model's candidate batches in bfloat16; {reason}: drop --screen (screen=True)"
-        )
+    _check_screen(model, screen)
     error_model = _source(states, source, noise)
     resolved, found = _layer(model, states, layer, error_model, check)
-    if certify is None:
-        certify = has_hooks(model.model)
-        if certify:
-            log.warning(
-                "%s has forward hooks that edit its computation: injectivity cannot be assumed, so every position is "
-                "certified against the whole vocabulary (pass certify=False to stop at the first match)",
-                model.name,
-            )
     config = InvertConfig(
         method=method,
-        certify=bool(certify),
+        certify=_certify(model, certify),
         policy=policy,
         first_table=first_table,
         max_candidates=max_candidates,
@@ -130,13 +119,50 @@ def invert(
         speculate=speculate,
         screen=screen,
     )
-    generator = torch.Generator().manual_seed(seed + 1)
+    flat = _invert_chunks(model, states, resolved, config, noise, together, executor)
+    return _with_notes(model, states, found, flat)
+
+
+def _check_screen(model: LoadedModel, screen: bool | None) -> None:
+    """A one-line error where ``screen=True`` was asked of a model that cannot screen (see :func:`invert`)."""
+    if screen and (reason := model.probe.screen_refusal) is not None:
+        raise LminvertError(
+            f"screening runs a float32 model's candidate batches in bfloat16; {reason}: drop --screen (screen=True)"
+        )
+
+
+def _certify(model: LoadedModel, certify: bool | None) -> bool:
+    """Whether to certify every position (see :func:`invert`'s ``certify``); ``None``: where the model has hooks."""
+    if certify is None:
+        certify = has_hooks(model.model)
+        if certify:
+            log.warning(
+                "%s has forward hooks that edit its computation: injectivity cannot be assumed, so every position is "
+                "certified against the whole vocabulary (pass certify=False to stop at the first match)",
+                model.name,
+            )
+    return bool(certify)
+
+
+def _invert_chunks(
+    model: LoadedModel,
+    states: HiddenStates,
+    layer: Layer,
+    config: InvertConfig,
+    noise: float,
+    together: int,
+    executor: str | Executor | None,
+) -> list[InversionResult]:
+    """Every prompt of ``states`` inverted, in chunks of ``together`` on ``executor``, in order; ``noise`` (relative,
+    seeded by ``config.seed + 1``) added to the states first. A progress bar counts positions if ``config.progress``."""
+    generator = torch.Generator().manual_seed(config.seed + 1)
     ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
     clean = list(states.states)
     observed = [add_noise(c, noise, generator) if noise > 0 else c for c in clean]
     chunks = [slice(first, first + together) for first in range(0, len(observed), together)]
     tasks = [(observed[c], clean[c] if noise > 0 else None) for c in chunks]
-    bar = tqdm(total=sum(states.lengths), desc="inverting", unit="tok", disable=None if progress else True, leave=False)
+    disable = None if config.progress else True
+    bar = tqdm(total=sum(states.lengths), desc="inverting", unit="tok", disable=disable, leave=False)
     live = [0]  # positions reported since the last finished chunk (only where the chunks run in this process)
 
     def on_position(prompt: int, position: int, result: PositionResult) -> None:
@@ -144,7 +170,7 @@ def invert(
         bar.update(1)
 
     runner = get_executor(executor)
-    fn = _InvertChunk(resolved, config, ties, on_position)
+    fn = _InvertChunk(layer, config, ties, on_position)
     results: list[list[InversionResult]] = [[] for _ in chunks]
     try:
         for index, chunk_results in runner.map_with(ModelSetup.of(model), fn, tasks):
@@ -153,7 +179,14 @@ def invert(
             live[0] = 0
     finally:
         bar.close()
-    flat = [r for chunk_results in results for r in chunk_results]
+    return [r for chunk_results in results for r in chunk_results]
+
+
+def _with_notes(
+    model: LoadedModel, states: HiddenStates, found: tuple[str, ...], flat: list[InversionResult]
+) -> list[InversionResult]:
+    """The results with the notes every one carries (``found``, from :func:`_layer`) first; for states from elsewhere
+    (no weights hash), each one's BOS note (:func:`_bos_note`) last."""
     if states.weights_hash is None:  # a capture from elsewhere: whether it began with BOS is not known beforehand
         return [replace(r, notes=(*found, *r.notes, *_bos_note(model, r))) for r in flat]
     return [replace(r, notes=found + r.notes) for r in flat] if found else flat

@@ -217,130 +217,142 @@ class Break(Experiment):
     def summarise(self, ctx: Context, rows: Sequence[Row]) -> Summary:
         search = [r for r in rows if r["test"] == "search"]
         inverts = [r for r in rows if r["test"] == "invert"]
-        search_rows, bars_min, bars_n, names = [], [], [], []
-        for (name,), rs in group(search, "construction").items():
-            first, last = rs[0], rs[-1]
-            ex = last["example"][0] if last["example"] else None
-            search_rows.append(
-                [
-                    name,
-                    first["what"],
-                    first["model"],
-                    first["prompts"],
-                    fmt(first["min_distance"]),
-                    fmt(last["min_distance"]),
-                    f"{_count(first, 'below_distinct_inputs')} / {_count(last, 'below_distinct_inputs')}",
-                    f"{_count(first, 'below_tied_inputs')} / {_count(last, 'below_tied_inputs')}",
-                    ", ".join(sorted({*first["distinct_families"], *last["distinct_families"]})) or "-",
-                    "-" if ex is None else f"{ex[0]} vs {ex[1]} ({fmt(ex[2])})",
-                ]
-            )
-            names.append(name)
-            bars_min.append((max(first["min_distance"], FLOOR), max(last["min_distance"], FLOOR)))
-            bars_n.append((first["below_threshold"], last["below_threshold"]))
-        invert_rows = []
-        for (name, method), rs in group(inverts, "construction", "method").items():
-            invert_rows.append(
-                [
-                    name,
-                    method,
-                    len(rs),
-                    sum(r["exact"] for r in rs),
-                    sum(len(r["wrong"]) for r in rs),
-                    sum(len(r["flagged"]) for r in rs),
-                    sum(len(r["tied_flagged"]) for r in rs),
-                    sum(len(r["wrong_unflagged"]) for r in rs),
-                    fmt(sum(r["seconds"] for r in rs) / len(rs)),
-                ]
-            )
+        by_construction = group(search, "construction")
+        tables = [_search_table(by_construction), _invert_table(inverts)]
         tied = [r for r in search if r["construction"] == "tied-rows"][:1]
-        tables = [
-            Table(
-                "Collision search on each construction (last-token states, exact pairwise minimum)",
-                [
-                    "construction",
-                    "what",
-                    "model",
-                    "prompts",
-                    "min distance, block 1",
-                    "min distance, last block",
-                    "pairs < 1e-6, distinct inputs (block 1 / last)",
-                    "pairs < 1e-6, tied inputs (block 1 / last)",
-                    "families colliding",
-                    "closest pair (ids)",
-                ],
-                search_rows,
-                note=(
-                    "Prompts: corpus windows plus variants (another first token; first two tokens swapped; each "
-                    "member of a tied group at the middle position). 'Tied inputs': the two prompts feed identical "
-                    "input vectors (tied embedding rows); 'distinct inputs': a real failure of injectivity."
-                ),
-            ),
-            Table(
-                "What inversion does on them (all positions' states at the last block; block 1 for a real model)",
-                [
-                    "construction",
-                    "method",
-                    "prompts",
-                    "exact",
-                    "wrong positions",
-                    "flagged positions",
-                    "flagged as tied",
-                    "wrong and NOT flagged",
-                    "seconds per prompt",
-                ],
-                invert_rows,
-                note=(
-                    "sipit: the default method, stops at the first candidate inside the acceptance ball on an "
-                    "injective model; on the hooked constructions (hard-step, act-*), whose injectivity cannot be "
-                    "assumed, it certifies every position against the whole vocabulary by itself (brute force's "
-                    "cost); bruteforce: verifies the whole vocabulary at every position. A position is flagged "
-                    "(uncertain) when no candidate passed, another candidate was also inside the ball and not "
-                    "decisively farther under the plain forward, or its token has tied twins."
-                ),
-            ),
-        ]
         if tied:
-            tables.append(
-                Table(
-                    f"Tied embedding rows of {tied[0]['model']}",
-                    ["group", "token ids", "tokens"],
-                    [
-                        [i + 1, g, " ".join(repr(tokenizer_text(ctx, t)) for t in g)]
-                        for i, g in enumerate(tied[0]["tied_groups"])
-                    ],
-                )
-            )
-        figures = [
-            FigureSpec(
-                "break_min_distance",
-                f"Minimum pairwise distance at block 1 and the last block per construction (zero drawn at "
-                f"{FLOOR:g}): the constructions fall to the floor, their analytic contrasts stay far above the "
-                "threshold.",
-                kind="bar",
-                title="Constructed collisions",
-                ylabel="minimum L2 distance",
-                series=[
-                    Series(label, names, [b[i] for b in bars_min]) for i, label in enumerate(("block 1", "last block"))
-                ],
-                logy=True,
-                hline=THRESHOLD,
-                hline_label="collision threshold 1e-6",
-            ),
-            FigureSpec(
-                "break_collisions",
-                "Pairs under the 1e-6 threshold at block 1 and at the last block, per construction.",
-                kind="bar",
-                title="Colliding pairs",
-                ylabel="pairs < 1e-6",
-                series=[
-                    Series(label, names, [b[i] for b in bars_n]) for i, label in enumerate(("block 1", "last block"))
-                ],
-            ),
-        ]
+            tables.append(_tied_table(ctx, tied[0]))
+        figures = [_min_distance_figure(by_construction), _collisions_figure(by_construction)]
         wrong = sum(len(r["wrong_unflagged"]) for r in inverts)
         notes = [f"Wrong positions returned without a flag, over every construction and method: {wrong}."]
         return Summary(tables, figures, notes)
+
+
+def _search_table(by_construction: dict[tuple, list[Row]]) -> Table:
+    """One row per construction: its first-block and last-block search rows side by side."""
+    search_rows = []
+    for (name,), rs in by_construction.items():
+        first, last = rs[0], rs[-1]
+        ex = last["example"][0] if last["example"] else None
+        search_rows.append(
+            [
+                name,
+                first["what"],
+                first["model"],
+                first["prompts"],
+                fmt(first["min_distance"]),
+                fmt(last["min_distance"]),
+                f"{_count(first, 'below_distinct_inputs')} / {_count(last, 'below_distinct_inputs')}",
+                f"{_count(first, 'below_tied_inputs')} / {_count(last, 'below_tied_inputs')}",
+                ", ".join(sorted({*first["distinct_families"], *last["distinct_families"]})) or "-",
+                "-" if ex is None else f"{ex[0]} vs {ex[1]} ({fmt(ex[2])})",
+            ]
+        )
+    return Table(
+        "Collision search on each construction (last-token states, exact pairwise minimum)",
+        [
+            "construction",
+            "what",
+            "model",
+            "prompts",
+            "min distance, block 1",
+            "min distance, last block",
+            "pairs < 1e-6, distinct inputs (block 1 / last)",
+            "pairs < 1e-6, tied inputs (block 1 / last)",
+            "families colliding",
+            "closest pair (ids)",
+        ],
+        search_rows,
+        note=(
+            "Prompts: corpus windows plus variants (another first token; first two tokens swapped; each "
+            "member of a tied group at the middle position). 'Tied inputs': the two prompts feed identical "
+            "input vectors (tied embedding rows); 'distinct inputs': a real failure of injectivity."
+        ),
+    )
+
+
+def _invert_table(inverts: list[Row]) -> Table:
+    """One row per (construction, method): exact prompts, wrong and flagged positions, time."""
+    invert_rows = []
+    for (name, method), rs in group(inverts, "construction", "method").items():
+        invert_rows.append(
+            [
+                name,
+                method,
+                len(rs),
+                sum(r["exact"] for r in rs),
+                sum(len(r["wrong"]) for r in rs),
+                sum(len(r["flagged"]) for r in rs),
+                sum(len(r["tied_flagged"]) for r in rs),
+                sum(len(r["wrong_unflagged"]) for r in rs),
+                fmt(sum(r["seconds"] for r in rs) / len(rs)),
+            ]
+        )
+    return Table(
+        "What inversion does on them (all positions' states at the last block; block 1 for a real model)",
+        [
+            "construction",
+            "method",
+            "prompts",
+            "exact",
+            "wrong positions",
+            "flagged positions",
+            "flagged as tied",
+            "wrong and NOT flagged",
+            "seconds per prompt",
+        ],
+        invert_rows,
+        note=(
+            "sipit: the default method, stops at the first candidate inside the acceptance ball on an "
+            "injective model; on the hooked constructions (hard-step, act-*), whose injectivity cannot be "
+            "assumed, it certifies every position against the whole vocabulary by itself (brute force's "
+            "cost); bruteforce: verifies the whole vocabulary at every position. A position is flagged "
+            "(uncertain) when no candidate passed, another candidate was also inside the ball and not "
+            "decisively farther under the plain forward, or its token has tied twins."
+        ),
+    )
+
+
+def _tied_table(ctx: Context, tied: Row) -> Table:
+    """The tied embedding rows of the ``tied-rows`` construction's model (its first search row)."""
+    return Table(
+        f"Tied embedding rows of {tied['model']}",
+        ["group", "token ids", "tokens"],
+        [[i + 1, g, " ".join(repr(tokenizer_text(ctx, t)) for t in g)] for i, g in enumerate(tied["tied_groups"])],
+    )
+
+
+def _min_distance_figure(by_construction: dict[tuple, list[Row]]) -> FigureSpec:
+    """Bars: each construction's minimum distance at block 1 and the last block (zero drawn at ``FLOOR``)."""
+    names = [name for (name,) in by_construction]
+    bars = [(max(rs[0]["min_distance"], FLOOR), max(rs[-1]["min_distance"], FLOOR)) for rs in by_construction.values()]
+    return FigureSpec(
+        "break_min_distance",
+        f"Minimum pairwise distance at block 1 and the last block per construction (zero drawn at "
+        f"{FLOOR:g}): the constructions fall to the floor, their analytic contrasts stay far above the "
+        "threshold.",
+        kind="bar",
+        title="Constructed collisions",
+        ylabel="minimum L2 distance",
+        series=[Series(label, names, [b[i] for b in bars]) for i, label in enumerate(("block 1", "last block"))],
+        logy=True,
+        hline=THRESHOLD,
+        hline_label="collision threshold 1e-6",
+    )
+
+
+def _collisions_figure(by_construction: dict[tuple, list[Row]]) -> FigureSpec:
+    """Bars: each construction's pairs under the threshold at block 1 and the last block."""
+    names = [name for (name,) in by_construction]
+    bars = [(rs[0]["below_threshold"], rs[-1]["below_threshold"]) for rs in by_construction.values()]
+    return FigureSpec(
+        "break_collisions",
+        "Pairs under the 1e-6 threshold at block 1 and at the last block, per construction.",
+        kind="bar",
+        title="Colliding pairs",
+        ylabel="pairs < 1e-6",
+        series=[Series(label, names, [b[i] for b in bars]) for i, label in enumerate(("block 1", "last block"))],
+    )
 
 
 def _count(row: Row, key: str) -> str:

@@ -200,102 +200,120 @@ class Train(Experiment):
     def summarise(self, ctx: Context, rows: Sequence[Row]) -> Summary:
         curves = [r for r in rows if not r.get("export")]
         exports = [r for r in rows if r.get("export")]
-        loss_series, dist_series, table_rows = [], [], []
-        top = ctx.size["layers"]
-        for (opt,), rs in group(curves, "opt").items():
-            steps = group(rs, "step")
-            loss_series.append(
-                Series(f"{opt} held-out loss", [k[0] for k in steps], [v[0]["eval_loss"] for v in steps.values()])
-            )
-            for (layer,), lr in group(rs, "layer").items():
-                dist_series.append(
-                    Series(f"{opt}, layer {layer}", [r["step"] for r in lr], [r["min_distance"] for r in lr])
-                )
-            for (step,), sr in steps.items():
-                by = {r["layer"]: r for r in sr}
-                table_rows.append(
-                    [
-                        opt,
-                        step,
-                        fmt(sr[0]["train_loss"]),
-                        fmt(sr[0]["eval_loss"]),
-                        fmt(by[1]["min_distance"]),
-                        fmt(by[top]["min_distance"]),
-                        sum(r["below_threshold"] for r in sr),
-                    ]
-                )
-        tables = [
-            Table(
-                "Loss and minimum pairwise distance through training",
-                [
-                    "optimiser",
-                    "step",
-                    "training loss",
-                    "held-out loss",
-                    "min distance, layer 1",
-                    f"min distance, layer {top}",
-                    "pairs < 1e-6",
-                ],
-                table_rows,
-                note=(
-                    f"GPT-2 shape, width {ctx.size['hidden']}, {top} blocks, trained from random initialisation on the "
-                    f"built-in corpus (batch {ctx.size['batch']} x {ctx.size['seq']} tokens; SGD with momentum 0.9, "
-                    f"Adam; learning rates {ctx.size['lr']}). Distances: last-token states of "
-                    f"{ctx.size['eval_prompts']:,} fixed corpus prompts; training loss: mean over the "
-                    "interval before the step."
-                ),
-            )
-        ]
+        by_opt = group(curves, "opt")
+        tables = [_curves_table(ctx, by_opt)]
         if exports:
-            tables.append(
-                Table(
-                    "The trained models: saved, loaded back with --model DIR, inverted",
-                    [
-                        "optimiser",
-                        "directory",
-                        "layer",
-                        "tokens",
-                        "exact",
-                        "uncertain positions",
-                        "explored vocabulary",
-                        "seconds",
-                    ],
-                    [
-                        [
-                            r["opt"],
-                            r["path"],
-                            r["layer_spec"],
-                            r["tokens"],
-                            r["exact"],
-                            r["uncertain"],
-                            f"{100 * r['explored']:.3f}%",
-                            fmt(r["seconds"]),
-                        ]
-                        for r in exports
-                    ],
-                    note="Each directory loads anywhere: `lminvert invert --model RUN/models/adam ...`.",
-                )
-            )
-        figures = [
-            FigureSpec(
-                "train_loss",
-                "Held-out loss through training: both optimisers learn.",
-                title="Loss",
-                xlabel="step",
-                ylabel="cross-entropy (nats)",
-                series=loss_series,
-            ),
-            FigureSpec(
-                "train_minima",
-                "Minimum pairwise distance of last-token states per layer through training: it moves, but stays "
-                "far above the collision threshold.",
-                title="Injectivity through training",
-                xlabel="step",
-                ylabel="minimum L2 distance",
-                series=dist_series,
-                logy=True,
-                hline=THRESHOLD,
-                hline_label="collision threshold 1e-6",
-            ),
-        ]
+            tables.append(_exports_table(exports))
+        figures = [_loss_figure(by_opt), _minima_figure(by_opt)]
         return Summary(tables, figures)
+
+
+def _curves_table(ctx: Context, by_opt: dict[tuple, list[Row]]) -> Table:
+    """One row per (optimiser, step): losses, the minimum distance at the first and last layer, collisions."""
+    top = ctx.size["layers"]
+    table_rows = []
+    for (opt,), rs in by_opt.items():
+        for (step,), sr in group(rs, "step").items():
+            by = {r["layer"]: r for r in sr}
+            table_rows.append(
+                [
+                    opt,
+                    step,
+                    fmt(sr[0]["train_loss"]),
+                    fmt(sr[0]["eval_loss"]),
+                    fmt(by[1]["min_distance"]),
+                    fmt(by[top]["min_distance"]),
+                    sum(r["below_threshold"] for r in sr),
+                ]
+            )
+    return Table(
+        "Loss and minimum pairwise distance through training",
+        [
+            "optimiser",
+            "step",
+            "training loss",
+            "held-out loss",
+            "min distance, layer 1",
+            f"min distance, layer {top}",
+            "pairs < 1e-6",
+        ],
+        table_rows,
+        note=(
+            f"GPT-2 shape, width {ctx.size['hidden']}, {top} blocks, trained from random initialisation on the "
+            f"built-in corpus (batch {ctx.size['batch']} x {ctx.size['seq']} tokens; SGD with momentum 0.9, "
+            f"Adam; learning rates {ctx.size['lr']}). Distances: last-token states of "
+            f"{ctx.size['eval_prompts']:,} fixed corpus prompts; training loss: mean over the "
+            "interval before the step."
+        ),
+    )
+
+
+def _exports_table(exports: list[Row]) -> Table:
+    """The trained models as saved, loaded back by path and inverted (the ``export`` units' rows)."""
+    return Table(
+        "The trained models: saved, loaded back with --model DIR, inverted",
+        [
+            "optimiser",
+            "directory",
+            "layer",
+            "tokens",
+            "exact",
+            "uncertain positions",
+            "explored vocabulary",
+            "seconds",
+        ],
+        [
+            [
+                r["opt"],
+                r["path"],
+                r["layer_spec"],
+                r["tokens"],
+                r["exact"],
+                r["uncertain"],
+                f"{100 * r['explored']:.3f}%",
+                fmt(r["seconds"]),
+            ]
+            for r in exports
+        ],
+        note="Each directory loads anywhere: `lminvert invert --model RUN/models/adam ...`.",
+    )
+
+
+def _loss_figure(by_opt: dict[tuple, list[Row]]) -> FigureSpec:
+    """Held-out loss per step, one line per optimiser."""
+    loss_series = []
+    for (opt,), rs in by_opt.items():
+        steps = group(rs, "step")
+        loss_series.append(
+            Series(f"{opt} held-out loss", [k[0] for k in steps], [v[0]["eval_loss"] for v in steps.values()])
+        )
+    return FigureSpec(
+        "train_loss",
+        "Held-out loss through training: both optimisers learn.",
+        title="Loss",
+        xlabel="step",
+        ylabel="cross-entropy (nats)",
+        series=loss_series,
+    )
+
+
+def _minima_figure(by_opt: dict[tuple, list[Row]]) -> FigureSpec:
+    """Minimum pairwise distance per step, one line per (optimiser, layer), with the collision threshold."""
+    dist_series = []
+    for (opt,), rs in by_opt.items():
+        for (layer,), lr in group(rs, "layer").items():
+            dist_series.append(
+                Series(f"{opt}, layer {layer}", [r["step"] for r in lr], [r["min_distance"] for r in lr])
+            )
+    return FigureSpec(
+        "train_minima",
+        "Minimum pairwise distance of last-token states per layer through training: it moves, but stays "
+        "far above the collision threshold.",
+        title="Injectivity through training",
+        xlabel="step",
+        ylabel="minimum L2 distance",
+        series=dist_series,
+        logy=True,
+        hline=THRESHOLD,
+        hline_label="collision threshold 1e-6",
+    )
