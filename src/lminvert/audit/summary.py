@@ -54,91 +54,75 @@ def _sentence(leak: str, layer: str, by_defence: dict[str, list[Row]]) -> str:
     return text + "."
 
 
+MATRIX_NOTE = (
+    "Cells: tokens recovered at their positions (exact prompts / prompts); below each layer, the deployment's top-1 "
+    "next-token agreement with the undefended model when it computes with what the defence leaves it."
+)
+DETAILS_NOTE = (
+    "'wrong, claimed': tokens stated certified or confident that are wrong (0 is the contract; any other count is a "
+    "bug to report). ‖δ‖: the defence's perturbation of a position's row; Δ/2: half the distance from the chosen "
+    "candidate's row to the nearest other verified one (Theorem 3.2's radius where the whole vocabulary was verified, "
+    "an upper bound on it elsewhere). Attack: engine (lminvert.invert), rows (search in the shipped rows' space), last "
+    "(nearest first-position state)."
+)
+DETAILS = ["layer", "defence", "tokens", "exact", "certified", "confident", "uncertain", "wrong, claimed"]
+DETAILS += ["median s / prompt", "cand./pos.", "median ‖δ‖/(Δ/2)", "Δ next-token loss", "attack"]
+
+
+def _matrix(leak: str, defences: list[str], by_layer: dict[tuple, list[Row]]) -> tuple[Table, list[str]]:
+    """The leak's matrix (layers x defences) and a verdict sentence per layer."""
+    matrix, notes = [], []
+    for (layer,), layer_rows in by_layer.items():
+        by_defence = {d: rs for (d,), rs in group(layer_rows, "defence").items()}
+        matrix.append([layer, *(_cell(by_defence[d]) if d in by_defence else "-" for d in defences)])
+        matrix.append(
+            [f"{layer} utility (top-1)", *(fmt(_mean([r["top1"] for r in by_defence.get(d, [])])) for d in defences)]
+        )
+        notes.append(_sentence(leak, layer, by_defence))
+    title = f"Leak matrix, {leak}: {LEAK_TITLES.get(leak, leak)}"
+    return Table(title, ["layer", *defences], matrix, note=MATRIX_NOTE), notes
+
+
+def _details(leak: str, leak_rows: Sequence[Row]) -> Table:
+    details = []
+    for (layer, defence), rs in group(leak_rows, "layer", "defence").items():
+        verdicts = [sum(r["verdicts"][v] for r in rs) for v in ("certified", "confident", "uncertain")]
+        details.append(
+            [
+                layer, defence, f"{100 * recovery(rs):.1f}%", sum(r["exact"] for r in rs), *verdicts,
+                sum(r["wrong_claimed"] for r in rs), statistics.median(r["seconds"] for r in rs),
+                fmt(_mean([r["checked_mean"] for r in rs])), fmt(_ratio(rs)), fmt(_mean([r["dloss"] for r in rs])),
+                rs[0]["route"],
+            ]
+        )  # fmt: skip
+    return Table(f"Details, {leak}", DETAILS, details, note=DETAILS_NOTE)
+
+
+def _heatmap(leak: str, defences: list[str], by_layer: dict[tuple, list[Row]]) -> FigureSpec:
+    series = []
+    for (layer,), rs in by_layer.items():
+        cells = {d: recovery(x) for (d,), x in group(rs, "defence").items()}
+        series.append(Series(f"layer {layer}", defences, [cells.get(d) for d in defences]))
+    layers = ", ".join(layer for (layer,) in by_layer)
+    return FigureSpec(
+        f"audit_{leak}",
+        f"Tokens recovered from {LEAK_TITLES.get(leak, leak)}, by layer (rows) and defence (columns).",
+        kind="heatmap",
+        title=f"Leak matrix: {leak} (layers {layers})",
+        xlabel="defence",
+        ylabel="layer",
+        series=series,
+    )
+
+
 def summarise(ctx: Context, rows: Sequence[Row]) -> Summary:
+    """Per leak: its matrix, its details and its heatmap; a verdict sentence per leak and layer."""
     tables, figures, notes = [], [], []
     for (leak,), leak_rows in group(rows, "leak").items():
         defences = list(dict.fromkeys(r["defence"] for r in leak_rows))
         by_layer = group(leak_rows, "layer")
-        matrix = []
-        for (layer,), layer_rows in by_layer.items():
-            by_defence = {d: rs for (d,), rs in group(layer_rows, "defence").items()}
-            cells = [_cell(by_defence[d]) if d in by_defence else "-" for d in defences]
-            utilities = [fmt(_mean([r["top1"] for r in by_defence.get(d, [])])) for d in defences]
-            matrix.append([layer, *cells])
-            matrix.append([f"{layer} utility (top-1)", *utilities])
-            notes.append(_sentence(leak, layer, by_defence))
-        tables.append(
-            Table(
-                f"Leak matrix, {leak}: {LEAK_TITLES.get(leak, leak)}",
-                ["layer", *defences],
-                matrix,
-                note="Cells: tokens recovered at their positions (exact prompts / prompts); below each layer, the "
-                "deployment's top-1 next-token agreement with the undefended model when it computes with what the "
-                "defence leaves it.",
-            )
-        )
-        details = []
-        for (layer, defence), rs in group(leak_rows, "layer", "defence").items():
-            verdicts = {v: sum(r["verdicts"][v] for r in rs) for v in ("certified", "confident", "uncertain")}
-            dloss = _mean([r["dloss"] for r in rs])
-            details.append(
-                [
-                    layer, defence, f"{100 * recovery(rs):.1f}%", sum(r["exact"] for r in rs),
-                    verdicts["certified"], verdicts["confident"], verdicts["uncertain"],
-                    sum(r["wrong_claimed"] for r in rs), statistics.median(r["seconds"] for r in rs),
-                    fmt(_mean([r["checked_mean"] for r in rs])), fmt(_ratio(rs)), fmt(dloss),
-                    rs[0]["route"],
-                ]
-            )  # fmt: skip
-        tables.append(
-            Table(
-                f"Details, {leak}",
-                [
-                    "layer",
-                    "defence",
-                    "tokens",
-                    "exact",
-                    "certified",
-                    "confident",
-                    "uncertain",
-                    "wrong, claimed",
-                    "median s / prompt",
-                    "cand./pos.",
-                    "median ‖δ‖/(Δ/2)",
-                    "Δ next-token loss",
-                    "attack",
-                ],
-                details,
-                note="'wrong, claimed': tokens stated certified or confident that are wrong (never any). ‖δ‖: the "
-                "defence's perturbation of a position's row; Δ/2: half the distance from the chosen candidate's row "
-                "to the nearest other verified one (Theorem 3.2's radius where the whole vocabulary was verified, an "
-                "upper bound on it elsewhere). Attack: engine (lminvert.invert), rows (search in the shipped rows' "
-                "space), last (nearest first-position state).",
-            )
-        )
-        layers = [layer for (layer,) in by_layer]
-        series = [
-            Series(
-                f"layer {layer}",
-                defences,
-                [
-                    recovery([r for r in rs if r["defence"] == d])
-                    if any(r["defence"] == d for r in rs)
-                    else float("nan")
-                    for d in defences
-                ],
-            )
-            for (layer,), rs in by_layer.items()
-        ]
-        figures.append(
-            FigureSpec(
-                f"audit_{leak}",
-                f"Tokens recovered from {LEAK_TITLES.get(leak, leak)}, by layer (rows) and defence (columns).",
-                kind="heatmap",
-                title=f"Leak matrix: {leak} (layers {', '.join(layers)})",
-                xlabel="defence",
-                ylabel="layer",
-                series=series,
-            )
-        )
+        matrix, sentences = _matrix(leak, defences, by_layer)
+        tables += [matrix, _details(leak, leak_rows)]
+        notes += sentences
+        figures.append(_heatmap(leak, defences, by_layer))
     return Summary(tables, figures, notes)
