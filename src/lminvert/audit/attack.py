@@ -36,9 +36,9 @@ from .search import Measured, RowSearch, measure
 
 @dataclass(frozen=True)
 class Recovered:
-    """One prompt's attack: token ids (``None`` where nothing is claimed), verdicts, seconds, candidates verified."""
+    """One prompt's attack: token ids, verdicts, seconds, candidates verified."""
 
-    token_ids: list[int | None]
+    token_ids: list[int]
     verdicts: list[str]
     seconds: float
     checked: list[int]
@@ -76,6 +76,13 @@ class Attack:
             self._table = self.leak.rows_of(states, 0)
         return self._table
 
+    @property
+    def sorted_table(self) -> torch.Tensor:
+        """The table's rows, each sorted: what a secret permutation of the dimensions leaves of them."""
+        if self._sorted is None:
+            self._sorted = self.table.sort(dim=1).values
+        return self._sorted
+
     def run(self, prompts: list[list[int]], shipped: list[Shipped], states: HiddenStates | None) -> list[Recovered]:
         """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
         gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``)."""
@@ -83,11 +90,9 @@ class Attack:
         if self.leak.name == "last":
             return [self._last(s) for s in shipped]
         whole = all(not torch.isnan(s.rows).any() for s in shipped) and first.public is None
-        if first.permuted and self._sorted is None:
-            self._sorted = self.table.sort(dim=1).values
-        rows = [unpermute(s.rows, self.table, self._sorted)[0] if s.permuted else s.rows for s in shipped]
+        rows = [unpermute(s.rows, self.table, self.sorted_table)[0] if s.permuted else s.rows for s in shipped]
         if self.leak.name == "states" and whole and states is not None and first.source is None:
-            return self._engine(rows, first.source, states)
+            return self._engine(rows, states)
         public = first.public
         source = Float() if first.source is None else parse_source(first.source)
         table = self.table if public is None else public(self.table)
@@ -113,17 +118,18 @@ class Attack:
             self._measured[key] = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
         return self._measured[key]
 
-    def _engine(self, rows: list[torch.Tensor], source: str | None, states: HiddenStates) -> list[Recovered]:
+    def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:
         from .. import invert  # the public API (the package imports this module's package lazily)
 
         given = replace(states, states=tuple(r.to(states.states[0].dtype) for r in rows))
-        results = invert(self.model, given, source=source or Exact(), progress=False)
+        results = invert(self.model, given, source=Exact(), progress=False)
         out = []
         for result in results:
             verdicts = [p.verdict for p in result.positions]
             gaps = [p.certified_radius for p in result.positions]
-            ids: list[int | None] = list(result.token_ids)
-            out.append(Recovered(ids, verdicts, result.seconds, result.candidates_checked, gaps, "engine"))
+            out.append(
+                Recovered(list(result.token_ids), verdicts, result.seconds, result.candidates_checked, gaps, "engine")
+            )
         return out
 
     def _last(self, shipped: Shipped) -> Recovered:
@@ -131,7 +137,7 @@ class Attack:
         if shipped.public is not None:
             table = shipped.public(table)
         if shipped.permuted:  # compared by their sorted values: what a secret permutation leaves
-            target, table = target.sort().values, table.sort(dim=1).values
+            target, table = target.sort().values, self.sorted_table
         dists = (table.double() - target.double()).norm(dim=1)
         ids = torch.arange(len(dists))
         evidence = Evidence(ids, dists, table, target, {}, 0.0, False, exhausted=True, swept=True)

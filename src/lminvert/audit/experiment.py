@@ -45,10 +45,11 @@ def read_prompts(model: LoadedModel, path: str, length: int | None) -> list[list
     return [list(model.tokenize(line, length)) for line in lines]
 
 
-def utility(leak: Leak, token_ids: list[int], clean: torch.Tensor, kept: torch.Tensor) -> dict[str, float | None]:
-    """Top-1 agreement with the undefended model and the change in next-token loss (where the prompt holds the next
-    token), the deployment computing with ``kept``."""
-    before = leak.outputs(token_ids, None)
+def utility(
+    leak: Leak, token_ids: list[int], before: torch.Tensor, clean: torch.Tensor, kept: torch.Tensor
+) -> dict[str, float | None]:
+    """Top-1 agreement with the undefended model (its outputs ``before``, from the ``clean`` rows) and the change in
+    next-token loss (where the prompt holds the next token), the deployment computing with ``kept``."""
     after = before if torch.equal(kept, clean) else leak.outputs(token_ids, kept)
     top1 = float((after.argmax(-1) == before.argmax(-1)).double().mean())
     if leak.name == "last" or len(token_ids) < 2:
@@ -135,6 +136,9 @@ class Audit(Experiment):
         leak = make_leak(p["leak"], model, layer)
         attack = ctx.once(("attack", p["model"], p["leak"], str(layer)), lambda: Attack(leak))
         clean = ctx.once(("rows", p["model"], p["leak"], str(layer)), lambda: [leak.capture(ids) for ids in prompts])
+        before = ctx.once(
+            ("outputs", p["model"], p["leak"], str(layer)), lambda: [leak.outputs(x, None) for x in prompts]
+        )
         defence = parse_defence(p["defence"])
         generator = torch.Generator().manual_seed(ctx.seed * 7919 + sum(map(ord, unit.key)))
         shipped = [defence.apply(rows, generator) for rows in clean]
@@ -143,11 +147,11 @@ class Audit(Experiment):
             states = ctx.once(("encode", p["model"], str(layer)), lambda: encode(model, prompts, layer))
         found = attack.run(prompts, shipped, states)
         rows = []
-        for i, (ids, rows_i, s, f) in enumerate(zip(prompts, clean, shipped, found, strict=True)):
+        for i, (ids, rows_i, s, f, out) in enumerate(zip(prompts, clean, shipped, found, before, strict=True)):
             row = {"model": p["model"], "leak": p["leak"], "layer": str(layer), "defence": p["defence"], "prompt": i}
             row |= _row(ids, p["leak"], f)
             row["perturbation"] = perturbation(rows_i, s)
-            row |= utility(leak, ids, rows_i, s.kept)
+            row |= utility(leak, ids, out, rows_i, s.kept)
             rows.append(row)
         return rows
 
