@@ -72,3 +72,20 @@ def test_cli_on_cuda(cli, tmp):
         "--device", "cuda", "--out", str(path), check=True)  # fmt: skip
     proc = cli("invert", str(path), "--device", "cuda", "--json", check=True)
     assert '"device": "cuda' in proc.stdout and '"dtype": "bfloat16"' in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_audit_on_cuda_claims_nothing_wrong(dtype, tmp):
+    from lminvert.audit import audit
+
+    model = lminvert.load_model("tiny-llama", dtype=dtype, device="cuda")
+    defences = ["none", "noise:0.01", "quant:int8", "permute", "drop:0.25", "project:16", "noise:1"]
+    doc = audit(tmp / dtype, model="tiny-llama", load=lambda name: model, quick=True, kinds=["random"],
+                defences=defences, progress=False)  # fmt: skip
+    rows = doc["rows"]
+    assert rows and all(r["wrong_claimed"] == 0 for r in rows)
+    for leak in ("states", "kv"):
+        none = [r for r in rows if r["leak"] == leak and r["defence"] == "none"]
+        assert none and all(r["exact"] and r["top1"] == 1.0 for r in none)
+    heavy = [r for r in rows if r["defence"] == "noise:1" and r["leak"] != "last"]
+    assert heavy and all(r["verdicts"]["uncertain"] == r["length"] for r in heavy)

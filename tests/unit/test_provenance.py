@@ -1,6 +1,6 @@
 """Cache entries record what made them (torch and transformers versions, CPU features, GPU, numeric path); one made
 under another provenance is recomputed, never reused (a reading network, which only orders candidates, is used with
-a warning)."""
+a warning); an entry kept for every device type (a radius) is also recomputed on another machine."""
 
 from __future__ import annotations
 
@@ -40,7 +40,13 @@ def test_an_entry_made_under_another_provenance_is_recomputed(isolated_cache, mo
     monkeypatch.setattr(tables, "provenance", lambda m: {**made, "cpu": "another"})
     with caplog.at_level(logging.WARNING, logger="lminvert.invert.tables"):
         assert read_tables(fresh, layer, "table", strict=False) is not None  # what a reading network asks for
-    assert "another ['cpu', 'torch']" in caplog.text  # the file above was rewritten under torch 0.0
+    assert "another ['torch']" in caplog.text  # the file above was rewritten under torch 0.0
+
+    monkeypatch.setattr(tables, "provenance", lambda m: {**made, "torch": "0.0", "cpu": "another", "gpu": "H100"})
+    assert read_tables(fresh, layer, "table") is not None  # a table only orders candidates: any machine's serves
+    cached(fresh, layer, "radius", lambda: torch.ones(1), per_device=True)
+    monkeypatch.setattr(tables, "provenance", lambda m: {**made, "torch": "0.0"})
+    assert read_tables(fresh, layer, "radius", "cpu") is None  # a radius is measured on the kernels that round
 
     monkeypatch.setattr(tables, "provenance", provenance)
     save_file({"value": table.cpu()}, str(path))  # an entry from before provenance was recorded

@@ -331,7 +331,8 @@ class LinearPolicy(Policy):
         self._prior = None
         self._read = reading if self.reread else None
         self._vocab_sq = squared_norms(model, "vocabulary", model.probe.vocab_matrix(torch.float32))
-        model.probe.vocab_dots(torch.zeros(model.probe.hidden_size))  # makes the ranking's float16 copy, if any
+        probe = model.probe
+        probe.vocab_dots(torch.zeros(probe.hidden_size, device=probe.device))  # makes the ranking's float16 copy
         if first_table:  # position 0 is decided by the table; position 1 starts from the position-1 map
             self._prior = position1_projection(model, layer)
 

@@ -48,6 +48,12 @@ def table_path(
     return cache_dir() / "tables" / name
 
 
+MACHINE = frozenset({"cpu", "gpu"})
+"""Provenance that only entries kept per device type compare (radii measured on the kernels that round); the
+others (tables, maps) only order candidates that a forward on the model's own device verifies, so one made on a CPU
+serves a GPU."""
+
+
 def provenance(model: LoadedModel) -> dict[str, str]:
     """What made a cache entry besides the weights, dtype, layer and device type its name records: the torch and
     transformers versions, the CPU's features, the GPU's name, and the probe's numeric path."""
@@ -80,8 +86,9 @@ def read_tables(
     with safe_open(str(path), framework="pt") as handle:  # the provenance first, the tensors only if it matches
         saved = json.loads((handle.metadata() or {}).get("provenance", "{}"))
         here = provenance(model)
-        if saved != here:
-            changed = sorted(k for k in {*saved, *here} if saved.get(k) != here.get(k))
+        compared = {*saved, *here} - (set() if device else MACHINE)
+        changed = sorted(k for k in compared if saved.get(k) != here.get(k))
+        if changed:
             if strict:
                 log.info("recomputing %s (cached under another %s)", path.name, ", ".join(changed))
                 return None
