@@ -42,7 +42,7 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
     """The plain forward that confirms a candidate is shaped like the observer's (the whole observed length): on the
     same device and dtype it recomputes each true token's state exactly, which is what makes a half-precision match
     decisive where the acceptance radius is wider than the gaps between tokens."""
-    from lminvert.invert.engine import _plain_states
+    from lminvert.invert.verification import plain_states
 
     model = lminvert.load_model("smollm2-135m", dtype=dtype)
     probe = model.probe
@@ -55,7 +55,7 @@ def test_the_confirmation_forward_reproduces_the_observed_states_bit_for_bit(dty
         asked = SimpleNamespace(
             to_confirm=[token, (token + 1) % probe.vocab_size], length=len(text), speculator=None, plain_keys=kept
         )
-        again = _plain_states(probe, layer, prefix, 0, asked)
+        again = plain_states(probe, layer, prefix, 0, asked)
         assert torch.equal(again[0], observed[t])
         assert not torch.equal(again[1], observed[t])
         kept = asked.plain_keys  # the next confirmation starts from these (the first contender's: the true token)

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lminvert.collisions import bounds
+from lminvert.collisions.best import MAX_LISTED
 from lminvert.collisions.search import (
-    MAX_LISTED,
     BlockSearch,
     block_pairs,
     merge_blocks,
@@ -230,9 +230,9 @@ def test_split_search_with_planted_collisions(tmp_path, n, rows, pairs_per_block
 
 def test_more_collisions_than_are_listed_keep_the_first_found(monkeypatch):
     """Over MAX_LISTED pairs under the threshold: the blocks list the same first ones a single pass finds."""
-    import lminvert.collisions.search as search
+    import lminvert.collisions.best as best
 
-    monkeypatch.setattr(search, "MAX_LISTED", 30)
+    monkeypatch.setattr(best, "MAX_LISTED", 30)
     x = np.random.default_rng(7).integers(-2, 3, size=(400, 2)).astype(np.float32)  # 25 points: distances 0, 1, √2
     single = pairwise_min(x, k=3, threshold=1.5, tile_rows=32, tile_cols=64)
     _, merged = split_search(x, 3, 1.5, 32, 64, 2000)

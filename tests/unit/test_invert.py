@@ -339,7 +339,7 @@ def test_ranking_settings_change_speed_never_the_answer(settings, monkeypatch):
 
 
 def test_a_trusted_first_batch_is_sized_by_the_last_ranks():
-    from lminvert.invert.policies import RECENT, LinearPolicy
+    from lminvert.invert.linear import RECENT, LinearPolicy
 
     policy = LinearPolicy(trusted=8)
     assert policy._trusted_size() == 8  # no history yet
@@ -426,7 +426,7 @@ def test_a_ranking_that_keeps_missing_gets_a_smaller_part_of_later_batches():
     """Each ranking's part of a position's later batches follows how high its first ranking put the recovered tokens
     earlier in the prompt: all of a batch for the best, a floor for one that keeps missing; all of it before any
     record."""
-    from lminvert.invert.policies import STREAM_FLOOR, STREAMS, LinearPolicy
+    from lminvert.invert.linear import STREAM_FLOOR, STREAMS, LinearPolicy
 
     policy = LinearPolicy()
     policy.begin_prompt(torch.zeros(5, 4))

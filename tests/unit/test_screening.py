@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import lminvert
 from lminvert.forward import encode
-from lminvert.invert import engine, invert, search
+from lminvert.invert import invert, search, verification
 from lminvert.invert.tolerance import calibrate, screen_calibration
 from lminvert.models.halfmath import LinearMath
 
@@ -65,7 +65,7 @@ def test_screening_changes_speed_never_the_answer(monkeypatch, recheck):
     ids = [torch.randint(0, model.probe.vocab_size, (6,), generator=gen).tolist(), [17, 4021, 3300, 17, 5]]
     states = encode(model, ids, 2)
     plain = invert(model, states, policy="secant", screen=False, max_candidates=2000)
-    monkeypatch.setattr(engine, "SCREEN_FROM", 1)
+    monkeypatch.setattr(verification, "SCREEN_FROM", 1)
     monkeypatch.setattr(search, "RECHECK", recheck)
     spy = Spy(monkeypatch)
     screened = invert(model, states, policy="secant", screen=True, max_candidates=2000)

@@ -41,11 +41,6 @@ def audit(
     from ..report.experiments import render_experiment
 
     experiment = Audit()
-    unknown = set(sizes) - set(experiment.full_size)
-    if unknown:
-        raise LminvertError(
-            f"the audit has no size {', '.join(sorted(unknown))}: use {', '.join(experiment.full_size)}"
-        )
     for name in sizes.get("defences") or ():
         parse_defence(name)
     for name in sizes.get("leaks") or ():

@@ -9,11 +9,13 @@ Both runs share :mod:`.runner`; :mod:`lminvert.report` renders their results.
 
 from __future__ import annotations
 
+from .best import Pair
 from .corpus_search import find_collisions
 from .exhaustive import ExhaustiveResults, exhaustive_test, prefixes_from_collisions
+from .operands import exact_sq_distances
 from .results import ClosePair, CollisionConfig, CollisionResults, LayerResult
 from .runner import SearchSettings
-from .search import Pair, SearchResult, SearchStats, exact_sq_distances, pairwise_min
+from .search import SearchResult, SearchStats, pairwise_min
 
 __all__ = [
     "ClosePair",

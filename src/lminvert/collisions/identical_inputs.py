@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .search import exact_sq_distances
+from .operands import exact_sq_distances
 
 MAX_TIED = 5000  # beyond this many tied pairs, the closest pairs with differing inputs are not tracked
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .search import ArrayLike, exact_sq_distances
+from .operands import ArrayLike, exact_sq_distances
 
 QUANTILES = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 BINS_PER_DECADE = 10

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .search import ieee_float32_matmul, tile_shape
+from .operands import ieee_float32_matmul, tile_shape
 
 
 def matmul_flops(rows: int, cols: int, d: int, reps: int = 5) -> list[float]:

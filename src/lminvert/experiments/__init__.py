@@ -53,9 +53,6 @@ def run(
     from ..report.experiments import render_experiment
 
     experiment = get_experiment(name)
-    unknown = set(overrides) - set(experiment.full_size)
-    if unknown:
-        raise LminvertError(f"experiment {name} has no size {', '.join(sorted(unknown))}")
     doc = run_experiment(
         experiment,
         load or load_model,

@@ -107,7 +107,12 @@ def run_experiment(
     ``load(name)`` turns a model name into a :class:`LoadedModel` (the CLI passes ``lminvert.load_model`` with
     the user's dtype and device); each model is loaded at most once per run (per worker where ``executor``
     sends the units to other processes; ``load`` must then be picklable). Each unit is kept as it finishes.
+    A size ``overrides`` names that the experiment does not have is refused in one line before any work.
     """
+    unknown = set(overrides or {}) - set(experiment.full_size)
+    if unknown:
+        what = experiment.name if kind == experiment.name else f"{kind} {experiment.name}"
+        raise LminvertError(f"{what} has no size {', '.join(sorted(unknown))}: use {', '.join(experiment.full_size)}")
     out = check_output_dir(out)
     size = experiment.size(quick, overrides)
     models = tuple(models or (experiment.quick_models if quick else None) or experiment.models)
@@ -127,25 +132,7 @@ def run_experiment(
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise ValueError(f"{experiment.name}: unit keys are not unique")
-    todo = [unit for unit in units if not (run / _unit_file(unit.key)).exists()]
-    resumed = len(units) - len(todo)
-    infos: dict[str, dict[str, Any]] = {}  # models loaded by workers in other processes
-    bar = tqdm(
-        total=len(units),
-        initial=resumed,
-        desc=experiment.name,
-        unit="unit",
-        disable=None if progress else True,
-        leave=False,
-    )
-    runner = get_executor(executor)
-    setup = _UnitSetup(experiment, ctx, load)
-    for index, (done, described) in runner.map_with(setup, _run_unit, todo):
-        run.step(_unit_file(todo[index].key), lambda done=done: done)
-        infos.update(described)
-        bar.set_postfix_str(todo[index].label[:40])
-        bar.update(1)
-    bar.close()
+    infos, resumed = _run_units(experiment, ctx, load, run, units, progress, executor)
     rows: list[dict[str, Any]] = []
     unit_seconds: dict[str, float] = {}
     for unit in units:
@@ -177,3 +164,31 @@ def run_experiment(
     run.write_results(doc)
     log.info("%s: %d units (%d resumed) in %.1f s -> %s", experiment.name, len(units), resumed, doc["seconds"], out)
     return doc
+
+
+def _run_units(
+    experiment: Experiment,
+    ctx: Context,
+    load: Callable[[str], LoadedModel],
+    run: RunDirectory,
+    units: list[Unit],
+    progress: bool,
+    executor: str | Executor | None,
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """Run the units not kept in ``run`` yet, keeping each as it finishes; returns what the workers loaded (models
+    loaded in other processes, described) and how many units were resumed."""
+    todo = [unit for unit in units if not (run / _unit_file(unit.key)).exists()]
+    resumed = len(units) - len(todo)
+    infos: dict[str, dict[str, Any]] = {}
+    bar = tqdm(
+        total=len(units), initial=resumed, desc=experiment.name, unit="unit", disable=None if progress else True,
+        leave=False,
+    )  # fmt: skip
+    setup = _UnitSetup(experiment, ctx, load)
+    for index, (done, described) in get_executor(executor).map_with(setup, _run_unit, todo):
+        run.step(_unit_file(todo[index].key), lambda done=done: done)
+        infos.update(described)
+        bar.set_postfix_str(todo[index].label[:40])
+        bar.update(1)
+    bar.close()
+    return infos, resumed

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from .acceptor import VERDICTS
@@ -165,3 +168,26 @@ class InversionResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class Clock:
+    """Seconds spent per kind of work at one position (ranking, verification, prefix extension)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"ranking_seconds": 0.0, "verification_seconds": 0.0, "extension_seconds": 0.0}
+        self.forwards = 0  # forwards waited for
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[f"{kind}_seconds"] += seconds
+
+    @contextlib.contextmanager
+    def __call__(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(kind, time.perf_counter() - start)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())

@@ -25,9 +25,8 @@ candidates are verified first, never the answer.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,7 @@ from . import acceptor
 from .acceptor import Evidence, Radii
 from .context import PositionContext, wide_dtype
 from .policies import Policy, SweepPolicy, TablePolicy
-from .results import PositionResult
+from .results import Clock, PositionResult
 from .sources import ErrorModel
 from .speculation import Speculator
 from .tolerance import FLOOR, Calibration, norm
@@ -47,29 +46,6 @@ SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has 
 KEEP_KEYS = 16  # candidates inside the ball per batch whose keys and values are kept for the prefix
 REACH = 16  # a decisive ball's contenders reach this many times its radius (at most half the gap): confirmed first
 RECHECK = 4  # a screened batch's candidates inside the screening radius verified in full (closest first)
-
-
-class Clock:
-    """Seconds spent per kind of work at one position (ranking, verification, prefix extension)."""
-
-    def __init__(self) -> None:
-        self.seconds = {"ranking_seconds": 0.0, "verification_seconds": 0.0, "extension_seconds": 0.0}
-        self.forwards = 0  # forwards waited for
-
-    def add(self, kind: str, seconds: float) -> None:
-        self.seconds[f"{kind}_seconds"] += seconds
-
-    @contextlib.contextmanager
-    def __call__(self, kind: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(kind, time.perf_counter() - start)
-
-    @property
-    def total(self) -> float:
-        return sum(self.seconds.values())
 
 
 @dataclass(frozen=True)

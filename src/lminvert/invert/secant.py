@@ -2,7 +2,7 @@
 
 Fitted by ridge regression on centred (input vector, state) pairs; optionally pulled towards a previous ``J``.
 Used twice: offline, for the position-1 prior map cached with the first-position table
-(:func:`lminvert.invert.tables.second_position_map`), and online by :class:`~lminvert.invert.policies.LinearPolicy`,
+(:func:`lminvert.invert.tables.second_position_map`), and online by :class:`~lminvert.invert.linear.LinearPolicy`,
 whose ranking also needs the quadratic term ``||x_v J||^2`` of every vocabulary row (:func:`projected_norms`).
 """
 

@@ -43,9 +43,6 @@ def run(
     from ..report.experiments import render_experiment
 
     lab = get_lab(name)
-    unknown = set(overrides) - set(lab.full_size)
-    if unknown:
-        raise LminvertError(f"lab {name} has no size {', '.join(sorted(unknown))}")
     doc = run_experiment(
         lab, load_model, out, quick=quick, seed=seed, overrides=overrides, progress=progress, kind="lab"
     )
