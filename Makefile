@@ -29,12 +29,13 @@ setup-gemma: $(STAMP)
 demo: setup
 	$(BIN)/lminvert demo
 
-# chromium installs (apt) while the environment sets up (pip), then the suite runs
+# chromium installs (apt) while the environment sets up (pip), then the suite runs in one process per core (at most
+# 4; each test file in one process, tests/conftest.py shares the cores' threads among them)
 test:
 	@$(MAKE) --no-print-directory chromium >/dev/null 2>&1 & chromium=$$!; \
 	$(MAKE) --no-print-directory setup || exit 1; \
 	wait $$chromium || echo "chromium could not be installed: the browser test will be skipped"; \
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q --durations=25 -n auto --maxprocesses 4 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

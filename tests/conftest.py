@@ -11,6 +11,9 @@ import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:  # `make test` runs the suite in several processes: they share the cores, none oversubscribes them
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 TINY = ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-gemma3"]  # the core four: every unit test runs on them
 FAMILIES = [  # every causal-LM family lminvert is tested on: parity with transformers and inversion
