@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--defences", help=f"comma-separated (default: {','.join(DEFAULT)})")
     parser.add_argument("--prompts", metavar="FILE", help="a text file, one prompt a line (default: prose and chat)")
     parser.add_argument("--quick", action="store_true", help="2 prompts of 8 tokens, layers 1 and middle, 4 defences")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, noise and permutations")
     parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="e.g. --size prompts=5")
     parser.add_argument("--out", required=True, help="output directory (reused to resume)")
     parser.add_argument("--json", action="store_true", help="print results.json instead of the summary")

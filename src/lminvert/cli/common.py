@@ -28,7 +28,7 @@ def add_model_args(
     parser.add_argument(
         "--model",
         default=default,
-        help=model_help or "alias (see `lminvert models`), hub id, directory or .gguf (default: %(default)s)",
+        help=model_help or "alias (see `lminvert models`), hub id, directory or .gguf",
     )
     parser.add_argument("--dtype", default=dtype, choices=list(DTYPES), help=dtype_help)
     parser.add_argument(
@@ -114,7 +114,15 @@ def print_json(obj: Any) -> None:
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+    """Each option's default appended to its help, unless the help says it already or there is none to say (None,
+    an unset flag, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == []
+        if "(default:" in text or unset or action.default == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
 
 
 def add_command(

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--list", action="store_true", help="list the experiments with their sizes and exit")
     parser.add_argument("--quick", action="store_true", help="the small size (minutes on a laptop CPU)")
     add_model_args(parser, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and models drawn")
     parser.add_argument(
         "--size",
         action="append",

@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="multiply the measured acceptance radii (e.g. 4 for states computed on other hardware)",
     )
     _add_search_args(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders")
     add_ray_arg(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")

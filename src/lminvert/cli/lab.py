@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("name", choices=list(LABS), help="which lab")
     parser.add_argument("--quick", action="store_true", help="the small size (about a minute)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the models and prompts drawn")
     parser.add_argument("--out", help="output directory (reused to resume)")
     parser.add_argument("--json", action="store_true", help="print results.json instead of the summary")
     parser.set_defaults(func=run)
