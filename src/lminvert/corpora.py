@@ -273,6 +273,29 @@ def _snap(text: str, offset: int, unit: str) -> int:
     return offset
 
 
+def _windows(
+    docs: list, texts: dict[int, str | None], picks: list[int], fractions: list[float], span: int
+) -> tuple[list[str], list[str]]:
+    """A window of about ``span`` characters of each picked document, starting at ``fraction`` of it (snapped to a
+    unit boundary), and where each came from; ``texts`` caches loaded documents (at most 4,096)."""
+    windows, sources = [], []
+    for pick, fraction in zip(picks, fractions, strict=True):
+        doc = docs[pick]
+        if pick not in texts:
+            texts[pick] = doc.load()
+            if len(texts) > 4096:  # bound memory for huge corpora
+                texts.pop(next(iter(texts)))
+        text = texts.get(pick)
+        if not text:
+            windows.append("")
+            sources.append(doc.name)
+            continue
+        start = _snap(text, int(fraction * max(0, len(text) - span // 2)), doc.unit)
+        windows.append(text[start : start + span])
+        sources.append(f"{doc.name}@{start}")
+    return windows, sources
+
+
 def sample_prompts(
     tokenizer: object,
     corpus: str,
@@ -306,22 +329,7 @@ def sample_prompts(
         batch = min(512, 2 * (n - len(prompts)) + 8)
         picks = rng.choice(len(docs), size=batch, p=weights)
         fractions = rng.random(batch)
-        windows, sources = [], []
-        for pick, fraction in zip(picks.tolist(), fractions.tolist(), strict=True):
-            doc = docs[pick]
-            if pick not in texts:
-                texts[pick] = doc.load()
-                if len(texts) > 4096:  # bound memory for huge corpora
-                    texts.pop(next(iter(texts)))
-            text = texts.get(pick)
-            if not text:
-                windows.append("")
-                sources.append(doc.name)
-                continue
-            span = body * CHARS_PER_TOKEN
-            start = _snap(text, int(fraction * max(0, len(text) - span // 2)), doc.unit)
-            windows.append(text[start : start + span])
-            sources.append(f"{doc.name}@{start}")
+        windows, sources = _windows(docs, texts, picks.tolist(), fractions.tolist(), body * CHARS_PER_TOKEN)
         for ids, source in zip(tok(windows), sources, strict=True):
             draws += 1
             ids = ids[:body]
@@ -343,12 +351,5 @@ def sample_prompts(
         )
     if len(prompts) < n:
         log.warning("corpus '%s' gave only %d distinct prompts of the %d asked for", corpus, len(prompts), n)
-    summary = {
-        "corpus": corpus,
-        "documents": len(docs),
-        "draws": draws,
-        "duplicates_skipped": duplicates,
-        "too_short_skipped": short,
-        "prefix_tokens": list(tok.prefix),
-    }
-    return prompts, summary
+    summary = {"corpus": corpus, "documents": len(docs), "draws": draws, "duplicates_skipped": duplicates}
+    return prompts, summary | {"too_short_skipped": short, "prefix_tokens": list(tok.prefix)}

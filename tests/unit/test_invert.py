@@ -152,6 +152,30 @@ def test_cli_errors(cli, tmp, make, extra, needle):
     assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--max-candidates", "0"], "--max-candidates"),
+        (["--max-seconds", "0"], "--max-seconds"),
+        (["--noise", "-1"], "--noise"),
+        (["--tolerance-scale", "0"], "--tolerance-scale"),
+        (["--source", "bogus"], "bogus"),
+        (["--noise", "0.01", "--source", "float"], "not both"),
+    ],
+)
+def test_cli_refuses_bad_options_before_loading_the_model(cli, tmp, monkeypatch, extra, needle):
+    """The command's option checks are the library's (:func:`lminvert.invert.check_options`), run before any model
+    is loaded: a load here would fail the test."""
+    import numpy as np
+
+    import lminvert.cli.invert as command
+
+    np.save(tmp / "x.npy", np.ones((3, 64), np.float32))
+    monkeypatch.setattr(command, "model_for_states", lambda *a: pytest.fail("the model was loaded"))
+    proc = cli("invert", str(tmp / "x.npy"), "--model", "tiny-llama", "--layer", "1", *extra)
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_cli_nan_and_mismatch(cli, tmp):
     import numpy as np
 

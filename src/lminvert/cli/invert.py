@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
-from ..invert import METHODS, POLICIES, invert, parse_source
+from ..invert import METHODS, POLICIES, check_options, invert
 from ..paths import atomic_file, check_output_file
 from ..runs import run_metadata
 from ..states import HiddenStates
@@ -127,20 +127,10 @@ def run(args: argparse.Namespace) -> int:
     name = args.model or states.model
     if not name:
         raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
-    if args.max_candidates is not None and args.max_candidates < 1:
-        raise LminvertError("--max-candidates must be at least 1")
-    if args.max_seconds is not None and not args.max_seconds > 0:
-        raise LminvertError("--max-seconds must be a positive number of seconds")
-    if args.noise < 0 or args.noise != args.noise:
-        raise LminvertError("--noise must be a non-negative number (a relative level, e.g. 0.001)")
-    if args.together < 1:
-        raise LminvertError("--together must be at least 1")
-    if not args.tolerance_scale > 0:
-        raise LminvertError("--tolerance-scale must be positive (1: the measured radii)")
-    if args.source is not None:
-        parse_source(args.source)  # a bad name fails here, before the model loads
-        if args.noise > 0:
-            raise LminvertError("give either --noise (added here, and modelled) or --source, not both")
+    check_options(
+        args.method, args.policy, args.noise, args.max_seconds, args.together, None, args.tolerance_scale,
+        args.max_candidates, args.source,
+    )  # fmt: skip
     if args.out:
         check_output_file(args.out)
     model = model_for_states(args, name, states)

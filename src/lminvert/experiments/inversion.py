@@ -241,35 +241,8 @@ class Noise(Experiment):
         for (model,), rs in group(rows, "model").items():
             table_rows, xs, exact, flagged = [], [], [], []
             for (level,), lr in group(rs, "level").items():
-                positions = [q for r in lr for q in r.get("positions", [])]
-                below = [
-                    q
-                    for q in positions
-                    if q["noise_norm"] is not None
-                    and q["certified_radius"] is not None
-                    and q["noise_norm"] < q["certified_radius"]
-                ]
-                above = [q for q in positions if q not in below]
                 n_pos = sum(r["length"] for r in lr)
-                wrong_flagged = sum(1 for q in positions if not q["correct"] and q["uncertain"])
-                ratio = [
-                    q["noise_norm"] / q["certified_radius"]
-                    for q in positions
-                    if q["certified_radius"] and q["noise_norm"] is not None
-                ]
-                table_rows.append(
-                    [
-                        level,
-                        _exact_cell(lr),
-                        sum(r["token_accuracy"] * r["length"] for r in lr) / n_pos,
-                        sum(r["uncertain"] for r in lr),
-                        wrong_flagged,
-                        sum(r["wrong_unflagged"] for r in lr),
-                        statistics.median(ratio) if ratio else None,
-                        f"{sum(q['correct'] for q in below)}/{len(below)}" if positions else "-",
-                        f"{sum(q['correct'] for q in above)}/{len(above)}" if positions else "-",
-                    ]
-                )
+                table_rows.append(_noise_row(level, lr))
                 xs.append(level if level > 0 else min(x for x in ctx.size["levels"] if x > 0) / 10)
                 exact.append(sum(r["exact"] for r in lr) / len(lr))
                 flagged.append(sum(r["uncertain"] for r in lr) / n_pos)
@@ -316,3 +289,32 @@ class Noise(Experiment):
                 )
             ],
         )
+
+
+def _noise_row(level: float, lr: Sequence[Row]) -> list:
+    """The table row of one noise level: exactness, flags, and each position's noise against its certified radius."""
+    positions = [q for r in lr for q in r.get("positions", [])]
+    below = [
+        q
+        for q in positions
+        if q["noise_norm"] is not None and q["certified_radius"] is not None and q["noise_norm"] < q["certified_radius"]
+    ]
+    above = [q for q in positions if q not in below]
+    n_pos = sum(r["length"] for r in lr)
+    wrong_flagged = sum(1 for q in positions if not q["correct"] and q["uncertain"])
+    ratio = [
+        q["noise_norm"] / q["certified_radius"]
+        for q in positions
+        if q["certified_radius"] and q["noise_norm"] is not None
+    ]
+    return [
+        level,
+        _exact_cell(lr),
+        sum(r["token_accuracy"] * r["length"] for r in lr) / n_pos,
+        sum(r["uncertain"] for r in lr),
+        wrong_flagged,
+        sum(r["wrong_unflagged"] for r in lr),
+        statistics.median(ratio) if ratio else None,
+        f"{sum(q['correct'] for q in below)}/{len(below)}" if positions else "-",
+        f"{sum(q['correct'] for q in above)}/{len(above)}" if positions else "-",
+    ]

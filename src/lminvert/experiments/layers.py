@@ -113,47 +113,7 @@ class Layers(Experiment):
     def summarise(self, ctx: Context, rows: Sequence[Row]) -> Summary:
         tables, figures, series = [], [], []
         for (model, test), rs in group(rows, "model", "test").items():
-            if test == "collisions":
-                tables.append(
-                    Table(
-                        f"{model}: corpus prompts",
-                        ["layer", "minimum distance", "pairs under 1e-6", "median nearest-neighbour distance", "pairs"],
-                        [
-                            [r["layer"], r["min_distance"], r["below_threshold"], r.get("nn_median"), r["pairs"]]
-                            for r in rs
-                        ],
-                    )
-                )
-            else:
-                tables.append(
-                    Table(
-                        f"{model}: exhaustive next-token test",
-                        [
-                            "layer",
-                            "minimum distance",
-                            "pairs under 1e-6",
-                            "minimum, inputs differ",
-                            "pairs under 1e-6, inputs differ",
-                            "pairs per prefix",
-                        ],
-                        [
-                            [
-                                r["layer"],
-                                r["min_distance"],
-                                r["below_threshold"],
-                                r["min_distance_inputs_differ"],
-                                r["below_threshold_inputs_differ"],
-                                r["pairs"],
-                            ]
-                            for r in rs
-                        ],
-                        note=(
-                            "Tokens whose embedding rows are bit-identical give identical states by construction (zero "
-                            "distance, not a failure of injectivity, which concerns distinct inputs); 'inputs differ' "
-                            "excludes those pairs."
-                        ),
-                    )
-                )
+            tables.append(_layer_table(model, test, rs))
             what = "corpus prompts" if test == "collisions" else "all one-token continuations of the closest prefixes"
             figures.append(
                 FigureSpec(
@@ -192,3 +152,26 @@ class Layers(Experiment):
             )
         )
         return Summary(tables, figures)
+
+
+def _layer_table(model: str, test: str, rs: Sequence[Row]) -> Table:
+    """One model's per-layer minima: over corpus prompts (``test`` "collisions") or the exhaustive next-token test."""
+    if test == "collisions":
+        return Table(
+            f"{model}: corpus prompts",
+            ["layer", "minimum distance", "pairs under 1e-6", "median nearest-neighbour distance", "pairs"],
+            [[r["layer"], r["min_distance"], r["below_threshold"], r.get("nn_median"), r["pairs"]] for r in rs],
+        )
+    columns = ["layer", "minimum distance", "pairs under 1e-6", "minimum, inputs differ"]
+    columns += ["pairs under 1e-6, inputs differ", "pairs per prefix"]
+    keys = ["layer", "min_distance", "below_threshold", "min_distance_inputs_differ", "below_threshold_inputs_differ"]
+    return Table(
+        f"{model}: exhaustive next-token test",
+        columns,
+        [[*(r[k] for k in keys), r["pairs"]] for r in rs],
+        note=(
+            "Tokens whose embedding rows are bit-identical give identical states by construction (zero "
+            "distance, not a failure of injectivity, which concerns distinct inputs); 'inputs differ' "
+            "excludes those pairs."
+        ),
+    )

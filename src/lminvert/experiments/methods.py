@@ -120,24 +120,7 @@ class Methods(Experiment):
             names, means, stds = [], [], []
             for (method,), rs in group(model_rows, "method").items():
                 mean, std = mean_std([r["seconds"] for r in rs])
-                acc, se = rate_se(sum(r["exact"] for r in rs), len(rs))
-                tok, _ = mean_std([r["token_accuracy"] for r in rs])
-                cpp = [r["candidates_per_position"] for r in rs if "candidates_per_position" in r]
-                timed_out = sum(1 for r in rs if not r.get("complete", True))
-                label = method + (f" ({timed_out} stopped at {ctx.size['baseline_seconds']:g} s)" if timed_out else "")
-                if method == "bruteforce":
-                    label += f" (first {rs[0]['positions_measured']} positions measured, time projected)"
-                table_rows.append(
-                    [
-                        label,
-                        len(rs),
-                        pm(mean, std),
-                        f"{acc:.2f} ± {se:.2f}",
-                        tok,
-                        mean_std(cpp)[0] if cpp else None,
-                        sum(r.get("wrong_unflagged", 0) for r in rs) if method != "hardprompts" else "n/a",
-                    ]
-                )
+                table_rows.append(_method_row(ctx, method, rs, mean, std))
                 names.append(method)
                 means.append(mean)
                 stds.append(std)
@@ -187,3 +170,16 @@ class Methods(Experiment):
                 "the paper's GPT-2 small is trained."
             )
         return Summary(tables, [figure], notes)
+
+
+def _method_row(ctx: Context, method: str, rs: Sequence[Row], mean: float, std: float) -> list:
+    """The table row of one method (``mean``, ``std``: its seconds per prompt)."""
+    acc, se = rate_se(sum(r["exact"] for r in rs), len(rs))
+    tok, _ = mean_std([r["token_accuracy"] for r in rs])
+    cpp = [r["candidates_per_position"] for r in rs if "candidates_per_position" in r]
+    timed_out = sum(1 for r in rs if not r.get("complete", True))
+    label = method + (f" ({timed_out} stopped at {ctx.size['baseline_seconds']:g} s)" if timed_out else "")
+    if method == "bruteforce":
+        label += f" (first {rs[0]['positions_measured']} positions measured, time projected)"
+    wrong = sum(r.get("wrong_unflagged", 0) for r in rs) if method != "hardprompts" else "n/a"
+    return [label, len(rs), pm(mean, std), f"{acc:.2f} ± {se:.2f}", tok, mean_std(cpp)[0] if cpp else None, wrong]

@@ -141,26 +141,9 @@ def run_experiment(
         rows.extend({"unit": unit.key, **row} for row in done["rows"])
     if not rows:
         raise LminvertError(f"experiment {experiment.name} produced no rows (is the size too small?)")
-    summary = experiment.summarise(ctx, rows)
     infos.update({name: m.describe() for name, m in loaded.items()})
-    main = infos.get(models[0], {}) if models else {}
-    doc = {
-        "kind": kind,
-        "experiment": experiment.name,
-        "title": experiment.title,
-        "paper": experiment.paper,
-        "config": config,
-        "full_duration": experiment.full_duration,
-        "overrides": {k: v for k, v in (overrides or {}).items() if v is not None},
-        "seconds": time.perf_counter() - start,
-        "units_seconds": unit_seconds,
-        "units_resumed": resumed,
-        "compute_seconds": sum(unit_seconds.values()),
-        **run_metadata(main, seed),  # with the versions
-        "models_info": infos,
-        "summary": asdict(summary),
-        "rows": rows,
-    }
+    doc = _document(experiment, ctx, kind, config, overrides, rows, unit_seconds, resumed, infos)
+    doc["seconds"] = time.perf_counter() - start
     run.write_results(doc)
     log.info("%s: %d units (%d resumed) in %.1f s -> %s", experiment.name, len(units), resumed, doc["seconds"], out)
     return doc
@@ -192,3 +175,35 @@ def _run_units(
         bar.update(1)
     bar.close()
     return infos, resumed
+
+
+def _document(
+    experiment: Experiment,
+    ctx: Context,
+    kind: str,
+    config: dict[str, Any],
+    overrides: Mapping[str, Any] | None,
+    rows: list[dict[str, Any]],
+    unit_seconds: dict[str, float],
+    resumed: int,
+    infos: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The results document: the run's identity, its rows, their summary, and what ran them."""
+    main = infos.get(ctx.models[0], {}) if ctx.models else {}
+    return {
+        "kind": kind,
+        "experiment": experiment.name,
+        "title": experiment.title,
+        "paper": experiment.paper,
+        "config": config,
+        "full_duration": experiment.full_duration,
+        "overrides": {k: v for k, v in (overrides or {}).items() if v is not None},
+        "seconds": 0.0,
+        "units_seconds": unit_seconds,
+        "units_resumed": resumed,
+        "compute_seconds": sum(unit_seconds.values()),
+        **run_metadata(main, ctx.seed),  # with the versions
+        "models_info": infos,
+        "summary": asdict(experiment.summarise(ctx, rows)),
+        "rows": rows,
+    }

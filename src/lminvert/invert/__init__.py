@@ -96,7 +96,7 @@ def invert(
     which is exact because the model is injective; ``None`` (default) certifies when injectivity cannot be assumed:
     the model carries forward hooks that edit what its weights compute (as the lab's constructions do).
     """
-    _check_options(method, policy, noise, max_seconds, together, batch_scale, tolerance_scale)
+    check_options(method, policy, noise, max_seconds, together, batch_scale, tolerance_scale, max_candidates, source)
     deadline = None if max_seconds is None else time.time() + max_seconds
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
@@ -204,30 +204,43 @@ def _bos_note(model: LoadedModel, result: InversionResult) -> tuple[str, ...]:
     return (f"position 0 is not the BOS token {model.decode([bos])!r} (captured without it; nothing assumed)",)
 
 
-def _check_options(
-    method: str,
-    policy: str,
-    noise: float,
-    max_seconds: float | None,
-    together: int,
-    batch_scale: int | None,
-    tolerance_scale: float,
+def check_options(
+    method: str = "sipit",
+    policy: str = "linear",
+    noise: float = 0.0,
+    max_seconds: float | None = None,
+    together: int = 32,
+    batch_scale: int | None = None,
+    tolerance_scale: float = 1.0,
+    max_candidates: int | None = None,
+    source: str | ErrorModel | None = None,
 ) -> None:
-    """One-line errors for :func:`invert`'s options, before anything is loaded or computed."""
+    """One-line errors for :func:`invert`'s options (each named as the function and the command spell it), before
+    anything is loaded or computed; ``lminvert invert`` calls it before it loads the model."""
     if method not in METHODS:
         raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
     if policy not in POLICIES:
         raise LminvertError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
     if noise < 0 or noise != noise:
-        raise LminvertError("noise must be a non-negative number (a relative level, e.g. 0.001)")
+        raise LminvertError("noise (--noise) must be a non-negative number (a relative level, e.g. 0.001)")
     if max_seconds is not None and not max_seconds > 0:
-        raise LminvertError("max_seconds must be a positive number of seconds")
+        raise LminvertError("max_seconds (--max-seconds) must be a positive number of seconds")
     if together < 1:
-        raise LminvertError("together must be at least 1 (prompts inverted at once)")
+        raise LminvertError("together (--together) must be at least 1 (prompts inverted at once)")
     if batch_scale is not None and batch_scale < 1:
         raise LminvertError("batch_scale must be at least 1 (candidate batches relative to a CPU's)")
     if not tolerance_scale > 0:
-        raise LminvertError("tolerance_scale must be positive (1 = the measured radii)")
+        raise LminvertError("tolerance_scale (--tolerance-scale) must be positive (1 = the measured radii)")
+    if max_candidates is not None and max_candidates < 1:
+        raise LminvertError("max_candidates (--max-candidates) must be at least 1")
+    if source is not None:
+        if noise > 0:
+            raise LminvertError(
+                "give either noise (--noise: added here, and modelled) or source (--source: what the states carry), "
+                "not both"
+            )
+        if isinstance(source, str):
+            parse_source(source)  # a bad name fails here
 
 
 def _layer(
@@ -248,8 +261,6 @@ def _layer(
 
 def _source(states: HiddenStates, source: str | ErrorModel | None, noise: float) -> ErrorModel:
     """The error model of ``states`` (see :func:`invert`)."""
-    if source is not None and noise > 0:
-        raise LminvertError("give either noise (added here, and modelled) or source (what the states carry), not both")
     if noise > 0:  # added to these states here: nothing else differs from what they were
         own = states.weights_hash is not None
         return Noise(sigma=noise, elsewhere=not own)
@@ -294,6 +305,7 @@ __all__ = [
     "PositionResult",
     "RandomPolicy",
     "SweepPolicy",
+    "check_options",
     "invert",
     "invert_prompt",
     "invert_prompts",

@@ -162,29 +162,40 @@ def train_reader(
         optimiser = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
         inputs = inputs.to(probe.device)
         for epoch in range(epochs):
-            order = torch.randperm(len(inputs), device=probe.device)
-            total = 0.0
-            for first in range(0, len(order), BATCH):
-                rows = order[first : first + BATCH]
-                with torch.autocast(probe.device.type, dtype=torch.bfloat16, enabled=bfloat16):
-                    logits, targets = _scores(net(inputs[rows]), tokens[rows], vocab, norms, negatives)
-                loss = nn.functional.cross_entropy(logits.float(), targets)
-                optimiser.zero_grad()
-                loss.backward()
-                optimiser.step()
-                total += float(loss.detach()) * len(rows)
-            log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, total / len(order))
+            loss = _epoch(net, optimiser, inputs, tokens, (vocab, norms, negatives), bfloat16)
+            log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, loss)
     net = net.eval().requires_grad_(False)
     if cache:
         write_tables(model, layer, KIND, net.state_dict())  # a hooked model keeps it in memory only, like the tables
         model.memo[(KIND, int(layer), model.dtype)] = net
-    log.info(
-        "trained the reading network for layer %s in %.1f s (%s products)",
-        layer.name,
-        time.perf_counter() - start,
-        "bfloat16" if bfloat16 else "float32",
-    )
+    seconds, products = time.perf_counter() - start, "bfloat16" if bfloat16 else "float32"
+    log.info("trained the reading network for layer %s in %.1f s (%s products)", layer.name, seconds, products)
     return net
+
+
+def _epoch(
+    net: nn.Module,
+    optimiser: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    tokens: torch.Tensor,
+    softmax: tuple[torch.Tensor, torch.Tensor, int],
+    bfloat16: bool,
+) -> float:
+    """One pass over the examples in random order, in batches of ``BATCH``; returns the mean loss. ``softmax``: the
+    vocabulary, its squared norms and the negatives drawn per step (:func:`_scores`)."""
+    vocab, norms, negatives = softmax
+    order = torch.randperm(len(inputs), device=inputs.device)
+    total = 0.0
+    for first in range(0, len(order), BATCH):
+        rows = order[first : first + BATCH]
+        with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bfloat16):
+            logits, targets = _scores(net(inputs[rows]), tokens[rows], vocab, norms, negatives)
+        loss = nn.functional.cross_entropy(logits.float(), targets)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        total += float(loss.detach()) * len(rows)
+    return total / len(order)
 
 
 def train_readers(

@@ -19,6 +19,7 @@ import numpy as np
 
 import lminvert
 from lminvert.forward import last_token_states, prompt_states
+from lminvert.invert.results import InversionResult
 from lminvert.models.ties import representatives, same_input, tied_token_groups
 
 from ..experiments.base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, fmt, group
@@ -189,28 +190,10 @@ class Break(Experiment):
             # hooked models share their weights hash with the plain model: keep them off the cached tables
             results = lminvert.invert(model, states, method=method, first_table=name not in HOOKED)
             seconds = (time.perf_counter() - start) / len(chosen)
-            for truth, result in zip(chosen, results, strict=True):
-                got = list(result.token_ids)
-                flagged = set(result.uncertain_positions)
-                wrong = [t for t, (a, b) in enumerate(zip(got, truth, strict=True)) if a != b]
-                rows.append(
-                    {
-                        **common,
-                        "test": "invert",
-                        "method": method,
-                        "layer": at,
-                        "truth": truth,
-                        "recovered": got,
-                        "exact": got == truth,
-                        "certified": result.certified,
-                        "flagged": sorted(flagged),
-                        "tied_flagged": [t for t, p in enumerate(result.positions) if p.tied_with],
-                        "wrong": wrong,
-                        "wrong_unflagged": [t for t in wrong if t not in flagged],
-                        "same_input": same_input(got, truth, rep),
-                        "seconds": seconds,
-                    }
-                )
+            rows += [
+                _invert_row(common, method, at, truth, r, rep, seconds)
+                for truth, r in zip(chosen, results, strict=True)
+            ]
         return rows
 
     # ------------------------------------------------------------------ summary
@@ -365,3 +348,28 @@ def _count(row: Row, key: str) -> str:
 
 def tokenizer_text(ctx: Context, token: int) -> str:
     return tokenizer(ctx).decode([token])
+
+
+def _invert_row(
+    common: Row, method: str, at: int, truth: list[int], result: InversionResult, rep: dict[int, int], seconds: float
+) -> Row:
+    """One inverted prompt's row: what was recovered, flagged, wrong, and whether wrong tokens were flagged."""
+    got = list(result.token_ids)
+    flagged = set(result.uncertain_positions)
+    wrong = [t for t, (a, b) in enumerate(zip(got, truth, strict=True)) if a != b]
+    return {
+        **common,
+        "test": "invert",
+        "method": method,
+        "layer": at,
+        "truth": truth,
+        "recovered": got,
+        "exact": got == truth,
+        "certified": result.certified,
+        "flagged": sorted(flagged),
+        "tied_flagged": [t for t, p in enumerate(result.positions) if p.tied_with],
+        "wrong": wrong,
+        "wrong_unflagged": [t for t in wrong if t not in flagged],
+        "same_input": same_input(got, truth, rep),
+        "seconds": seconds,
+    }

@@ -96,27 +96,7 @@ class Init(Experiment):
                 )
             series.append(Series(f"{arch} (mean ± std over seeds)", xs, means, stds))
             series.append(Series(f"{arch} (smallest over seeds)", xs, lows))
-        first = rows[0]
-        table = Table(
-            "Minimum pairwise distance of last-token states per layer, across random seeds",
-            [
-                "architecture",
-                "layer",
-                "seeds",
-                "minimum (mean ± std)",
-                "smallest",
-                "largest",
-                "pairs < 1e-6",
-                "mean norm",
-            ],
-            table_rows,
-            note=(
-                f"{first['prompts']:,} corpus prompts ({first['pairs']:,} pairs) of {ctx.size['max_tokens']} "
-                f"tokens, the same for every seed; models of width {ctx.size['hidden']} and {ctx.size['layers']} "
-                "blocks, random initialisation only (transformers' own initialiser), float32. Layer 0 (the "
-                "embeddings) is left out: prompts ending in the same token share it by construction."
-            ),
-        )
+        table = _minima_table(ctx, rows[0], table_rows)
         figure = FigureSpec(
             "init_minima",
             "Minimum pairwise distance per layer at random initialisation, mean ± std over seeds and the smallest "
@@ -132,3 +112,27 @@ class Init(Experiment):
         collided = sum(r["below_threshold"] for r in rows)
         notes = [f"Pairs under the threshold over all seeds and layers: {collided}."]
         return Summary([table], [figure], notes)
+
+
+def _minima_table(ctx: Context, first: Row, table_rows: list[list]) -> Table:
+    """The table of per-layer minima across seeds (``first``: any row, for the run's sizes)."""
+    return Table(
+        "Minimum pairwise distance of last-token states per layer, across random seeds",
+        [
+            "architecture",
+            "layer",
+            "seeds",
+            "minimum (mean ± std)",
+            "smallest",
+            "largest",
+            "pairs < 1e-6",
+            "mean norm",
+        ],
+        table_rows,
+        note=(
+            f"{first['prompts']:,} corpus prompts ({first['pairs']:,} pairs) of {ctx.size['max_tokens']} "
+            f"tokens, the same for every seed; models of width {ctx.size['hidden']} and {ctx.size['layers']} "
+            "blocks, random initialisation only (transformers' own initialiser), float32. Layer 0 (the "
+            "embeddings) is left out: prompts ending in the same token share it by construction."
+        ),
+    )

@@ -16,6 +16,13 @@ import numpy as np
 
 from ..paths import atomic_file
 
+_BOXES = {
+    "boxprops": {"facecolor": "#c6dbef", "edgecolor": "#3182bd"},
+    "medianprops": {"color": "#08519c"},
+    "whiskerprops": {"color": "#3182bd"},
+    "capprops": {"color": "#3182bd"},
+}
+
 
 def plot_nn_distances(
     layers: Sequence[str],
@@ -48,18 +55,7 @@ def plot_nn_distances(
     ax = fig.subplots()
     xs = np.arange(len(layers))
     data = [v if len(v) else np.array([floor]) for v in positive]
-    ax.boxplot(
-        data,
-        positions=xs,
-        whis=(1, 99),
-        showfliers=False,
-        widths=0.6,
-        patch_artist=True,
-        boxprops={"facecolor": "#c6dbef", "edgecolor": "#3182bd"},
-        medianprops={"color": "#08519c"},
-        whiskerprops={"color": "#3182bd"},
-        capprops={"color": "#3182bd"},
-    )
+    ax.boxplot(data, positions=xs, whis=(1, 99), showfliers=False, widths=0.6, patch_artist=True, **_BOXES)
     shown_min = [m if m > 0 else floor for m in minima]
     ax.plot(xs, shown_min, "v", color="#de2d26", markersize=7, label="minimum over all pairs (exact)", zorder=3)
     if len(xs) > 1:
@@ -78,13 +74,23 @@ def plot_nn_distances(
     ax.set_xticklabels(list(layers), rotation=0 if len(layers) <= 16 else 90)
     ax.set_xlabel(f"layer (boxes: 25-75% of {unit}, whiskers: 1-99%)")
     ax.set_ylabel("nearest-neighbour L2 distance")
-    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
-    ax.grid(axis="y", which="major", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+    return _save(fig, ax, title, path)
+
+
+def _write(fig: Any, path: Path) -> Path:
+    """The figure laid out and written atomically to ``path`` (its format from the suffix)."""
     fig.tight_layout()
     with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
     return path
+
+
+def _save(fig: Any, ax: Any, title: str, path: Path) -> Path:
+    """Title, grid and a legend below the axes, then :func:`_write`."""
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
+    ax.grid(axis="y", which="major", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+    return _write(fig, path)
 
 
 def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
@@ -128,10 +134,7 @@ def plot_spec(spec: Mapping[str, Any], path: str | Path) -> Path:
         ax.grid(False)
     elif any(s.get("label") for s in series) or spec.get("hline_label"):
         ax.legend(fontsize=8, frameon=False)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=130, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
-    return path
+    return _write(fig, path)
 
 
 def _heatmap(fig: Any, ax: Any, series: Sequence[Mapping[str, Any]]) -> None:
