@@ -16,7 +16,6 @@ seed, the model's description and the peak memory. Rendering (results.md, figure
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import platform
@@ -29,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .cpu import cpu_features, cpu_model
 from .errors import LminvertError
 from .paths import read_json, write_json
 
@@ -55,41 +55,10 @@ def versions() -> dict[str, str]:
     }
 
 
-@functools.cache
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields in ``/proc/cpuinfo`` (read once per process; empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if not line.strip():
-                    break  # the end of the first processor's block
-                name, _, value = line.partition(":")
-                fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def _cpu_model() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or "unknown"
-
-
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")  # change kernels
-
-
-def cpu_features() -> str:
-    """The CPU's vector features that decide which kernels torch runs (and so the last bits of what they compute):
-    torch's dispatch level and the half-precision units ``/proc/cpuinfo`` reports, e.g. ``AVX512 avx2 amx_bf16``."""
-    flags = set(_cpuinfo().get("flags", "").split())
-    level = torch.backends.cpu.get_cpu_capability()
-    return " ".join([level, *(f for f in CPU_FLAGS if f in flags)])
-
-
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_features": cpu_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -65,3 +65,17 @@ def test_results_record_the_versions_features_and_numeric_path():
     meta = run_metadata(model.describe(), seed=0)
     assert meta["versions"]["torch"] == torch.__version__ and meta["machine"]["cpu_features"]
     assert meta["model_info"]["numeric_path"] == "native"
+
+
+def test_the_numeric_path_follows_the_cpu_features_not_a_timing(monkeypatch):
+    """A half model's cached forwards run as float32 GEMMs exactly where the CPU has no units for its dtype: a fact of
+    the machine (recorded with every cache entry), the same in every process, whatever the load."""
+    from lminvert.models import halfmath
+
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert lminvert.load_model("tiny-llama", dtype="bfloat16").probe.numeric_path == "half-as-float32"
+    assert not halfmath.native_bfloat16(torch.device("cpu")) and halfmath.native_bfloat16(torch.device("cuda"))
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert lminvert.load_model("tiny-llama", dtype="bfloat16").probe.numeric_path == "native"
+    assert halfmath.half_is_slow(torch.float16) and not halfmath.half_is_slow(torch.bfloat16)
+    assert lminvert.load_model("tiny-llama").probe.numeric_path == "native"  # float32 is never replaced

@@ -114,10 +114,10 @@ def test_training_runs_its_products_in_bfloat16_where_they_are_fast(isolated_cac
     from lminvert.invert import reader
     from lminvert.models import halfmath
 
-    monkeypatch.setattr(halfmath, "half_speed", lambda dtype: 4.2)  # an AVX2 CPU emulates bfloat16
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2"}))  # an AVX2 CPU emulates bfloat16
     assert not reader.bfloat16_training(torch.device("cpu"))
     assert reader.bfloat16_training(torch.device("cuda"))
-    monkeypatch.setattr(halfmath, "half_speed", lambda dtype: 0.3)  # AVX512-BF16
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert reader.bfloat16_training(torch.device("cpu"))
     model = lminvert.load_model("tiny-llama")
     layer = model.probe.layer(2)

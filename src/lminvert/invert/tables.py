@@ -28,11 +28,11 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..cpu import cpu_features
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
 from ..models.probe import has_hooks
 from ..paths import atomic_file, cache_dir
-from ..runs import cpu_features
 from .secant import centre, fit_secant_map
 
 log = logging.getLogger(__name__)

@@ -11,55 +11,46 @@ elements of a [256, 576] x [576, 1536] product here, the rest one rounding step 
 :class:`HalfAsFloat32` applies that to a model's linear layers (and GPT-2's Conv1D) inside a ``with`` block;
 the probe uses it for its cached forwards (prefix caches, candidate continuations) and never for its plain forward
 (:meth:`LayerProbe.states`, what an observer computes), so the acceptance radii, measured between the two
-(:mod:`lminvert.invert.tolerance`), include whatever difference remains. :func:`half_is_slow` decides, once per
-process and dtype, by timing both ways.
+(:mod:`lminvert.invert.tolerance`), include whatever difference remains. :func:`half_is_slow` decides from the CPU's
+features (:func:`native_half`).
 
 The other way round, :class:`LinearMath` runs a float32 model's linear layers as bfloat16 GEMMs on a CPU that has
-native ones (:func:`native_bfloat16`: ~0.3x float32's time on this project's AVX512-BF16 CPU): the inversion's
+native ones (:func:`native_bfloat16`: ~0.35x float32's time on this project's AVX512-BF16 CPU): the inversion's
 *screening* forwards (:mod:`lminvert.invert.engine`), whose states only decide which candidates are verified in
 float32, never which one is accepted.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_RATIO: dict[torch.dtype, float] = {}
+from ..cpu import cpu_flags
+
+HALF_UNITS = {  # the CPU flags of the units that run each half type's GEMMs natively (elsewhere torch emulates them)
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
+}
 
 
-def half_speed(dtype: torch.dtype) -> float:
-    """How long a ``dtype`` GEMM takes on this CPU against the float32 GEMM of the same shape (measured once per
-    process and dtype: best of 3 of a [128, 512] x [512, 1024] product each way)."""
-    if dtype not in _RATIO:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(128, 512, generator=gen)
-        w = torch.randn(1024, 512, generator=gen)
-
-        def best(a: torch.Tensor, b: torch.Tensor) -> float:
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                F.linear(a, b)
-                times.append(time.perf_counter() - start)
-            return min(times)
-
-        _RATIO[dtype] = best(x.to(dtype), w.to(dtype)) / best(x, w)
-    return _RATIO[dtype]
+def native_half(dtype: torch.dtype) -> bool:
+    """Whether this CPU has units for ``dtype`` GEMMs (:data:`HALF_UNITS`): a fixed fact of the machine, recorded with
+    every cache entry (its CPU features), not a timing (one under load could change the numeric path between two
+    processes). On this project's CPU (AVX512-BF16, AVX512-FP16, AMX-BF16) a bfloat16 GEMM of [128, 512] x [512,
+    1024] took 0.35x and a float16 one 1.1x the float32 one; an AVX2 CPU emulates them at ~4x."""
+    return bool(HALF_UNITS.get(dtype, frozenset()) & cpu_flags())
 
 
 def half_is_slow(dtype: torch.dtype) -> bool:
-    """Whether a ``dtype`` GEMM on this CPU is more than 1.5x slower than the float32 GEMM it can be replaced by."""
-    return half_speed(dtype) > 1.5
+    """Whether a ``dtype`` GEMM on this CPU is emulated (no :func:`native_half` units): much slower than the float32
+    GEMM it can be replaced by."""
+    return not native_half(dtype)
 
 
 def native_bfloat16(device: torch.device) -> bool:
-    """Whether bfloat16 GEMMs on ``device`` are fast: a GPU, or a CPU where they take at most 0.75x float32's time (its
-    AVX512-BF16 or AMX units; an AVX2 CPU emulates them at ~4x)."""
-    return device.type == "cuda" or (device.type == "cpu" and half_speed(torch.bfloat16) <= 0.75)
+    """Whether bfloat16 GEMMs on ``device`` are fast: a GPU, or a CPU with bfloat16 units (:func:`native_half`)."""
+    return device.type == "cuda" or (device.type == "cpu" and native_half(torch.bfloat16))
 
 
 def _plain_linear(module: nn.Module) -> bool:
