@@ -68,6 +68,7 @@ def test_encode_file_jsonl(cli, tmp):
         (["--model", "tiny-llama", "--layer", "1", "--text", "  "], "empty text"),
         (["--model", "tiny-llama", "--layer", "1", "--file", "/no/such.txt"], "not found"),
         (["--model", "/no/such/dir", "--layer", "1", "--text", "x"], "model directory not found"),
+        (["--model", "someorg/no-such-model", "--layer", "1", "--text", "x"], "not in the local Hugging Face cache"),
     ],
 )
 def test_encode_errors(cli, tmp, args, needle):

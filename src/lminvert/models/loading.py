@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import urllib.parse
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -138,6 +140,27 @@ def _random_model(spec: ModelSpec, seed: int) -> tuple[PreTrainedModel, object]:
     return model, tokenizer
 
 
+def _hub_access(repo: str, timeout: float = 3.0) -> dict[str, bool]:
+    """How to load hub id ``repo``: as usual where the hub answers within ``timeout`` seconds; from the local Hugging
+    Face cache alone where it does not (offline, or no network: transformers would otherwise retry for ~30 s before
+    failing); a one-line error where it is not cached either."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            return {}
+        except OSError:
+            pass
+    if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+        return {"local_files_only": True}
+    raise LminvertError(
+        f"model '{repo}' is not in the local Hugging Face cache and the hub cannot be reached to download it: run "
+        "once where it can (the files are then cached), or give a local model directory or a .gguf file"
+    )
+
+
 def _external(name: str) -> tuple[PreTrainedModel, object]:
     path = Path(os.path.expanduser(name))
     try:
@@ -153,6 +176,8 @@ def _external(name: str) -> tuple[PreTrainedModel, object]:
             if local and not path.exists():
                 raise LminvertError(f"model directory not found: {name}")
             where = path if path.exists() else name
+            if not path.exists():
+                kwargs = _hub_access(name)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
