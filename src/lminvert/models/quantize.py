@@ -97,7 +97,10 @@ def quantize(model: LoadedModel, scheme: str) -> LoadedModel:
     if scheme not in SCHEMES:
         raise LminvertError(f"unknown quantisation scheme '{scheme}': use one of {', '.join(SCHEMES)}")
     if model.probe.dtype != torch.float32 or model.probe.device.type != "cpu":
-        raise LminvertError(f"quantize needs a float32 model on the CPU; '{model.name}' is {model.dtype}")
+        raise LminvertError(
+            f"quantize needs a float32 model on the CPU; '{model.name}' is {model.dtype} on {model.probe.device}: "
+            "load it with dtype='float32', device='cpu' (--dtype float32 --device cpu)"
+        )
     bnb = _bitsandbytes()
     net = copy.deepcopy(model.model)
     head = net.get_output_embeddings()
