@@ -184,6 +184,12 @@ def small_vocab() -> LoadedModel:
     return LoadedModel.wrap("small-vocab", model)
 
 
+def test_a_model_without_tokenizer_says_how_to_give_ids(small_vocab):
+    with pytest.raises(LminvertError, match=r"has no tokenizer, so text cannot be encoded: give token ids"):
+        small_vocab.tokenize("hello")
+    assert small_vocab.decode([5, 9]) == "5 9"  # ids shown as numbers
+
+
 def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, tmp_path):
     results = exhaustive_test(small_vocab, [[1, 2, 3], [7]], layers="all", out=tmp_path, batch_size=64)
     assert results.n_pairs == 300 * 299 // 2 and len(results.prefixes) == 2

@@ -112,7 +112,7 @@ def test_gpt2_conv1d_layers_are_quantised_too():
 def test_errors_are_one_line(base, monkeypatch, tmp_path):
     with pytest.raises(LminvertError, match="unknown quantisation scheme 'int3'"):
         quantize(base, "int3")
-    with pytest.raises(LminvertError, match="float32 model on the CPU; .tiny-llama. is bfloat16 on cpu: load it with"):
+    with pytest.raises(LminvertError, match=r"float32 model on the CPU; .tiny-llama. is bfloat16 on cpu: load it with"):
         quantize(lminvert.load_model("tiny-llama", dtype="bfloat16"), "nf4")
     with pytest.raises(LminvertError, match="unknown scheme"):
         experiments.run("quantization", tmp_path / "bad", quick=True, models=("tiny-llama",), schemes=["int3"])

@@ -95,7 +95,10 @@ class LoadedModel:
         if not text or not text.strip():
             raise LminvertError("empty text: give a prompt with at least one non-blank character")
         if self.tokenizer is None:
-            raise LminvertError(f"model '{self.name}' has no tokenizer: pass token ids instead of text")
+            raise LminvertError(
+                f"model '{self.name}' has no tokenizer, so text cannot be encoded: give token ids instead (Python: "
+                "lminvert.encode(model, [[17, 4021, 5]], layer)), or a model directory with its tokenizer files"
+            )
         ids = list(self.tokenizer(text)["input_ids"])
         if max_tokens is not None:
             ids = ids[:max_tokens]
