@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -55,8 +56,11 @@ def _observed_attention(module, query, key, value, attention_mask, **kwargs):
     return out[:, start:total], None
 
 
-# causal by shape: the observer had no mask
-register_attention(ATTENTION, _observed_attention, lambda *args, **kwargs: None)
+@functools.cache
+def _register() -> None:
+    """Make :data:`ATTENTION` selectable in transformers (once per process, when a shortcut forward first runs;
+    importing lminvert registers nothing). Causal by shape: the observer had no mask."""
+    register_attention(ATTENTION, _observed_attention, lambda *args, **kwargs: None)
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class ObservedForward:
         positions = torch.arange(start, stop, device=probe.device)[None].expand(count, -1)
         token = _LENGTH.set(length)
         try:
+            _register()
             with torch.no_grad(), attention(probe, ATTENTION):
                 out = probe._forward(
                     [layer], input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions
