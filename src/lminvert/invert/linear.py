@@ -35,10 +35,9 @@ class LinearPolicy(Policy):
     candidates: those of this position plus those of the last ``memory`` positions, pulled towards the previous
     ``J``; the offset ``a`` is re-estimated at each position. The first round samples a few random entries (for
     the offset and the fit), later rounds verify the top of the ranking in growing batches, refitting as data
-    arrives and adding random samples to keep the fit unbiased. After the ranking the rest is swept in order.
-
-    Settings (the defaults were tuned on SmolLM2 and the tiny test models; every one only changes speed,
-    never the answer, because every candidate is verified):
+    arrives. After the ranking the rest is swept in order. Every setting only changes speed, never the answer (every
+    candidate is verified); why each default is what it is, with the measurements: docs/history.md ("The linear
+    policy's settings").
 
     * ``explore_first`` - random entries verified first at a position when no ``J`` exists yet;
     * ``explore`` - random entries verified first when a ``J`` exists, and the least added after a miss;
@@ -49,52 +48,23 @@ class LinearPolicy(Policy):
     * ``prior`` - pull towards the previous ``J`` (relative to the data's energy);
     * ``outlier`` - states with a norm above ``outlier`` times the target's (attention sinks) are left out;
     * ``fresh`` - with this many pairs at the current position, fit on them alone (no memory, no prior);
-    * ``explore_max`` - random samples are added after a miss until this many candidates were verified (0 with
-      the next-token prior: on SmolLM2 they cost more than they bought: layer 30, 4 prompts, 646 -> 396 candidates
-      per position; layer 15 22 -> 21; the secant policy alone keeps 4,096);
-    * ``lm_prior`` - also rank by the model's own next-token distribution at the position, read from the observed
-      states (:mod:`.proposal`, given by the engine as ``ctx.next_tokens``): the first batch of a position is its most
-      likely tokens (as many as the prior ranked the recovered token in its top ``4 * first`` at the previous
-      positions), and every later batch draws from that order beside the other rankings (see ``reread``);
+    * ``explore_max`` - random samples are added after a miss until this many candidates were verified;
+    * ``lm_prior`` - also rank by the model's own next-token distribution at the position (``ctx.next_tokens``,
+      :mod:`.proposal`): while its recent hit rate is at least :data:`TRUSTED`, a position's first batch is its top
+      tokens alone (:meth:`_trusted_size`: sized by its ranks at the last :data:`RECENT` positions, at most
+      ``trusted``), and every later batch draws from that order beside the other rankings;
     * ``norm_rank`` - the ranking's squared row norms ``||e_v J||^2`` are recomputed at every refit from the top
-      ``norm_rank`` eigenpairs of ``J J^T`` (:func:`.secant.projected_norms`; exact ones cost |V|·d² flops, ~0.22 s
-      on this project's 2-core CPU for SmolLM2, ~50 ms so). They used to be exact every 4th refit and kept in
-      between: norms of an older ``J`` beside the new cross term ``E (J r)`` put the true token much lower (the second
-      random-id benchmark prompt at layers 9 and 12: in the top 16 after 27% / 30% of its later batches, 52% / 43%
-      with current norms);
-    * ``local_from`` - from this many verified pairs at a position (below ``fresh``) every later batch is half the
-      ranking of a fit on this position's pairs alone: where the pooled fit keeps missing (its ``J`` from the last
-      positions explains nothing of this one's states), the position's own data ranks the token near the top long
-      before ``fresh`` pairs (random-id prompts at layer 9: a position took 2,015 candidates, the first batch after
-      the local fit at 512 pairs; 487 from 64). Counts with 64 instead of none: benchmark random-id prompts at layer
-      9 133 / 226 -> 98 / 144 candidates per position, layer 12 49 / 173 -> 49 / 86; 4 fresh random-id prompts at
-      layer 6 195 -> 137, layer 24 186 -> 256 (per prompt 371 -> 790, 94 -> 98, 176 -> 82, 102 -> 54); 8 fresh
-      text prompts at layer 30 97 -> 68;
-    * ``reading`` - merge that order with the reading's (:mod:`.reading`: the token read from the position's own
-      observed state by a map learnt offline per layer and cached, or a reading network, :mod:`.reader`): alternately
-      at first, then each source weighted by its recent hit rate in this prompt (top ``4 * first``, each position
-      weighing half; :data:`SOURCE_FLOOR` at least), so that on random token ids, where the next-token prior misses,
-      the reading's ranks are not doubled by it;
-    * ``reread`` - a position's later batches also draw from the reading recentred on the candidates verified at
-      this position: what it reads from the observed state, less its mean error on their states (what it reads from
-      each minus its input vector; :meth:`_reread_scores`). At the last layers the reading's error is largely shared
-      by the tokens of one position: SmolLM2 layer 30, a held-out random-id prompt's positions that took 2,288 /
-      2,552 / 4,016 candidates had the token at reading ranks 2,978 / 342 / 307 and recentred ranks 81 / 11 / 101.
-      Each later batch is split between the secant ranking, this one and the proposal order by their records in the
-      prompt (:meth:`_stream_shares`: each one's first ranking at the positions that needed one; the best gets the
-      whole batch size, another ``2**-(its mean log2 rank - the best's)`` of it, at least :data:`STREAM_FLOOR`).
-      Same-run A/B on 7 benchmark and 7 held-out prompts (docs/history.md, sixth round): candidates per position at
-      layer 30 43.5 / 103.1 -> 41.4 / 37.8, layer 27 11.8 / 49.9 -> 6.3 / 20.0; layers 3-21 within +-0.9;
+      ``norm_rank`` eigenpairs of ``J J^T`` (:func:`.secant.projected_norms`);
+    * ``local_from`` - from this many verified pairs at a position (below ``fresh``), half of every later batch is
+      the ranking of a fit on this position's pairs alone;
+    * ``reading`` - merge the proposal's order with the reading's (:mod:`.reading`, :mod:`.reader`): alternately at
+      first, then each source weighted by its recent hit rate in this prompt (:data:`SOURCE_FLOOR` at least);
+    * ``reread`` - later batches also draw from the reading recentred on the candidates verified at this position
+      (:meth:`_reread_scores`); each later batch is split between the secant ranking, this one and the proposal
+      order by their records in the prompt (:meth:`_stream_shares`, :data:`STREAM_FLOOR` at least);
     * ``carried``, ``anchors`` - where the prior is not trusted, a position's first batch also holds the top
-      ``carried`` of the secant ranking with the offset carried over from the previous position (the mean of
-      ``h - e_v J`` over its verified pairs: no forward needed to estimate it), and only ``anchors`` random entries
-      instead of ``explore``, while that ranking's recent hit rate (top ``carried``, each position weighing half) is
-      at least ``CARRY`` (from 0: two hits in a row turn it on); below it the first batch is as without it, and the
-      ranking is still scored (one matrix-vector product) so that its rate can recover. SmolLM2 layer 15, the 7
-      benchmark prompts: random-id prompts 41 / 48 -> 23 / 24 forwards (a position took two forwards, the random batch
-      for the offset and the ranked one, now mostly one). At layer 30 it rarely hits; with a threshold of 0.5 its
-      occasional use there (fewer random anchors for the fits after a miss) cost a random-id prompt 1,051 -> 1,316
-      candidates per position; at 0.75 it stays off there.
+      ``carried`` of the secant ranking with the previous position's offset, and only ``anchors`` random entries
+      instead of ``explore``, while that ranking's recent hit rate is at least :data:`CARRY`.
 
     The whole ranking runs in float32 on the model's device whatever the model's precision (the fits in float64):
     a half-precision model only verifies candidates in its own dtype.

@@ -19,12 +19,10 @@ from .search import PromptSearch
 
 POSITIONS = 1 << 19  # candidate rows x prefix length per verification forward (bounds the copied keys and values)
 # positions after the confirmed one whose states a plain forward computes for the next positions' first guesses, where
-# it starts from kept keys (:mod:`lminvert.models.observed`; None: to the end). SmolLM2 bfloat16, layer 15, the 7
-# benchmark prompts, same run: median 1.63 / 1.38 / 1.25 / 1.36 s for all / 8 / 4 / 2 (forwards 208 / 210 / 212 / 226)
+# it starts from kept keys (:mod:`lminvert.models.observed`; None: to the end); measured: docs/history.md ("Constants")
 PLAIN_AHEAD: int | None = 4
-# candidates of a verification forward from which it is screened: SmolLM2 layer 30, this project's CPU, one forward of
-# 16 / 64 / 256 / 512 candidates in float32 50 / 103 / 311 / 592 ms, screened 25 / 43 / 105 / 210 ms
-# (benchmarks/bench_screen.py); the few verified in full then cost one small float32 forward (~25-50 ms)
+# candidates of a verification forward from which it is screened (below, a screened forward saves too little of a
+# float32 one to pay for the full forward of its picks; measured: benchmarks/bench_screen.py, docs/history.md)
 SCREEN_FROM = 64
 
 

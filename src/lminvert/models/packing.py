@@ -18,10 +18,7 @@ from .prefix import Prefix
 
 PACK = 64  # continuation tokens per packed row of a cached forward (:meth:`LayerProbe._continue`); 0: one row each
 # Packing pays where the copies it saves are large: from a prefix of PACK tokens and PACKED_FROM copied prefix positions
-# (continuation tokens x prefix length). SmolLM2, layer 15, this project's 2-core CPU, one forward of B one-token
-# continuations, packed / one row each: prefix 480, B = 1 / 8 / 32: 26.7 / 41.1 / 62.9 ms vs 25.5 / 45.8 / 134.1 ms;
-# prefix 160, B = 8 / 32: 39.4 / 60.4 vs 39.6 / 73.5 ms; prefix 19 (layer 30), B = 8 / 64 / 512: 105 / 159 / 811 vs
-# 93 / 155 / 814 ms (its mask makes every query attend to its packed row's other places, masked: no gain there).
+# (continuation tokens x prefix length); measured: docs/history.md ("Constants")
 PACKED_FROM = 2048
 PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask as the probe builds it
 
