@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import lminvert
 from lminvert.audit import audit, make_leak, parse_defence
-from lminvert.audit.attack import unpermute
+from lminvert.audit.attack import TieSort, unpermute
 from lminvert.errors import LminvertError
 from lminvert.invert.sources import parse_source
 from lminvert.models.kv import kv_block
@@ -70,6 +70,23 @@ def test_structural_defences_do_what_they_declare():
     p = parse_defence("project:8").matrix(32)
     assert torch.allclose(p @ p.T, torch.eye(8), atol=1e-5) and torch.allclose(projected.kept, projected.rows @ p)
     assert parse_defence("drop:0.99").apply(rows[:3], gen).rows[:, 0].isnan().sum() == 2  # never every position
+
+
+def test_a_permutation_undone_up_to_ties_compares_rows_through_the_tie_map():
+    """In bfloat16 a row's values repeat: matching sorted values cannot tell tied dimensions apart, so the undone rows
+    may differ from the true ones, but never through :class:`TieSort`, which sorts values within tied groups."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(50, 64, generator=gen).to(torch.bfloat16).float()
+    table[7, :16] = table[7, 16:32]  # token 7's row: 16 values twice
+    rows = torch.cat([table[7:8], torch.randn(5, 64, generator=gen)])  # position 0 is token 7's row
+    secret = torch.randperm(64, generator=gen)
+    undone, token = unpermute(rows[:, secret], table)
+    assert token == 7
+    tied = TieSort.of(rows[0, secret], table[7])
+    assert tied.size == 16 and torch.equal(tied(undone), tied(rows))
+    assert not torch.equal(undone, rows)  # tied dimensions were swapped: the map is what makes them comparable
+    assert TieSort.of(torch.arange(64.0), torch.arange(64.0)).size == 0  # nothing tied: the identity
+    assert torch.equal(TieSort(torch.arange(64.0))(rows), rows)
 
 
 def test_bad_defences_and_leaks_are_refused_in_one_line(tiny):

@@ -5,7 +5,8 @@
 * A secret permutation of the dimensions is undone first (:func:`unpermute`): position 0's row depends on the first
   token alone, so its sorted values match those of exactly one token's row in the first-position table; aligning the
   two sorted rows gives the permutation, which every other position shares ("Hidden No More", ICML 2025, matches
-  such permutation-invariant statistics).
+  such permutation-invariant statistics). Where position 0's values tie (frequent in bfloat16) the tied dimensions
+  cannot be told apart: the rows are then compared through :class:`TieSort`, which sorts values within such groups.
 * Anything else (a KV cache, a public projection, positions missing, noise, quantisation): :class:`.search.RowSearch`,
   the comparison made in the shipped rows' space with the defence's error model (``noise:S``, ``quant:B``). On noisy or
   quantised states it recovers more than the engine (SmolLM2 layer 15, ``quant:int8``, two 8-token prompts: 14 of 16
@@ -58,6 +59,35 @@ def unpermute(rows: torch.Tensor, table: torch.Tensor, ordered: torch.Tensor | N
     return out, token
 
 
+class TieSort:
+    """A public map (leak rows -> rows): within each group of dimensions whose values in ``reference`` lie within
+    ``tol`` of the next (ties, in bfloat16 frequent), the values sorted. A permutation undone from position 0
+    (:func:`unpermute`) cannot tell such dimensions apart (``tol``: how far the shipped row's sorted values lie from the
+    reference's), so the attack compares rows through this map, which no order within a group changes."""
+
+    def __init__(self, reference: torch.Tensor, tol: float = 0.0) -> None:
+        values, order = reference.float().sort()
+        starts = torch.cat([torch.ones(1, dtype=torch.bool), values.diff() > tol])
+        self.group = torch.empty_like(order)
+        self.group[order] = starts.cumsum(0) - 1  # [D] a group id per dimension
+        self.slots = torch.argsort(self.group, stable=True)  # the dimensions, group by group
+        self.size = len(reference) - int(starts.sum())  # dimensions beyond one per group: 0 = nothing to sort
+
+    @classmethod
+    def of(cls, shipped_first: torch.Tensor, reference: torch.Tensor) -> TieSort:
+        """The map for a prompt whose shipped position-0 row ``shipped_first`` matched ``reference``."""
+        tol = float((shipped_first.float().sort().values - reference.float().sort().values).abs().max())
+        return cls(reference, 2 * tol)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float()
+        order = rows.argsort(dim=-1)  # by value, then (stably) by group: each group's values in ascending order
+        order = order.gather(-1, torch.argsort(self.group[order], dim=-1, stable=True))
+        out = torch.empty_like(rows)
+        out[..., self.slots] = rows.gather(-1, order)
+        return out
+
+
 class Attack:
     """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence)."""
 
@@ -90,14 +120,28 @@ class Attack:
         if self.leak.name == "last":
             return [self._last(s) for s in shipped]
         whole = all(not torch.isnan(s.rows).any() for s in shipped) and first.public is None
-        rows = [unpermute(s.rows, self.table, self.sorted_table)[0] if s.permuted else s.rows for s in shipped]
+        undone = [unpermute(s.rows, self.table, self.sorted_table) if s.permuted else (s.rows, None) for s in shipped]
+        rows = [r for r, _ in undone]
+        pairs = zip(undone, shipped, strict=True)
+        ties = [None if t is None else TieSort.of(s.rows[0], self.table[t]) for (_, t), s in pairs]
+        if any(t is not None and t.size for t in ties):  # each prompt through its own map (a search per prompt)
+            return [self._tied(r, s, t) for r, s, t in zip(rows, shipped, ties, strict=True)]
         if self.leak.name == "states" and whole and states is not None and first.source is None:
             return self._engine(rows, states)
+        return self._rows(rows, first)
+
+    def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort) -> Recovered:
+        """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`."""
+        return self._rows([tied(rows)], replace(shipped, public=tied), cache=False)[0]
+
+    def _rows(self, rows: list[torch.Tensor], first: Shipped, cache: bool = True) -> list[Recovered]:
+        """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
+        and error model; ``cache``: keep the map's calibration for the next call)."""
         public = first.public
         source = Float() if first.source is None else parse_source(first.source)
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
-        search = RowSearch(self.model, layer, self._rows_of(public), source, self._measure(public), table)
+        search = RowSearch(self.model, layer, self._rows_of(public), source, self._measure(public, cache), table)
         out = []
         for r in rows:
             found = search.run(r)
@@ -111,11 +155,14 @@ class Attack:
             return self.leak.rows_of
         return lambda states, t: public(self.leak.rows_of(states, t))
 
-    def _measure(self, public) -> Measured:
+    def _measure(self, public, cache: bool = True) -> Measured:
         key = public is not None
-        if key not in self._measured:
+        if key not in self._measured or not cache:
             capture = self.leak.capture if public is None else (lambda ids: public(self.leak.capture(ids)))
-            self._measured[key] = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
+            measured = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
+            if not cache:
+                return measured
+            self._measured[key] = measured
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:
