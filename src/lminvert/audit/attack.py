@@ -60,24 +60,20 @@ def unpermute(rows: torch.Tensor, table: torch.Tensor, ordered: torch.Tensor | N
 
 
 class TieSort:
-    """A public map (leak rows -> rows): within each group of dimensions whose values in ``reference`` lie within
-    ``tol`` of the next (ties, in bfloat16 frequent), the values sorted. A permutation undone from position 0
-    (:func:`unpermute`) cannot tell such dimensions apart (``tol``: how far the shipped row's sorted values lie from the
-    reference's), so the attack compares rows through this map, which no order within a group changes."""
+    """A public map (leak rows -> rows): within each group of dimensions whose values in ``reference`` are equal, the
+    values sorted. A permutation undone from position 0 (:func:`unpermute`) cannot tell tied dimensions apart (in
+    bfloat16 many of a row's values repeat), so the attack compares rows through this map, which no order within a
+    group changes. (Values that differ by less than the rounding between the shipped row and the table's could be
+    swapped too; they are not grouped: in float32 that grouping merged dozens of dimensions of position 0's large
+    values while the permutation was undone exactly.)"""
 
-    def __init__(self, reference: torch.Tensor, tol: float = 0.0) -> None:
+    def __init__(self, reference: torch.Tensor) -> None:
         values, order = reference.float().sort()
-        starts = torch.cat([torch.ones(1, dtype=torch.bool), values.diff() > tol])
+        starts = torch.cat([torch.ones(1, dtype=torch.bool), values.diff() > 0])
         self.group = torch.empty_like(order)
         self.group[order] = starts.cumsum(0) - 1  # [D] a group id per dimension
         self.slots = torch.argsort(self.group, stable=True)  # the dimensions, group by group
         self.size = len(reference) - int(starts.sum())  # dimensions beyond one per group: 0 = nothing to sort
-
-    @classmethod
-    def of(cls, shipped_first: torch.Tensor, reference: torch.Tensor) -> TieSort:
-        """The map for a prompt whose shipped position-0 row ``shipped_first`` matched ``reference``."""
-        tol = float((shipped_first.float().sort().values - reference.float().sort().values).abs().max())
-        return cls(reference, 2 * tol)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.float()
@@ -122,8 +118,7 @@ class Attack:
         whole = all(not torch.isnan(s.rows).any() for s in shipped) and first.public is None
         undone = [unpermute(s.rows, self.table, self.sorted_table) if s.permuted else (s.rows, None) for s in shipped]
         rows = [r for r, _ in undone]
-        pairs = zip(undone, shipped, strict=True)
-        ties = [None if t is None else TieSort.of(s.rows[0], self.table[t]) for (_, t), s in pairs]
+        ties = [None if t is None else TieSort(self.table[t]) for _, t in undone]
         if any(t is not None and t.size for t in ties):  # each prompt through its own map (a search per prompt)
             return [self._tied(r, s, t) for r, s, t in zip(rows, shipped, ties, strict=True)]
         if self.leak.name == "states" and whole and states is not None and first.source is None:
@@ -131,17 +126,19 @@ class Attack:
         return self._rows(rows, first)
 
     def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort) -> Recovered:
-        """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`."""
-        return self._rows([tied(rows)], replace(shipped, public=tied), cache=False)[0]
+        """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`, with the radii of
+        the rows themselves (sorting within groups moves no row further from another, and keeps each row's norm)."""
+        return self._rows([tied(rows)], replace(shipped, public=tied), self._measure(None))[0]
 
-    def _rows(self, rows: list[torch.Tensor], first: Shipped, cache: bool = True) -> list[Recovered]:
+    def _rows(self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None) -> list[Recovered]:
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
-        and error model; ``cache``: keep the map's calibration for the next call)."""
+        and error model; ``measured``: its radii, else measured through its map)."""
         public = first.public
         source = Float() if first.source is None else parse_source(first.source)
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
-        search = RowSearch(self.model, layer, self._rows_of(public), source, self._measure(public, cache), table)
+        measured = measured or self._measure(public)
+        search = RowSearch(self.model, layer, self._rows_of(public), source, measured, table)
         out = []
         for r in rows:
             found = search.run(r)
@@ -155,14 +152,11 @@ class Attack:
             return self.leak.rows_of
         return lambda states, t: public(self.leak.rows_of(states, t))
 
-    def _measure(self, public, cache: bool = True) -> Measured:
+    def _measure(self, public) -> Measured:
         key = public is not None
-        if key not in self._measured or not cache:
+        if key not in self._measured:
             capture = self.leak.capture if public is None else (lambda ids: public(self.leak.capture(ids)))
-            measured = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
-            if not cache:
-                return measured
-            self._measured[key] = measured
+            self._measured[key] = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:
