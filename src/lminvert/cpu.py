@@ -35,10 +35,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 def cpu_features() -> str:
     """The CPU's vector features that decide which kernels torch runs (and so the last bits of what they compute):
     torch's dispatch level and the half-precision units ``/proc/cpuinfo`` reports, e.g. ``AVX512 avx2 amx_bf16``."""
-    level = torch.backends.cpu.get_cpu_capability()
-    return " ".join([level, *(f for f in CPU_FLAGS if f in cpu_flags())])
+    flags = cpu_flags()
+    return " ".join([torch.backends.cpu.get_cpu_capability(), *(f for f in CPU_FLAGS if f in flags)])
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The flags ``/proc/cpuinfo`` reports for the first processor (none where there is no such file)."""
     return frozenset(_cpuinfo().get("flags", "").split())

@@ -142,8 +142,7 @@ def run_experiment(
     if not rows:
         raise LminvertError(f"experiment {experiment.name} produced no rows (is the size too small?)")
     infos.update({name: m.describe() for name, m in loaded.items()})
-    doc = _document(experiment, ctx, kind, config, overrides, rows, unit_seconds, resumed, infos)
-    doc["seconds"] = time.perf_counter() - start
+    doc = _document(experiment, ctx, kind, config, overrides, rows, unit_seconds, resumed, infos, start)
     run.write_results(doc)
     log.info("%s: %d units (%d resumed) in %.1f s -> %s", experiment.name, len(units), resumed, doc["seconds"], out)
     return doc
@@ -187,9 +186,12 @@ def _document(
     unit_seconds: dict[str, float],
     resumed: int,
     infos: dict[str, dict[str, Any]],
+    start: float,
 ) -> dict[str, Any]:
-    """The results document: the run's identity, its rows, their summary, and what ran them."""
+    """The results document: the run's identity, its rows, their summary, and what ran them (``start``: when the
+    run began, on ``time.perf_counter``)."""
     main = infos.get(ctx.models[0], {}) if ctx.models else {}
+    summary = asdict(experiment.summarise(ctx, rows))
     return {
         "kind": kind,
         "experiment": experiment.name,
@@ -198,12 +200,12 @@ def _document(
         "config": config,
         "full_duration": experiment.full_duration,
         "overrides": {k: v for k, v in (overrides or {}).items() if v is not None},
-        "seconds": 0.0,
+        "seconds": time.perf_counter() - start,
         "units_seconds": unit_seconds,
         "units_resumed": resumed,
         "compute_seconds": sum(unit_seconds.values()),
         **run_metadata(main, ctx.seed),  # with the versions
         "models_info": infos,
-        "summary": asdict(experiment.summarise(ctx, rows)),
+        "summary": summary,
         "rows": rows,
     }

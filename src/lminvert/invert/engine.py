@@ -74,6 +74,11 @@ class InvertConfig:
     batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
     screen: bool | None = None  # screen large batches with bfloat16 GEMMs (speed only); None: where it pays
 
+    @property
+    def exhaustive(self) -> bool:
+        """Whether every position verifies the whole vocabulary (brute force, or ``certify``)."""
+        return self.method == "bruteforce" or self.certify
+
 
 def _bound_source(model: LoadedModel, layer: Layer, source: ErrorModel) -> ErrorModel:
     """``source`` with this model's measured foreign disagreements where its bound needs them (cached)."""
@@ -83,7 +88,7 @@ def _bound_source(model: LoadedModel, layer: Layer, source: ErrorModel) -> Error
 
 
 def _make_policy(config: InvertConfig) -> Policy:
-    if config.method == "bruteforce" or config.certify:
+    if config.exhaustive:
         return SweepPolicy()
     return POLICIES[config.policy]()
 
@@ -128,7 +133,8 @@ def invert_prompts(
     layer = probe.layer(layer)
     device = probe.device
     policies = list(policies) if policies is not None else [_make_policy(config) for _ in states]
-    settings, reading = _settings(model, layer, config, policies, len(states), ties)
+    wants_prior = not config.exhaustive and any(policy.uses_next_tokens for policy in policies)
+    settings, reading = _settings(model, layer, config, policies, len(states), ties, wants_prior)
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)
     searches = [
@@ -142,7 +148,7 @@ def invert_prompts(
         for s, policy, c in zip(states, policies, clean, strict=True)
     ]
     prior, prior_share = None, 0.0
-    if not settings.exhaustive and any(policy.uses_next_tokens for policy in policies):
+    if wants_prior:
         start_prior = time.perf_counter()
         prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
@@ -163,11 +169,13 @@ def _settings(
     policies: list[Policy],
     count: int,
     ties: dict[int, tuple[int, ...]] | None,
+    wants_prior: bool,
 ) -> tuple[Settings, Reading | None]:
     """The searches' shared settings (tables, radii, budget, error model; built or read once per model and layer),
-    the reading network where one serves, and each policy prepared for the model and layer."""
+    the reading network where one serves (``wants_prior``: a policy ranks by the next-token prior), and each policy
+    prepared for the model and layer."""
     probe = model.probe
-    exhaustive = config.method == "bruteforce" or config.certify
+    exhaustive = config.exhaustive
     vocab = probe.vocab_size
     table = None
     if config.first_table and policies[0].uses_first_table and not exhaustive:
@@ -175,7 +183,6 @@ def _settings(
     calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
     if not exhaustive and (probe.can_screen if config.screen is None else config.screen):
         calibration = replace(calibration, screen=screen_calibration(model, layer))
-    wants_prior = not exhaustive and any(policy.uses_next_tokens for policy in policies)
     reading = None
     if wants_prior and any(p.uses_reading for p in policies):  # the reading network where one was trained
         reading = reading_for(model, layer)

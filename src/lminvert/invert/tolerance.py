@@ -47,7 +47,7 @@ from .tables import cached
 SAFETY = 4.0
 KIND = "calibration4"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
 # verification's own keys and values, as the engine grows them; 3: chains of several positions measured too; 4: the
-# continuations packed side by side over the shared prefix, LayerProbe._continue)
+# continuations packed side by side over the shared prefix, prefix.continue_prefix)
 CHAIN = 4  # positions per chain measured (the engine's speculative verification, :mod:`.speculation`)
 FLOOR = float(torch.finfo(torch.float32).eps)
 

@@ -16,7 +16,7 @@ import torch
 from .hf_internals import attn_implementation
 from .prefix import Prefix
 
-PACK = 64  # continuation tokens per packed row of a cached forward (:meth:`LayerProbe._continue`); 0: one row each
+PACK = 64  # continuation tokens per packed row of a cached forward (:func:`.prefix.continue_prefix`); 0: one row each
 # Packing pays where the copies it saves are large: from a prefix of PACK tokens and PACKED_FROM copied prefix positions
 # (continuation tokens x prefix length); measured: docs/history.md ("Constants")
 PACKED_FROM = 2048
@@ -25,7 +25,7 @@ PACKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a cu
 
 @dataclass(frozen=True)
 class _Packing:
-    """Continuations packed side by side into rows of a cached forward (:meth:`LayerProbe._continue`): row ``i``
+    """Continuations packed side by side into rows of a cached forward (:func:`.prefix.continue_prefix`): row ``i``
     continues prefix row ``rows[i]`` with up to ``width`` tokens of continuations, each a block that attends to the
     prefix and to its own earlier tokens only. Unused places hold a zero input that attends to the prefix and itself
     (no attention row is empty; its state is never read). ``flat[b, j]`` is where token ``j`` of continuation ``b``
@@ -133,7 +133,7 @@ def packing_for(
     if lengths is None and probe.packed_from > 0 and (prefix.length < probe.pack or copied < probe.packed_from):
         return None
     width = max(probe.pack, tokens)
-    attention = probe._attention_to_pack(prefix, width)
+    attention = attention_to_pack(probe, prefix, width)
     if attention is None:
         return None
     owners = [0] * batch if rows is None else rows.tolist()

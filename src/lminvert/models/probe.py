@@ -33,7 +33,6 @@ from . import hooks, packing, vocabulary
 from . import prefix as prefix_cache
 from .discovery import _find_blocks, _find_final_norm, check_mapping, has_hooks
 from .halfmath import HalfAsFloat32, LinearMath, all_linear_plain, half_is_slow, native_bfloat16
-from .hf_internals import Cache
 from .layers import Layer, LayerSpec, parse_layers
 from .observed import ObservedForward, PlainKeys, PlainRows
 from .packing import PACK, PACKED_FROM, _Packing
@@ -243,15 +242,6 @@ class LayerProbe:
         grown, states = self.advance_rows(prefix, [token_id])
         return grown, states[0]
 
-    @staticmethod
-    def _grown_rows(prefix: Prefix, token_ids: Sequence[int]) -> list[list[int]]:
-        """The prefix's rows, each grown by its token (one per row)."""
-        return prefix_cache.grown_rows(prefix, token_ids)
-
-    def _cache_of(self, prefix: Prefix) -> Cache:
-        """The prefix's cache, or a new empty one for an empty prefix."""
-        return prefix_cache.cache_of(self, prefix)
-
     def advance_rows(self, prefix: Prefix, token_ids: Sequence[int]) -> tuple[Prefix, torch.Tensor]:
         """Every row grows by its token (one forward, the cache is taken over); returns the new tokens' states
         ``[N, d]`` after block ``top_block``."""
@@ -321,7 +311,7 @@ class LayerProbe:
             self.check_ids(token_ids)
             embeds = self.embed(token_ids.reshape(-1))
         assert embeds is not None
-        out, new = self._continue(prefix, embeds[:, None, :], layers, rows, keys)
+        out, new = prefix_cache.continue_prefix(self, prefix, embeds[:, None, :], layers, rows, keys)
         out = {layer: state[:, 0, :] for layer, state in out.items()}
         if keys:
             return out[prefix.layer], new
@@ -353,25 +343,12 @@ class LayerProbe:
         self.check_ids(token_ids)
         embeds = self.embed(token_ids.reshape(-1)).reshape(*token_ids.shape, -1)
         with torch.no_grad():
-            out, new = self._continue(prefix, embeds, None, rows, keys=True, lengths=lengths)
+            out, new = prefix_cache.continue_prefix(self, prefix, embeds, None, rows, keys=True, lengths=lengths)
         return out[prefix.layer], new
 
     def packs_chains(self, prefix: Prefix) -> bool:
         """Whether chains of different lengths over ``prefix`` run packed (their own tokens only; :meth:`chains`)."""
-        return self._attention_to_pack(prefix, self.pack) is not None
-
-    def _continue(
-        self,
-        prefix: Prefix,
-        embeds: torch.Tensor,
-        layers: Sequence[LayerSpec] | None,
-        rows: torch.Tensor | None,
-        keys: bool,
-        lengths: Sequence[int] | None = None,
-    ) -> tuple[dict[Layer, torch.Tensor], NewKeys | None]:
-        """States of input vectors ``embeds`` ``[B, K, d]`` appended to the cached prefix, and with ``keys`` their keys
-        and values: the shared forward of :meth:`continuation` and :meth:`chains` (:func:`.prefix.continue_prefix`)."""
-        return prefix_cache.continue_prefix(self, prefix, embeds, layers, rows, keys, lengths)
+        return packing.attention_to_pack(self, prefix, self.pack) is not None
 
     def _packing(
         self,
@@ -382,10 +359,5 @@ class LayerProbe:
         lengths: Sequence[int] | None = None,
     ) -> _Packing | None:
         """How continuations over a cached prefix are packed into rows, or None: one row each
-        (:func:`.packing.packing_for`)."""
+        (:func:`.packing.packing_for`; the prefix cache asks through the probe: packing imports its type)."""
         return packing.packing_for(self, prefix, batch, tokens, rows, lengths)
-
-    def _attention_to_pack(self, prefix: Prefix, width: int) -> str | None:
-        """The attention implementation that takes packed rows of ``width`` tokens over ``prefix``, or None
-        (:func:`.packing.attention_to_pack`)."""
-        return packing.attention_to_pack(self, prefix, width)
