@@ -39,6 +39,7 @@ test:
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
 
 # Reading networks for the default model at every 3rd layer (inversion uses each where it is cached): minutes per
 # layer on a 2-core CPU, ~3x less where its bfloat16 products are native (docs/results.md); layers already cached are

@@ -1,4 +1,5 @@
-"""The guarantees the code's shape gives: one layer resolver, independent models, safe caches, outputs checked first."""
+"""The guarantees the code's shape gives: stages that import one way, one layer resolver, independent models, safe
+caches, outputs checked first."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import grimp
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,6 +19,23 @@ import lminvert
 from lminvert.errors import LminvertError
 from lminvert.models import Layer, parse_layers
 from lminvert.paths import atomic_dir, atomic_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_stages_import_one_way():
+    """The layers of docs/architecture.md, as the import-linter contract in pyproject.toml states them."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout
+
+
+def test_no_module_imports_the_package_root():
+    """The root imports every stage: a module that imports it imports them all."""
+    graph = grimp.build_graph("lminvert")
+    modules = sorted(m for m in graph.modules if m != "lminvert")
+    assert [m for m in modules if "lminvert" in graph.find_modules_directly_imported_by(m)] == []
 
 
 def test_layer_specs_resolve_in_one_place():

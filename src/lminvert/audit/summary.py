@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from ..experiments.base import Context, FigureSpec, Row, Series, Summary, Table, fmt, group
+from ..experiments.base import Context, FigureSpec, Row, Series, Summary, Table, group
+from ..report.text import fmt
 
 LEAK_TITLES = {
     "states": "every position's state (split inference, activation logs)",

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from ..models import LoadedModel
 
 Row = dict[str, Any]
+THRESHOLD = 1e-6  # the paper's collision threshold (L2)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,21 @@ class FigureSpec:
     hline: float | None = None
     hline_label: str = ""
     path: str | None = None
+
+
+def minima_figure(name: str, caption: str, title: str, xlabel: str, series: Sequence[Series]) -> FigureSpec:
+    """Minimum pairwise distances against ``xlabel`` (log scale) with the paper's collision threshold drawn."""
+    return FigureSpec(
+        name,
+        caption,
+        title=title,
+        xlabel=xlabel,
+        ylabel="minimum L2 distance",
+        series=series,
+        logy=True,
+        hline=THRESHOLD,
+        hline_label="collision threshold 1e-6",
+    )
 
 
 @dataclass(frozen=True)
@@ -139,29 +155,6 @@ def rate_se(hits: int, n: int) -> tuple[float, float]:
         return math.nan, math.nan
     p = hits / n
     return p, math.sqrt(p * (1 - p) / n)
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    """A table cell: numbers to ``digits`` significant figures, None/NaN as a dash."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        if math.isinf(value):
-            return "inf"
-        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
-            return f"{value:.{digits - 1}e}"
-        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:,.{max(digits - len(str(int(abs(value)))), 0)}f}"
-    return str(value)
-
-
-def pm(mean: float, std: float, digits: int = 3) -> str:
-    return f"{fmt(mean, digits)} ± {fmt(std, digits)}"
 
 
 def group(rows: Sequence[Row], *keys: str) -> dict[tuple, list[Row]]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lminvert
-from lminvert.collisions import prefixes_from_collisions
-
-from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group
+from ..collisions import exhaustive_test, find_collisions, prefixes_from_collisions
+from ..report import render
+from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group, minima_figure
 
 PAPER_MINIMA = [  # minimum distance at layer 1 / L/2 / L over ~5e9 pairs
     ("Llama-3.1-8B", 0.001, 0.129, 0.620),
@@ -60,7 +59,7 @@ class Layers(Experiment):
         s, model_name = ctx.size, unit.params["model"]
         model = ctx.load(model_name)
         collisions_dir = ctx.directory / f"{model_name}-collisions"
-        results = lminvert.find_collisions(
+        results = find_collisions(
             model,
             corpus=s["corpus"],
             n_prompts=s["n_prompts"],
@@ -71,7 +70,7 @@ class Layers(Experiment):
             progress=False,
         )  # resumes (nothing recomputed) when the exhaustive unit needs it again
         if unit.params["step"] == "collisions":
-            lminvert.render(results)
+            render(results)
             return [
                 {
                     "model": model_name,
@@ -86,7 +85,7 @@ class Layers(Experiment):
                 for name, r in results.layers.items()
             ]
         prefixes = prefixes_from_collisions(collisions_dir, s["exhaustive_prefixes"])
-        exhaustive = lminvert.exhaustive_test(
+        exhaustive = exhaustive_test(
             model,
             prefixes,
             layers=s["exhaustive_layers"],
@@ -94,7 +93,7 @@ class Layers(Experiment):
             seed=ctx.seed,
             progress=False,
         )
-        lminvert.render(exhaustive)
+        render(exhaustive)
         return [
             {
                 "model": model_name,
@@ -139,16 +138,12 @@ class Layers(Experiment):
             )
         )
         figures.append(
-            FigureSpec(
+            minima_figure(
                 "layer_minima",
                 "Minimum pairwise distance per layer (log scale): look at whether it grows with depth as in the paper.",
                 title="Minimum distance against depth",
                 xlabel="layer",
-                ylabel="minimum L2 distance",
                 series=series,
-                logy=True,
-                hline=1e-6,
-                hline_label="collision threshold 1e-6",
             )
         )
         return Summary(tables, figures)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lminvert
-
+from ..forward import encode
+from ..invert import InversionResult, invert
+from ..models import Layer, LoadedModel
 from .base import Row
 
 
@@ -20,7 +21,7 @@ def score(truth: Sequence[int], found: Sequence[int], uncertain: Sequence[int] =
     }
 
 
-def result_row(ids: Sequence[int], r: lminvert.InversionResult) -> Row:
+def result_row(ids: Sequence[int], r: InversionResult) -> Row:
     """One inverted prompt as a row: its score against ``ids``, time, candidates and time split."""
     split = r.time_split
     return {
@@ -41,9 +42,9 @@ def result_row(ids: Sequence[int], r: lminvert.InversionResult) -> Row:
 
 
 def inversion_row(
-    model: lminvert.LoadedModel,
+    model: LoadedModel,
     ids: Sequence[int],
-    layer: lminvert.Layer | int | str,
+    layer: Layer | int | str,
     *,
     method: str = "sipit",
     policy: str = "linear",
@@ -53,10 +54,8 @@ def inversion_row(
 ) -> Row:
     """Encode ``ids`` at ``layer``, invert them, and score the result against ``ids``."""
     layer = model.probe.layer(layer)
-    states = lminvert.encode(model, [list(ids)], layer)
-    (r,) = lminvert.invert(
-        model, states, method=method, policy=policy, noise=noise, seed=seed, max_candidates=max_candidates
-    )
+    states = encode(model, [list(ids)], layer)
+    (r,) = invert(model, states, method=method, policy=policy, noise=noise, seed=seed, max_candidates=max_candidates)
     row = result_row(ids, r)
     if noise > 0:
         row["positions"] = [

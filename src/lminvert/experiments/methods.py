@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-import lminvert
-from lminvert.invert.baseline import sequential_baseline
-from lminvert.invert.hardprompts import hard_prompts
-
-from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group, mean_std, pm, rate_se
+from ..forward import encode
+from ..invert.baseline import sequential_baseline
+from ..invert.hardprompts import hard_prompts
+from ..models import LoadedModel
+from ..report.text import pm
+from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group, mean_std, rate_se
 from .measure import inversion_row, score
 from .prompts import evaluation_prompts
 
@@ -21,7 +22,7 @@ PAPER_ROWS = [  # GPT-2 small, 20-token prompts, one GPU (the paper's table)
 ]
 
 
-def natural_prompts(ctx: Context, model: lminvert.LoadedModel, n: int, length: int) -> list[tuple[str, list[int]]]:
+def natural_prompts(ctx: Context, model: LoadedModel, n: int, length: int) -> list[tuple[str, list[int]]]:
     """``n`` prompts of ``length`` tokens alternating prose and code (the same for every method)."""
     key = ("natural", model.name, n, length)
     prompts = ctx.once(key, lambda: evaluation_prompts(model, (n + 1) // 2, length, ctx.seed, kinds=("prose", "code")))
@@ -93,7 +94,7 @@ class Methods(Experiment):
             row.update(inversion_row(model, ids[:k], layer, method="bruteforce", seed=ctx.seed))
             row.update(positions_measured=k, seconds_measured=row["seconds"], seconds=row["seconds"] * len(ids) / k)
         elif method == "baseline":
-            states = lminvert.encode(model, [ids], layer)
+            states = encode(model, [ids], layer)
             b = sequential_baseline(model, states.states[0], layer, time_limit=s["baseline_seconds"])
             row.update(score(ids, b.token_ids, [i for i, v in enumerate(b.verdicts) if v == "uncertain"]))
             row.update(
@@ -106,7 +107,7 @@ class Methods(Experiment):
                 positions_done=len(b.candidates_checked),
             )
         else:
-            states = lminvert.encode(model, [ids], layer)
+            states = encode(model, [ids], layer)
             h = hard_prompts(model, states.states[0], layer, steps=s["hardprompts_steps"], seed=ctx.seed)
             row.update(score(ids, h.token_ids, range(len(ids))))  # no position is ever certified
             row.update(seconds=h.seconds, steps=h.steps, best_loss=h.best_loss, complete=True, uncertain=len(ids))

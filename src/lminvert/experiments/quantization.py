@@ -9,10 +9,12 @@ from collections.abc import Sequence
 
 import torch
 
-import lminvert
-from lminvert.errors import LminvertError
-from lminvert.models.quantize import SCHEMES, library_version, quantize, quantized_layers
-
+from ..collisions import find_collisions
+from ..errors import LminvertError
+from ..forward import encode
+from ..invert import invert
+from ..models import LoadedModel
+from ..models.quantize import SCHEMES, library_version, quantize, quantized_layers
 from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group
 from .inversion import inversion_cells, inversion_columns
 from .measure import result_row
@@ -45,13 +47,13 @@ INT8_NOTE = (
 )
 
 
-def quantized_model(ctx: Context, name: str, scheme: str) -> lminvert.LoadedModel:
+def quantized_model(ctx: Context, name: str, scheme: str) -> LoadedModel:
     """``name`` quantised with ``scheme`` (the float model itself for ``float32``), made once per run."""
     base = ctx.load(name)
     if scheme == FLOAT:
         return base
 
-    def make() -> lminvert.LoadedModel:
+    def make() -> LoadedModel:
         began = time.perf_counter()
         model = quantize(base, scheme)
         ctx.memo[("quantize_seconds", name, scheme)] = time.perf_counter() - began
@@ -60,7 +62,7 @@ def quantized_model(ctx: Context, name: str, scheme: str) -> lminvert.LoadedMode
     return ctx.once(("quantized", name, scheme), make)
 
 
-def _prompts(ctx: Context, model: lminvert.LoadedModel) -> list:
+def _prompts(ctx: Context, model: LoadedModel) -> list:
     s = ctx.size
     key = ("prompts", model.name, tuple(s["kinds"]), s["per_kind"], s["length"])
     return ctx.once(key, lambda: evaluation_prompts(model, s["per_kind"], s["length"], ctx.seed, kinds=s["kinds"]))
@@ -142,9 +144,9 @@ class Quantization(Experiment):
             return [{**base, "test": "inversion", **self._invert(ctx, name, model, unit.params["i"])}]
         return [{**base, "test": "collisions", **row} for row in self._collisions(ctx, name, scheme, model)]
 
-    def _collisions(self, ctx: Context, name: str, scheme: str, model: lminvert.LoadedModel) -> list[Row]:
+    def _collisions(self, ctx: Context, name: str, scheme: str, model: LoadedModel) -> list[Row]:
         s = ctx.size
-        results = lminvert.find_collisions(
+        results = find_collisions(
             model,
             corpus=s["corpus"],
             n_prompts=s["n_prompts"],
@@ -167,14 +169,14 @@ class Quantization(Experiment):
             for layer, r in results.layers.items()
         ]
 
-    def _invert(self, ctx: Context, name: str, model: lminvert.LoadedModel, i: int) -> Row:
+    def _invert(self, ctx: Context, name: str, model: LoadedModel, i: int) -> Row:
         s = ctx.size
         prompt = _prompts(ctx, ctx.load(name))[i]
         ids = list(prompt.ids)
         layer = model.probe.layer(s["layer"])
-        states = lminvert.encode(model, [ids], layer)
-        reference = lminvert.encode(ctx.load(name), [ids], layer).states[0].double()
-        (r,) = lminvert.invert(
+        states = encode(model, [ids], layer)
+        reference = encode(ctx.load(name), [ids], layer).states[0].double()
+        (r,) = invert(
             model,
             states,
             seed=ctx.seed,

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import lminvert
-
+from ..models import LoadedModel
 from .base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group
 from .inversion import inversion_cells, inversion_columns
 from .measure import inversion_row
@@ -27,14 +26,14 @@ RANDOM_SHAPE = {
 }
 
 
-def random_llama(vocab: int, seed: int) -> lminvert.LoadedModel:
+def random_llama(vocab: int, seed: int) -> LoadedModel:
     """A randomly initialised Llama-architecture model of the shape above with ``vocab`` tokens (no tokenizer)."""
     config = AutoConfig.for_model("llama", vocab_size=vocab, **RANDOM_SHAPE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.requires_grad_(False)
-    return lminvert.LoadedModel.wrap(f"random-llama-v{vocab}", model, tokenizer=None)
+    return LoadedModel.wrap(f"random-llama-v{vocab}", model, tokenizer=None)
 
 
 class Vocabulary(Experiment):

@@ -17,12 +17,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-import lminvert
-from lminvert.forward import last_token_states, prompt_states
-from lminvert.invert.results import InversionResult
-from lminvert.models.ties import representatives, same_input, tied_token_groups
-
-from ..experiments.base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, fmt, group
+from ..collisions import pairwise_min
+from ..errors import LminvertError
+from ..experiments.base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group
+from ..forward import encode, last_token_states, prompt_states
+from ..invert import invert
+from ..invert.results import InversionResult
+from ..models import LoadedModel
+from ..models.ties import representatives, same_input, tied_token_groups
+from ..report.text import fmt
 from . import constructions as C
 from .common import THRESHOLD, corpus_ids, random_model, tokenizer
 
@@ -84,11 +87,11 @@ class Break(Experiment):
     def units(self, ctx: Context) -> list[Unit]:
         unknown = set(ctx.size["constructions"]) - set(CONSTRUCTIONS)
         if unknown:
-            raise lminvert.LminvertError(f"unknown constructions {sorted(unknown)}: use {', '.join(CONSTRUCTIONS)}")
+            raise LminvertError(f"unknown constructions {sorted(unknown)}: use {', '.join(CONSTRUCTIONS)}")
         return [Unit(name, CONSTRUCTIONS[name][3], {"construction": name}) for name in ctx.size["constructions"]]
 
     # ------------------------------------------------------------------ models and prompts
-    def _model(self, ctx: Context, name: str) -> lminvert.LoadedModel:
+    def _model(self, ctx: Context, name: str) -> LoadedModel:
         s = ctx.size
         arch, edit, _, _ = CONSTRUCTIONS[name]
         if name == "tied-rows" and s["tied_model"] != "planted":
@@ -99,14 +102,14 @@ class Break(Experiment):
             C.tie_rows(net, source, (source + len(tokenizer(ctx)) // 2) % len(tokenizer(ctx)))
         elif isinstance(edit, int):  # static ranges: the largest |activation| of each block on the corpus prompts
             calibration = corpus_ids(ctx, s["base_prompts"], s["tokens"], ctx.seed)[:64]
-            plain = lminvert.LoadedModel.wrap("calibration", net)
+            plain = LoadedModel.wrap("calibration", net)
             layers = range(1, s["layers"] + 1)
             states = prompt_states(plain, calibration, list(layers), progress=False)
             clips = [max(float(p[layer].abs().max()) for p in states) for layer in plain.probe.layers(list(layers))]
             C.quantise_activations(net, edit, clips)
         elif edit is not None:
             edit(net)
-        return lminvert.LoadedModel.wrap(f"{name}@{ctx.seed}", net, tokenizer(ctx))
+        return LoadedModel.wrap(f"{name}@{ctx.seed}", net, tokenizer(ctx))
 
     def _prompts(
         self, ctx: Context, groups: Sequence[Sequence[int]], tied_only: bool = False
@@ -156,7 +159,7 @@ class Break(Experiment):
         rows: list[Row] = []
         pick: list[list[int]] = []
         for layer, x in last_token_states(model, prompts, [1, top]).items():
-            result = lminvert.pairwise_min(np.ascontiguousarray(x), k=3, threshold=THRESHOLD)
+            result = pairwise_min(np.ascontiguousarray(x), k=3, threshold=THRESHOLD)
             below = result.below_threshold
             tied = [p for p in below if same_input(prompts[p.i], prompts[p.j], rep)]
             distinct = [p for p in below if not same_input(prompts[p.i], prompts[p.j], rep)]
@@ -186,9 +189,9 @@ class Break(Experiment):
             if not chosen:
                 continue
             start = time.perf_counter()
-            states = lminvert.encode(model, chosen, at)
+            states = encode(model, chosen, at)
             # hooked models share their weights hash with the plain model: keep them off the cached tables
-            results = lminvert.invert(model, states, method=method, first_table=name not in HOOKED)
+            results = invert(model, states, method=method, first_table=name not in HOOKED)
             seconds = (time.perf_counter() - start) / len(chosen)
             rows += [
                 _invert_row(common, method, at, truth, r, rep, seconds)

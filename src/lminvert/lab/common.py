@@ -10,13 +10,11 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-import lminvert
-from lminvert.corpora import sample_prompts
-from lminvert.forward import last_token_states
-
-from ..experiments.base import Context
-
-THRESHOLD = 1e-6  # the paper's collision threshold (L2)
+from ..collisions import pairwise_min
+from ..corpora import sample_prompts
+from ..experiments.base import THRESHOLD, Context
+from ..forward import last_token_states
+from ..models import LoadedModel, load_model
 
 
 def shape_config(arch: str, vocab: int, d: int, layers: int, heads: int = 4) -> dict[str, Any]:
@@ -54,7 +52,7 @@ def random_model(arch: str, seed: int, vocab: int, d: int, layers: int, **extra:
 
 def tokenizer(ctx: Context) -> object:
     """The SmolLM2 tokenizer (what every built-in model uses), loaded once per run."""
-    return ctx.once("tokenizer", lambda: lminvert.load_model("tiny-gpt2").tokenizer)
+    return ctx.once("tokenizer", lambda: load_model("tiny-gpt2").tokenizer)
 
 
 def corpus_ids(ctx: Context, n: int, max_tokens: int, seed: int, corpus: str = "mixed") -> list[list[int]]:
@@ -68,13 +66,13 @@ def corpus_ids(ctx: Context, n: int, max_tokens: int, seed: int, corpus: str = "
 
 
 def layer_minima(
-    model: lminvert.LoadedModel, ids: Sequence[Sequence[int]], layers: Sequence[int], k: int = 3
+    model: LoadedModel, ids: Sequence[Sequence[int]], layers: Sequence[int], k: int = 3
 ) -> dict[int, Mapping[str, Any]]:
     """Per layer: exact minimum distance between last-token states, pairs under the threshold, closest pairs."""
     states = last_token_states(model, ids, list(layers))
     out: dict[int, Mapping[str, Any]] = {}
     for layer, x in states.items():
-        result = lminvert.pairwise_min(np.ascontiguousarray(x), k=k, threshold=THRESHOLD)
+        result = pairwise_min(np.ascontiguousarray(x), k=k, threshold=THRESHOLD)
         out[int(layer)] = {
             "min_distance": float(result.min_distance),
             "below_threshold": int(result.n_below_threshold),

@@ -11,10 +11,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-import lminvert
-
-from ..experiments.base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, fmt, group, pm
-from .common import THRESHOLD, corpus_ids, layer_minima, random_model, tokenizer
+from ..experiments.base import Context, Experiment, Row, Series, Summary, Table, Unit, group, minima_figure
+from ..models import LoadedModel
+from ..report.text import fmt, pm
+from .common import corpus_ids, layer_minima, random_model, tokenizer
 
 
 class Init(Experiment):
@@ -55,7 +55,7 @@ class Init(Experiment):
         ids = corpus_ids(ctx, s["prompts"], s["max_tokens"], ctx.seed)
         vocab = len(tokenizer(ctx))
         net = random_model(arch, seed, vocab, s["hidden"], s["layers"])
-        model = lminvert.LoadedModel.wrap(f"random-{arch}@{seed}", net, tokenizer(ctx))
+        model = LoadedModel.wrap(f"random-{arch}@{seed}", net, tokenizer(ctx))
         minima = layer_minima(model, ids, range(1, s["layers"] + 1))
         return [
             {
@@ -97,17 +97,13 @@ class Init(Experiment):
             series.append(Series(f"{arch} (mean ± std over seeds)", xs, means, stds))
             series.append(Series(f"{arch} (smallest over seeds)", xs, lows))
         table = _minima_table(ctx, rows[0], table_rows)
-        figure = FigureSpec(
+        figure = minima_figure(
             "init_minima",
             "Minimum pairwise distance per layer at random initialisation, mean ± std over seeds and the smallest "
             "seed: every seed stays orders of magnitude above the collision threshold.",
             title="Injectivity at initialisation",
             xlabel="layer (block output)",
-            ylabel="minimum L2 distance",
             series=series,
-            logy=True,
-            hline=THRESHOLD,
-            hline_label="collision threshold 1e-6",
         )
         collided = sum(r["below_threshold"] for r in rows)
         notes = [f"Pairs under the threshold over all seeds and layers: {collided}."]

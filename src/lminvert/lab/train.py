@@ -22,11 +22,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-import lminvert
-from lminvert.corpora import sample_prompts
-
-from ..experiments.base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, fmt, group
-from .common import THRESHOLD, corpus_ids, layer_minima, random_model, tokenizer
+from ..corpora import sample_prompts
+from ..experiments.base import Context, Experiment, FigureSpec, Row, Series, Summary, Table, Unit, group, minima_figure
+from ..forward import encode
+from ..invert import invert
+from ..models import LoadedModel, load_model
+from ..report.text import fmt
+from .common import corpus_ids, layer_minima, random_model, tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,7 @@ class Train(Experiment):
     def _measure(self, ctx: Context, net, opt: str, step: int, losses: Sequence[float]) -> list[Row]:
         s = ctx.size
         ids = corpus_ids(ctx, s["eval_prompts"], s["eval_tokens"], ctx.seed + 1)
-        snapshot = lminvert.LoadedModel.wrap(f"train-{opt}@{step}", copy.deepcopy(net), tokenizer(ctx))
+        snapshot = LoadedModel.wrap(f"train-{opt}@{step}", copy.deepcopy(net), tokenizer(ctx))
         with torch.no_grad():
             held = torch.tensor(ids[:64], dtype=torch.long)
             eval_loss = float(snapshot.model(input_ids=held, labels=held).loss)
@@ -166,13 +168,13 @@ class Train(Experiment):
         path = self.model_dir(ctx, opt)
         net.save_pretrained(path)
         tokenizer(ctx).save_pretrained(path)
-        model = lminvert.load_model(str(path))  # as `--model DIR` loads it
+        model = load_model(str(path))  # as `--model DIR` loads it
         ids = corpus_ids(ctx, s["eval_prompts"], s["eval_tokens"], ctx.seed + 1)[: s["invert_prompts"]]
         rows = []
         for layer in s["invert_layers"]:
-            states = lminvert.encode(model, ids, layer)
+            states = encode(model, ids, layer)
             start = time.perf_counter()
-            results = lminvert.invert(model, states)
+            results = invert(model, states)
             seconds = time.perf_counter() - start
             for prompt, result in zip(ids, results, strict=True):
                 rows.append(
@@ -305,15 +307,11 @@ def _minima_figure(by_opt: dict[tuple, list[Row]]) -> FigureSpec:
             dist_series.append(
                 Series(f"{opt}, layer {layer}", [r["step"] for r in lr], [r["min_distance"] for r in lr])
             )
-    return FigureSpec(
+    return minima_figure(
         "train_minima",
         "Minimum pairwise distance of last-token states per layer through training: it moves, but stays "
         "far above the collision threshold.",
         title="Injectivity through training",
         xlabel="step",
-        ylabel="minimum L2 distance",
         series=dist_series,
-        logy=True,
-        hline=THRESHOLD,
-        hline_label="collision threshold 1e-6",
     )

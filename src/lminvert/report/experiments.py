@@ -9,11 +9,10 @@ from typing import Any
 
 from ..paths import atomic_file
 from .figures import plot_spec
+from .text import fmt
 
 
 def _cell(value: Any) -> str:
-    from ..experiments.base import fmt
-
     return fmt(value).replace("|", "\\|")
 
 
