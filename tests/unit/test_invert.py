@@ -338,8 +338,24 @@ def test_the_reading_map_reads_tokens_from_their_own_states():
 
 @pytest.mark.parametrize(
     "settings",
-    [{"norm_rank": 1}, {"norm_rank": 1000}, {"explore_max": 4096}, {"trusted": 1}, {"reread": False}],
-    ids=["norms-rank-one", "norms-exact", "random-samples-after-a-miss", "trusted-one", "no-recentred-reading"],
+    [
+        {"norm_rank": 1},
+        {"norm_rank": 1000},
+        {"explore_max": 4096},
+        {"trusted": 1},
+        {"reread": False},
+        {"local_from": 0, "carried": 0},
+        {"reading": False},
+    ],
+    ids=[
+        "norms-rank-one",
+        "norms-exact",
+        "random-samples-after-a-miss",
+        "trusted-one",
+        "no-recentred-reading",
+        "no-local-no-carried",
+        "no-reading-source",
+    ],
 )
 def test_ranking_settings_change_speed_never_the_answer(settings, monkeypatch):
     """Row norms of the secant ranking from one eigenpair or exact, random samples after a miss, a one-candidate first
@@ -423,7 +439,7 @@ def _reading_context(vocab: torch.Tensor, ids: list[int], target: int, position:
 def test_the_reading_recentred_on_the_verified_candidates_cancels_its_error():
     """A reading off by a constant vector at this position: its own ranking puts the token far down, the same reading
     less its mean error on the verified candidates puts it first; each candidate's state is read once."""
-    from lminvert.invert.policies import LinearPolicy
+    from lminvert.invert.rankers import RereadRanker
 
     gen = torch.Generator().manual_seed(4)
     vocab = torch.nn.functional.normalize(torch.randn(500, 8, generator=gen), dim=1)
@@ -435,15 +451,17 @@ def test_the_reading_recentred_on_the_verified_candidates_cancels_its_error():
         return inputs[:, :8] + bias
 
     true = 123
-    policy = LinearPolicy()
-    policy.begin_prompt(vocab[[7, true]])
-    policy._read, policy._vocab_sq = reading, vocab.square().sum(1)
-    raw = policy._vocab_sq - 2 * vocab @ (vocab[true] + bias)
+    ranker = RereadRanker()
+    ranker.begin_prompt(vocab[[7, true]], None)
+    ranker.reading, ranker.vocab_sq = reading, vocab.square().sum(1)
+    raw = ranker.vocab_sq - 2 * vocab @ (vocab[true] + bias)
     assert int((raw < raw[true]).sum()) > 10  # the reading alone misses
-    scores = policy._reread_scores(_reading_context(vocab, [3, 40, 41, 300], true))
+    scores = ranker.scores(_reading_context(vocab, [3, 40, 41, 300], true))
     assert int(scores.argmin()) == true
-    policy._reread_scores(_reading_context(vocab, [3, 40, 41, 300, 9, 10], true))
+    ranker.scores(_reading_context(vocab, [3, 40, 41, 300, 9, 10], true))
     assert reads == [2, 4, 2]  # the prompt's own states once, then only the new candidates
+    ranker.begin_position(_reading_context(vocab, [5], true))  # a new position: its own error
+    assert ranker.scores(_reading_context(vocab, [5], true)) is not None and reads == [2, 4, 2, 1]
 
 
 def test_a_ranking_that_keeps_missing_gets_a_smaller_part_of_later_batches():
@@ -459,11 +477,42 @@ def test_a_ranking_that_keeps_missing_gets_a_smaller_part_of_later_batches():
     far = -near  # ... last
     for t in range(1, 4):
         order = torch.tensor([9, 8, 7, 0, 5])  # the proposal's 4th
-        policy._first_scores = {"secant": far, "reading": near, "proposal": order}
+        policy._first_scores = {"secant": far, "reread": near, "proposal": order}
         policy.accepted(t, 0)
     shares = policy._stream_shares()
-    assert shares["reading"] == 1.0
+    assert shares["reread"] == 1.0
     assert shares["secant"] == STREAM_FLOOR
     assert shares["proposal"] == pytest.approx(2 ** (1 - math.log2(5)))
     policy.begin_prompt(torch.zeros(5, 4))  # a new prompt: no record
     assert policy._stream_shares() == dict.fromkeys(STREAMS, 1.0)
+
+
+def test_an_ablation_is_a_configuration_of_the_rankers():
+    """Each ranker is left out by its setting, and the policy mixes exactly the rankers it names."""
+    from lminvert.invert.linear import LinearPolicy, SecantPolicy
+    from lminvert.invert.rankers import RANKERS
+
+    assert list(LinearPolicy().rankers) == list(RANKERS)
+    assert list(LinearPolicy(local_from=0, carried=0, reread=False, reading=False).rankers) == ["secant", "next-token"]
+    assert list(SecantPolicy().rankers) == ["secant", "local", "carried", "reread"]
+
+
+def test_a_ranking_is_scores_or_an_order():
+    """Both kinds of ranking answer the same two questions: a token's place, and the best unseen candidates."""
+    from types import SimpleNamespace
+
+    from lminvert.invert.rankers import rank_of, top_unseen
+
+    scores = torch.tensor([3.0, -1.0, 2.0, 0.5, 9.0])
+    order = torch.tensor([4, 2, 0])
+    assert [rank_of(scores, i) for i in range(5)] == [3, 0, 2, 1, 4]
+    assert [rank_of(order, i) for i in (4, 2, 0, 1)] == [0, 1, 2, 6]  # a token the order lacks: twice its length
+    seen = torch.tensor([False, True, False, False, False])
+
+    def unseen(ranking, count):
+        ids = ranking[~seen[ranking]]
+        return ids[:count]
+
+    ctx = SimpleNamespace(checked=1, unseen=unseen)
+    assert top_unseen(ctx, scores, 2).tolist() == [3, 2]
+    assert top_unseen(ctx, order, 2).tolist() == [4, 2]

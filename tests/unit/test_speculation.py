@@ -148,3 +148,20 @@ def test_speculation_changes_speed_never_the_answer(monkeypatch, guesses, dtype)
         assert 0 < speculated < len(IDS) - len(IDS) // 6
     else:
         assert speculated == 0
+
+
+def test_no_chains_where_they_cannot_reproduce_the_observer():
+    """Chains on a CPU in every dtype and in float32 anywhere; not for a half-precision model on a GPU, whose kernels
+    round a chain's rows unlike the observer's forward (on an H100 a bfloat16 SmolLM2 prompt otherwise left every
+    position after the first chain uncertain)."""
+    from types import SimpleNamespace
+
+    from lminvert.invert.speculation import chains_reproduce
+
+    def probe(device, dtype):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype)
+
+    assert all(chains_reproduce(probe("cpu", d)) for d in (torch.float32, torch.bfloat16, torch.float16))
+    assert chains_reproduce(probe("cuda", torch.float32))
+    assert not chains_reproduce(probe("cuda", torch.bfloat16)) and not chains_reproduce(probe("cuda", torch.float16))
+    assert not chains_reproduce(probe("mps", torch.float16))

@@ -70,7 +70,8 @@ def invert(
     verification forward costs about the same for 1 or 1,024 candidates; see
     :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer. ``speculate``: verify the
     next positions' first guesses in the same forward as a position's first candidates
-    (:mod:`lminvert.invert.speculation`); speed only, never the answer. ``screen``: a float32 model's large candidate
+    (:mod:`lminvert.invert.speculation`; never for a half-precision model on a GPU, whose kernels round chains unlike
+    the observer's forward); speed only, never the answer. ``screen``: a float32 model's large candidate
     batches first run with bfloat16 GEMMs and only the candidates near the target are verified in float32, the rest
     before a position would be given up (:mod:`lminvert.invert.engine`); speed only, never the answer. ``None``
     (default): where it pays, a CPU with native bfloat16 GEMMs (:attr:`lminvert.models.LayerProbe.can_screen`).

@@ -37,7 +37,7 @@ from .reading import Reading
 from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
 from .sources import ErrorModel, Exact
-from .speculation import Speculator
+from .speculation import Speculator, chains_reproduce
 from .tables import first_position_table, squared_norms
 from .tolerance import calibrate, foreign_calibration, screen_calibration
 from .verification import search_position
@@ -70,7 +70,9 @@ class InvertConfig:
     source: ErrorModel = field(default_factory=Exact)
     seed: int = 0
     progress: bool = False
-    speculate: bool = True  # verify the next positions' first guesses in chains (:mod:`.speculation`; speed only)
+    # verify the next positions' first guesses in chains (:mod:`.speculation`; speed only), where chains reproduce the
+    # observer's rounding (:func:`.speculation.chains_reproduce`: not a half-precision model on a GPU)
+    speculate: bool = True
     batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
     screen: bool | None = None  # screen large batches with bfloat16 GEMMs (speed only); None: where it pays
 
@@ -152,7 +154,7 @@ def invert_prompts(
         start_prior = time.perf_counter()
         prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
-        if config.speculate:
+        if config.speculate and chains_reproduce(probe):
             for i, search in enumerate(searches):
                 search.speculator = Speculator(prior.firsts(i), settings.scale)
     for i, search in enumerate(searches):

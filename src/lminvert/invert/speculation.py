@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from ..models import NewKeys
+from ..models import LayerProbe, NewKeys
 
 MIN_RATE = 0.5  # no chains while the better source's running rate of right first guesses is below this
 TREE_RATE = 0.25  # ... in a tree, where a chain costs its own tokens only (SmolLM2 layer 15, 7 prompts: 137 -> 127
@@ -52,6 +52,15 @@ START = 0.25  # the running rates before the first position is decided (one righ
 TOKENS = 8  # chain tokens per prompt and forward (times the device's batch scale)
 
 Entry = tuple[int, torch.Tensor, "NewKeys | None"]  # a chain's (token, verified state, keys and values) at a position
+
+
+def chains_reproduce(probe: LayerProbe) -> bool:
+    """Whether chains and their deferred keys reproduce the observer's states as a verification does: on a CPU (its
+    kernels compute each row alone, whatever the forward's shape) or in float32 (the calibrated radii cover the rest).
+    A half-precision model on a GPU is neither: its GEMMs round a row differently in forwards of other shapes, and a
+    prefix grown from a chain then leaves the true token outside a bit-exact ball (docs/results.md, "On a GPU"). The
+    engine does not speculate there (speed only: the answer never depends on it)."""
+    return probe.device.type == "cpu" or probe.dtype == torch.float32
 
 
 class _Track:
