@@ -7,7 +7,7 @@ Each prompt of the evaluation set (prose, code, random ids, personal data; 20 to
 policy as it runs; at every position that reaches a ranked round (its first batch and any chain of first guesses
 missed), each ranker's ranking at that round (:meth:`LinearPolicy.rankings`: after the first batch was verified and
 the secant model refitted) is kept, and the recovered token's place in it is measured when the position is decided.
-Positions decided by their first batch or a chain are counted apart (``first``): they never need the rankers.
+Positions decided by their first batch or a chain are counted apart: they never needed the rankers.
 Prints per layer and ranker: the positions measured, the median and mean place (0: first; an order that does not
 hold the token within its depth, 2,048 for ``next-token``, ``reading`` and the merged ``proposal``, counts it at twice
 that), and the share within the top 16 and 64. A ranker added to :mod:`lminvert.invert.rankers` (listed in its

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..invert import acceptor
+from ..invert import acceptor, invert
 from ..invert.acceptor import Evidence, Radii
 from ..invert.sources import Exact, Float, parse_source
 from ..invert.tables import first_position_table
@@ -160,8 +160,6 @@ class Attack:
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:
-        from .. import invert  # the public API (the package imports this module's package lazily)
-
         given = replace(states, states=tuple(r.to(states.states[0].dtype) for r in rows))
         results = invert(self.model, given, source=Exact(), progress=False)
         out = []

@@ -38,23 +38,7 @@ class BaselineResult:
 def _layer_state(model: LoadedModel, embeds: torch.Tensor, layer: Layer) -> torch.Tensor:
     """State of the last position at ``layer`` from a full, uncached forward of the whole model (LM head
     included, as the reference code does); the layer is read with a hook so its semantics match the probe."""
-    probe = model.probe
-    captured: list[torch.Tensor] = []
-    if layer.is_final:
-        handle = probe.final_norm.register_forward_hook(lambda m, args, out: captured.append(out))
-    elif layer == 0:
-        handle = probe.blocks[0].register_forward_pre_hook(
-            lambda m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True
-        )
-    else:
-        handle = probe.blocks[layer - 1].register_forward_hook(
-            lambda m, args, out: captured.append(out[0] if isinstance(out, tuple) else out)
-        )
-    try:
-        model.model(inputs_embeds=embeds[None], use_cache=False)
-    finally:
-        handle.remove()
-    return captured[0][0, -1]
+    return model.probe.embeds_states(embeds, [layer], whole=True)[layer][0, -1]
 
 
 def _step(

@@ -46,8 +46,7 @@ import torch
 from ..models import LayerProbe, NewKeys
 
 MIN_RATE = 0.5  # no chains while the better source's running rate of right first guesses is below this
-TREE_RATE = 0.25  # ... in a tree, where a chain costs its own tokens only (SmolLM2 layer 15, 7 prompts: 137 -> 127
-# forwards against 0.5, the same at 0.1; at 0 the random-id prompts took 28 / 29 forwards instead of 23 / 24)
+TREE_RATE = 0.25  # ... in a tree, where a chain costs its own tokens only (measurements: docs/history.md, "Constants")
 START = 0.25  # the running rates before the first position is decided (one right guess to start chains)
 TOKENS = 8  # chain tokens per prompt and forward (times the device's batch scale)
 

@@ -18,11 +18,14 @@ class _Stop(Exception):
     """Raised by a hook to end the forward after the last block we need."""
 
 
-def forward_layers(probe, layers: Iterable[Layer], **kwargs) -> dict[Layer, torch.Tensor]:
-    """Run the probe's base model, capture the requested (resolved) layers, stop after the highest one."""
+def forward_layers(probe, layers: Iterable[Layer], whole: bool = False, **kwargs) -> dict[Layer, torch.Tensor]:
+    """Run the probe's base model on ``kwargs``, capture the requested (resolved) layers, stop after the highest one.
+
+    ``whole``: run the whole model instead (LM head included, nothing stopped; the final layer read at the final
+    norm's output): the sequential baseline times what the reference code runs."""
     wanted = sorted(set(layers))
     captured: dict[int, torch.Tensor] = {}
-    top = wanted[-1]
+    top = None if whole else wanted[-1]
     handles = []
 
     def pre_hook(module, args, kw):
@@ -44,10 +47,15 @@ def forward_layers(probe, layers: Iterable[Layer], **kwargs) -> dict[Layer, torc
     for layer in wanted:
         if 1 <= layer <= probe.n_layers:
             handles.append(probe.blocks[layer - 1].register_forward_hook(make_hook(layer)))
+    if whole and probe.final in wanted:
+        handles.append(probe.final_norm.register_forward_hook(make_hook(probe.final)))
     try:
-        out = probe.base(**kwargs)
-        if probe.final in wanted:
-            captured[probe.final] = out.last_hidden_state
+        if whole:
+            probe.model(**kwargs)
+        else:
+            out = probe.base(**kwargs)
+            if probe.final in wanted:
+                captured[probe.final] = out.last_hidden_state
     except _Stop:
         pass
     finally:

@@ -177,9 +177,10 @@ class LayerProbe:
             )
 
     # ------------------------------------------------------------------ forwards
-    def _forward(self, layers: Iterable[Layer], **kwargs) -> dict[Layer, torch.Tensor]:
-        """Run the base model, capture the requested (resolved) layers, stop after the highest one."""
-        return hooks.forward_layers(self, layers, **kwargs)
+    def _forward(self, layers: Iterable[Layer], whole: bool = False, **kwargs) -> dict[Layer, torch.Tensor]:
+        """Run the base model, capture the requested (resolved) layers, stop after the highest one (``whole``: run
+        the whole model, :func:`.hooks.forward_layers`)."""
+        return hooks.forward_layers(self, layers, whole=whole, **kwargs)
 
     def states(
         self,
@@ -216,14 +217,18 @@ class LayerProbe:
         self.check_ids(torch.tensor(sequences))
         return self._observed.states(sequences, self.layer(layer), upto, kept, stop)
 
-    def embeds_states(self, embeds: torch.Tensor, layers: LayerSpec | Sequence[LayerSpec]) -> dict[Layer, torch.Tensor]:
+    def embeds_states(
+        self, embeds: torch.Tensor, layers: LayerSpec | Sequence[LayerSpec], whole: bool = False
+    ) -> dict[Layer, torch.Tensor]:
         """States ``[B, T, d]`` of continuous input vectors ``embeds`` ``[B, T, d]`` (the embedding module's output
-        space); gradients flow through them if they require grad (e.g. to optimise a soft prompt)."""
+        space); gradients flow through them if they require grad (e.g. to optimise a soft prompt). ``whole``: the
+        whole model runs (LM head included, as the paper's reference code runs it) instead of stopping at the
+        highest layer asked for; the states are the same."""
         resolved = self.layers(layers)
         if embeds.dim() == 2:
             embeds = embeds[None]
         with torch.set_grad_enabled(embeds.requires_grad):
-            return self._forward(resolved, inputs_embeds=embeds.to(self.dtype), use_cache=False)
+            return self._forward(resolved, whole=whole, inputs_embeds=embeds.to(self.dtype), use_cache=False)
 
     def prefix(self, token_ids: Sequence[int], layer: LayerSpec) -> Prefix:
         """Compute the KV cache of ``token_ids`` for blocks ``1..layer`` (nothing above is run)."""
