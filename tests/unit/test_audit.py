@@ -89,6 +89,23 @@ def test_a_permutation_undone_up_to_ties_compares_rows_through_the_tie_map():
     assert torch.equal(TieSort(torch.arange(64.0))(rows), rows)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rows_search_allows_a_half_model_one_unit_of_rounding(dtype):
+    """Calibration prompts can find a bfloat16 cached forward bit-identical to the observer's while other prompts'
+    rows differ in the last bits (SmolLM2, a permuted prompt: 7 of 8 positions left uncertain): the rows search's
+    rounding radius never falls below one unit of the model's precision; a float32 model's stays at the float floor."""
+    from lminvert.audit.search import Measured, RowSearch
+    from lminvert.invert.sources import Exact
+    from lminvert.invert.tolerance import FLOOR, SAFETY
+
+    model = lminvert.load_model("tiny-llama", dtype=dtype)
+    table = torch.zeros(model.probe.vocab_size, 4)
+    search = RowSearch(model, model.probe.layer(1), lambda s, t: s, Exact(), Measured(0.0, 0.0, 0.0), table)
+    row = torch.full((4,), 3.0)  # norm 6
+    unit = FLOOR if dtype == "float32" else float(torch.finfo(torch.bfloat16).eps)
+    assert search.radii(row, 2).cached == pytest.approx(SAFETY * unit * 6.0)
+
+
 def test_bad_defences_and_leaks_are_refused_in_one_line(tiny):
     for bad in ("noise", "noise:-1", "quant:int3", "drop:1", "project:0", "permute:3", "blur"):
         with pytest.raises(LminvertError) as err:

@@ -116,6 +116,9 @@ class RowSearch:
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
+        # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
+        # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
+        self.floor = max(FLOOR, float(torch.finfo(probe.dtype).eps))
         self.ridge = _Ridge(probe.vocab_matrix(torch.float32).cpu())
         if table is None:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
@@ -127,7 +130,7 @@ class RowSearch:
         all plain) the plain radius is the cached one: the error bound plus the cached forward's rounding."""
         bound = self.source.bound(shipped, t)
         size = norm(shipped)
-        rounding = SAFETY * max(self.rounding, FLOOR) * size
+        rounding = SAFETY * max(self.rounding, self.floor) * size
         return Radii(bound + rounding, bound + rounding, bound, rounding, 0.0, FLOOR * size)
 
     def run(self, shipped: torch.Tensor) -> Found:
