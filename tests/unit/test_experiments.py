@@ -295,3 +295,21 @@ def test_experiment_cli_size_overrides_reach_the_run(tmp_path):
     assert all(r["length"] == 5 and r["exact"] for r in doc["rows"])
     bad = subprocess.run([*cmd[:-5], "--size", "nokey"], capture_output=True, text=True)
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+
+
+def test_the_reproduce_line_names_a_precision_that_is_not_the_default():
+    from lminvert.report.experiments import command_line
+
+    doc = {
+        "kind": "audit",
+        "experiment": "audit",
+        "config": {"quick": True, "models": ["smollm2-135m"]},
+        "overrides": {},
+    }
+    assert (
+        command_line({**doc, "dtype": "bfloat16"})
+        == "lminvert audit --quick --model smollm2-135m --dtype bfloat16 --out DIR"
+    )
+    assert command_line({**doc, "dtype": "float32"}) == "lminvert audit --quick --model smollm2-135m --out DIR"
+    experiment = {**doc, "kind": "experiment", "experiment": "noise", "dtype": "float16"}
+    assert command_line(experiment).startswith("lminvert experiment noise --quick --model smollm2-135m --dtype float16")

@@ -32,6 +32,8 @@ def command_line(doc: Mapping[str, Any]) -> str:
     models = config.get("models", [])
     if len(models) == 1:
         parts.append(f"--model {models[0]}")
+    if doc.get("kind") != "lab" and doc.get("dtype") not in (None, "float32"):  # labs build their own models
+        parts.append(f"--dtype {doc['dtype']}")
     if config.get("seed"):
         parts.append(f"--seed {config['seed']}")
     for key, value in doc.get("overrides", {}).items():
