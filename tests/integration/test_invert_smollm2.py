@@ -108,20 +108,25 @@ def test_a_positions_own_fit_ranks_its_later_batches_and_never_changes_the_answe
     monkeypatch.setattr(reader, "load_reader", lambda model, layer: None)
     from lminvert.invert.policies import LinearPolicy
 
-    class Recorded(LinearPolicy):
-        def _fit(self, ctx) -> None:
-            super()._fit(ctx)
-            self.local_fits.append(self._local is not None)
+    def recorded(policy: LinearPolicy) -> list[bool]:
+        fits: list[bool] = []
+        fit = policy.secant.fit
+
+        def recording(ctx) -> None:  # after each refit: did the position's own fit (the local ranker's) run?
+            fit(ctx)
+            fits.append(policy.secant.local is not None)
+
+        policy.secant.fit = recording
+        return fits
 
     gen = torch.Generator().manual_seed(2)
     rand = torch.randint(0, smollm2.probe.vocab_size, (12,), generator=gen).tolist()
     (observed,) = encode(smollm2, [rand], LAYER).states
     results, fits = [], []
     for local_from in (16, 0):
-        policy = Recorded(local_from=local_from, carried=0)  # carried=0: a worse first batch, more refits
-        policy.local_fits = []
+        policy = LinearPolicy(local_from=local_from, carried=0)  # carried=0: a worse first batch, more refits
+        fits.append(recorded(policy))
         results += invert_prompts(smollm2, [observed], LAYER, policies=[policy])
-        fits.append(policy.local_fits)
     assert [r.token_ids for r in results] == [rand, rand]
     assert all(r.uncertain_positions == [] for r in results)
     assert any(fits[0]) and not any(fits[1])
