@@ -104,6 +104,8 @@ class LinearPolicy(Policy):
             self.sources.append(OrderRanker("reading", 1))
         self.rereader = RereadRanker(outlier) if reread else None
         self.extra = [make() for make in EXTRA] if extra is None else list(extra)
+        mixed = [self.secant, self.local, self.carrier, *self.sources, self.rereader, *self.extra]
+        self.rankers: dict[str, Ranker] = {r.name: r for r in mixed if r is not None}  # the rankers mixed, by name
         self._lm_order: torch.Tensor | None = None  # the proposal: the sources' orders merged
         self._sources: torch.Tensor | None = None  # [sources, depth]: each source's own order at this position
         self._source_names: list[str] = []  # ... and which source each row is
@@ -114,12 +116,6 @@ class LinearPolicy(Policy):
         self._carried_share = 0.0  # recent success of that ranking in this prompt (earned: 0 at first)
         self._first_scores: dict[str, Ranking] = {}  # the later batches' rankings at a position's first ranked round
         self._stream_logs: dict[str, float] = {}  # each ranking's recent log2(2 + rank of the token) in this prompt
-
-    @property
-    def rankers(self) -> dict[str, Ranker]:
-        """The rankers this policy mixes, by name."""
-        found = [self.secant, self.local, self.carrier, *self.sources, self.rereader, *self.extra]
-        return {r.name: r for r in found if r is not None}
 
     @property
     def uses_next_tokens(self) -> bool:  # type: ignore[override]
