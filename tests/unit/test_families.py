@@ -165,6 +165,25 @@ def test_a_decoy_final_norm_is_caught_not_used():
         LayerProbe(model)
 
 
+@pytest.mark.parametrize("how", ["ignored", "refused"])
+def test_a_forward_that_cannot_be_cut_short_is_named(how):
+    """The probe runs a forward through block l only by cutting the block list for the call; a family whose forward
+    ignores the cut (runs every block) or cannot run without every block is a one-line error, never a wrong state."""
+
+    class Uncut(nn.ModuleList):
+        def __getitem__(self, index):
+            if isinstance(index, slice):
+                if how == "refused":
+                    raise IndexError("this family runs all its blocks")
+                return self
+            return super().__getitem__(index)
+
+    model = _tiny_gpt2()
+    model.transformer.h = Uncut(model.transformer.h)
+    with pytest.raises(LminvertError, match=r"run through block 0 only does not give .*stop its forward early"):
+        LayerProbe(model)
+
+
 def test_wrapped_models_are_checked_too():
     loaded = LoadedModel.wrap("gpt2-tiny", _tiny_gpt2())
     assert loaded.probe.n_layers == 2 and loaded.probe.blocks_name == "h"

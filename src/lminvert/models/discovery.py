@@ -69,7 +69,9 @@ def _find_final_norm(base: nn.Module) -> nn.Module | None:
 def check_mapping(probe) -> None:
     """Compare ``probe`` (a :class:`.probe.LayerProbe`) with transformers' own ``output_hidden_states`` on two tokens
     (one small forward): a model whose blocks or final norm were mapped wrongly gets a one-line error here, never a
-    wrong layer. Records on the probe whether its blocks return plain tensors (``_blocks_return_tensors``).
+    wrong layer, and so does one whose forward cut after block 1 (or before block 0, :func:`.hooks.through_block`)
+    reads other states than the whole forward. Records on the probe whether its blocks return plain tensors
+    (``_blocks_return_tensors``).
 
     Skipped for a model with forward hooks (e.g. one whose block outputs are replaced on purpose): transformers
     records hidden states before such hooks act, the probe reads what the next block receives."""
@@ -105,14 +107,24 @@ def check_mapping(probe) -> None:
                 f"[{layer}]: cannot map this architecture (teach lminvert.models.discovery._find_blocks)"
             )
     last = ours[probe.n_layers]
-    if same(last, ref[-1]):
-        return  # the model's last hidden state is the raw residual stream (no final norm, or not applied)
-    if probe.final_norm is None:
-        raise LminvertError(
-            f"cannot find the final norm of {name} (looked for {', '.join(NORM_NAMES)}): its last hidden state "
-            "is normalised by a module lminvert does not know (teach lminvert.models.discovery._find_final_norm)"
-        )
-    if not same(probe.final_norm(last), ref[-1]):
-        raise LminvertError(
-            f"the final norm found in {name} does not give transformers' last hidden state: cannot map 'final'"
-        )
+    if not same(last, ref[-1]):  # the model's last hidden state is normalised: by the norm found, or unknown
+        if probe.final_norm is None:
+            raise LminvertError(
+                f"cannot find the final norm of {name} (looked for {', '.join(NORM_NAMES)}): its last hidden state "
+                "is normalised by a module lminvert does not know (teach lminvert.models.discovery._find_final_norm)"
+            )
+        if not same(probe.final_norm(last), ref[-1]):
+            raise LminvertError(
+                f"the final norm found in {name} does not give transformers' last hidden state: cannot map 'final'"
+            )
+    for layer in sorted({0, min(1, probe.n_layers - 1)}):
+        try:
+            cut = probe.states(ids, layer)[probe.layer(layer)]
+        except Exception as error:  # a family whose forward needs every block: a one-line error, not a traceback
+            cut, reason = None, f" ({type(error).__name__}: {error})"
+        if cut is None or not same(cut, ref[layer]):
+            raise LminvertError(
+                f"{name} run through block {layer} only does not give transformers' hidden_states[{layer}]"
+                f"{reason if cut is None else ''}: cannot stop its forward early (teach "
+                "lminvert.models.hooks.through_block)"
+            )

@@ -1,63 +1,86 @@
-"""The layer probe's hooks: a forward read at chosen blocks and stopped right after the highest one asked for
-(:func:`forward_layers`), and a forward whose blocks below a layer hand on given states (:func:`final_from`).
+"""The layer probe's forwards over part of the blocks: one read at chosen blocks that runs no block above the highest
+one asked for (:func:`forward_layers`), and one whose blocks below a layer hand on given states (:func:`final_from`).
 
-Both run transformers' own forward of the unmodified model; every hook (or replaced ``forward``) they install is
-removed when the forward ends, whatever happens. ``probe`` is a :class:`.probe.LayerProbe`.
+Both run transformers' own forward of the model, so every family's own embeddings, positions, masks, caches and final
+norm apply, and nothing is raised to end a forward early. The first cuts the block list after the last block it needs
+for the call (:func:`through_block`; cutting from the top keeps every block's index, which some families use to pick
+a block's mask); the second keeps the lower blocks in place and makes them hand on the given states. Every hook, cut
+or replaced ``forward`` is undone when the forward ends, whatever happens. ``probe`` is a :class:`.probe.LayerProbe`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from .layers import Layer
 
 
-class _Stop(Exception):
-    """Raised by a hook to end the forward after the last block we need."""
+@contextlib.contextmanager
+def through_block(probe, stop: int) -> Iterator[None]:
+    """Within: the base model's block list holds its first ``stop`` blocks only (each at its own index); the full
+    list is put back on leaving. A forward then runs exactly those blocks between the model's own embedding and final
+    norm (the mapping check compares such a forward with transformers' whole one: :mod:`.discovery`)."""
+    *path, name = probe.blocks_name.split(".")
+    owner = probe.base
+    for part in path:
+        owner = getattr(owner, part)
+    if stop == probe.n_layers:
+        yield
+        return
+    owner._modules[name] = probe.blocks[:stop]  # not setattr: the probe's own list object is never replaced
+    try:
+        yield
+    finally:
+        owner._modules[name] = probe.blocks
+
+
+def _output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
 
 
 def forward_layers(probe, layers: Iterable[Layer], whole: bool = False, **kwargs) -> dict[Layer, torch.Tensor]:
-    """Run the probe's base model on ``kwargs``, capture the requested (resolved) layers, stop after the highest one.
+    """Run the probe's base model on ``kwargs`` through the highest requested (resolved) layer's block only and
+    capture the requested layers: layer ``l >= 1`` as block ``l``'s output, layer 0 as the first block's input
+    (the state the model's final norm receives where no block runs), ``final`` as the base model's output.
 
-    ``whole``: run the whole model instead (LM head included, nothing stopped; the final layer read at the final
+    ``whole``: run the whole model instead (LM head included, no block left out; the final layer read at the final
     norm's output): the sequential baseline times what the reference code runs."""
     wanted = sorted(set(layers))
     captured: dict[int, torch.Tensor] = {}
-    top = None if whole else wanted[-1]
+    top = probe.n_layers if whole or probe.final in wanted else int(wanted[-1])
     handles = []
 
-    def pre_hook(module, args, kw):
-        hidden = args[0] if args else kw["hidden_states"]
-        captured[0] = hidden
-        if top == 0:
-            raise _Stop
-
-    def make_hook(layer: int):
+    def read(layer: int):
         def hook(module, args, output):
-            captured[layer] = output[0] if isinstance(output, tuple) else output
-            if layer == top:
-                raise _Stop
+            captured[layer] = _output(output)
 
         return hook
 
+    def read_input(module, args, kw):
+        captured[0] = args[0] if args else kw["hidden_states"]
+
     if 0 in wanted:
-        handles.append(probe.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        first = probe.blocks[0] if top > 0 else probe.final_norm
+        if first is not None:
+            handles.append(first.register_forward_pre_hook(read_input, with_kwargs=True))
     for layer in wanted:
         if 1 <= layer <= probe.n_layers:
-            handles.append(probe.blocks[layer - 1].register_forward_hook(make_hook(layer)))
+            handles.append(probe.blocks[layer - 1].register_forward_hook(read(layer)))
     if whole and probe.final in wanted:
-        handles.append(probe.final_norm.register_forward_hook(make_hook(probe.final)))
+        handles.append(probe.final_norm.register_forward_hook(read(probe.final)))
     try:
-        if whole:
-            probe.model(**kwargs)
-        else:
-            out = probe.base(**kwargs)
-            if probe.final in wanted:
-                captured[probe.final] = out.last_hidden_state
-    except _Stop:
-        pass
+        with through_block(probe, top):
+            if whole:
+                probe.model(**kwargs)
+            else:
+                out = probe.base(**kwargs).last_hidden_state
+                if probe.final in wanted:
+                    captured[probe.final] = out
+                if top == 0:  # no block ran: the output is the input where no final norm read it
+                    captured.setdefault(0, out)
     finally:
         for handle in handles:
             handle.remove()

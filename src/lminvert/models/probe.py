@@ -178,8 +178,8 @@ class LayerProbe:
 
     # ------------------------------------------------------------------ forwards
     def _forward(self, layers: Iterable[Layer], whole: bool = False, **kwargs) -> dict[Layer, torch.Tensor]:
-        """Run the base model, capture the requested (resolved) layers, stop after the highest one (``whole``: run
-        the whole model, :func:`.hooks.forward_layers`)."""
+        """Run the base model through the highest requested (resolved) layer only and capture those layers
+        (``whole``: run the whole model, :func:`.hooks.forward_layers`)."""
         return hooks.forward_layers(self, layers, whole=whole, **kwargs)
 
     def states(
