@@ -30,11 +30,11 @@ def through_block(probe, stop: int) -> Iterator[None]:
     if stop == probe.n_layers:
         yield
         return
-    owner._modules[name] = probe.blocks[:stop]  # not setattr: the probe's own list object is never replaced
+    setattr(owner, name, probe.blocks[:stop])  # a new list over the same blocks: the probe's own list is kept
     try:
         yield
     finally:
-        owner._modules[name] = probe.blocks
+        setattr(owner, name, probe.blocks)
 
 
 def _output(output) -> torch.Tensor:
