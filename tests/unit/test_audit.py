@@ -178,3 +178,42 @@ def test_the_command_refuses_bad_input_before_any_work(tmp_path):
     ):
         result = run_cli("audit", "--model", "tiny-llama", "--quick", *args, "--out", str(tmp_path / "o"))
         assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+
+
+def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
+    """The states the rows searches of one leak and layer verified are kept (audit.search.StateMemo): a second
+    defence's search over the same prompts runs far fewer candidates through the model and finds the same tokens with
+    the same verdicts as a search without the memo; a memo over its limit drops the prefixes used longest ago."""
+    from lminvert.audit.attack import Attack
+    from lminvert.audit.search import StateMemo
+
+    layer = tiny.probe.layer(2)
+    leak = make_leak("states", tiny, layer)
+    prompts = [[5, 17, 300, 2, 999, 42], [9, 8, 7, 6, 5]]
+    clean = [leak.capture(ids) for ids in prompts]
+    without, kept = Attack(leak, memo=False), Attack(leak)
+    assert without.memo is None and kept.memo is not None
+    computed = []
+    for label in ("noise:0.01", "quant:int8"):
+        generator = torch.Generator().manual_seed(0)
+        shipped = [parse_defence(label).apply(rows, generator) for rows in clean]
+        a, b = without.run(prompts, shipped, None), kept.run(prompts, shipped, None)
+        assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], label
+        assert [r.token_ids for r in b] == prompts, label
+        computed.append(kept.memo.computed)
+    assert kept.memo.hits > 0 and computed[1] - computed[0] < computed[0] / 2  # the second defence mostly hits
+
+    memo = StateMemo(tiny, layer)
+    prefix = tiny.probe.prefix(prompts[0][:3], layer)
+    ids = torch.tensor([4, 8, 15, 16, 23, 42])
+    first = memo.states(prompts[0][:3], ids, lambda: prefix)
+    torch.testing.assert_close(first, tiny.probe.continuation(prefix, ids), rtol=1e-5, atol=1e-5)
+    again = memo.states(prompts[0][:3], ids.flip(0), lambda: pytest.fail("a kept state ran through the model"))
+    assert torch.equal(again, first.flip(0)) and memo.hits == 6 and memo.computed == 6
+    small = StateMemo(tiny, layer, limit=1)
+    for t in (2, 3, 4):
+        small.states(prompts[0][:t], ids, lambda t=t: tiny.probe.prefix(prompts[0][:t], layer))
+    assert list(small._kept) == [tuple(prompts[0][:4])] and small.bytes == first.numel() * first.element_size()
+    order = memo.prediction(prompts[0][:3], lambda: torch.arange(tiny.probe.vocab_size).flip(0))
+    again = memo.prediction(prompts[0][:3], lambda: pytest.fail("a kept prediction was computed again"))
+    assert torch.equal(order, again) and int(order[0]) == tiny.probe.vocab_size - 1

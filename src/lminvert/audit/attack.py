@@ -32,7 +32,7 @@ from ..models import LoadedModel
 from ..states import HiddenStates
 from .defences import Shipped
 from .leaks import Leak
-from .search import Measured, RowSearch, measure
+from .search import Measured, RowSearch, StateMemo, measure
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,13 @@ class TieSort:
 
 
 class Attack:
-    """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence)."""
+    """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence; with
+    ``memo``, the candidates' states the rows searches verified too: :class:`.search.StateMemo`)."""
 
-    def __init__(self, leak: Leak) -> None:
+    def __init__(self, leak: Leak, memo: bool = True) -> None:
         self.leak = leak
         self.model: LoadedModel = leak.model
+        self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._measured: dict[bool, Measured] = {}
         self._table: torch.Tensor | None = None
         self._sorted: torch.Tensor | None = None  # the table's rows sorted (for a secret permutation)
@@ -138,7 +140,7 @@ class Attack:
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
         measured = measured or self._measure(public)
-        search = RowSearch(self.model, layer, self._rows_of(public), source, measured, table)
+        search = RowSearch(self.model, layer, self._rows_of(public), source, measured, table, self.memo)
         out = []
         for r in rows:
             found = search.run(r)

@@ -12,6 +12,10 @@ input vectors to their rows, re-fitted after each batch. A position whose row is
 token under which the next position's row finds the nearest candidate, as a guess (uncertain, and so is everything
 after it).
 
+A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
+prefix, so another defence's search over the same prompt verifies a candidate one of them already ran without a
+forward (``RowSearch(memo=None)``: none).
+
 Radii are measured, not assumed (:func:`measure`): on calibration prompts, how far the cached forward's rows lie from a
 plain forward's (rounding) and how far the deployment's own rows lie from the plain forward's (where they were
 computed); the source's error model adds the defence's bound, computed on the shipped row.
@@ -19,8 +23,10 @@ computed); the source's error model adds the defence's bound, computed on the sh
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,10 +37,11 @@ from ..invert.acceptor import Evidence, Radii
 from ..invert.sources import ErrorModel
 from ..invert.tables import first_position_table
 from ..invert.tolerance import FLOOR, SAFETY, calibration_prompts, norm
-from ..models import LoadedModel
+from ..models import LoadedModel, Prefix
 from ..models.ties import tied_token_groups
 
 BATCH = 256  # candidates verified per forward
+MEMO_BYTES = 1 << 30  # states a StateMemo keeps, at most (the prefixes used longest ago are dropped first)
 GUESSES = 8  # tokens tried at a missing position (the prediction's first ones)
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
@@ -84,12 +91,17 @@ def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[in
 
 class _Ridge:
     """Rows predicted from input vectors by a ridge fit on the verified candidates (dual form: fewer samples than
-    dimensions)."""
+    dimensions), and the vocabulary ordered by how near its predicted rows lie to the target."""
 
     def __init__(self, vocab: torch.Tensor) -> None:
         self.vocab = vocab  # [V, d] float32
 
     def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Every token, the nearest predicted row first. The prediction of input ``v`` is ``v W + b`` with
+        ``W = X^T alpha`` (``X`` the centred inputs of the ``n`` samples): it lies in the span of ``alpha``'s rows, so
+        its distance to the target is, up to a constant, its distance there. Measured in an orthonormal basis ``U`` of
+        that span (``n`` dimensions, not the rows' ``k``), the vocabulary's product costs ``V x d x n``, not
+        ``V x d x k``, and the order is the same (up to float32 rounding)."""
         nearest = (rows.double() - target.double()).norm(dim=1).argsort()[:FIT]  # a local fit: the closest ones
         ids, rows = ids[nearest], rows[nearest]
         x = self.vocab[ids].double()
@@ -98,9 +110,85 @@ class _Ridge:
         gram = x @ x.T
         penalty = RIDGE * float(gram.diagonal().mean()) + 1e-12
         alpha = torch.linalg.solve(gram + penalty * torch.eye(len(x), dtype=torch.float64), rows.double() - mean_y)
-        weights = (x.T @ alpha).float()  # [d, k]; the prediction itself in float32: it only orders candidates
-        offset = (mean_y - mean_x @ x.T @ alpha).float()
-        return (self.vocab @ weights + offset - target.float()).norm(dim=1).argsort()
+        weights = x.T @ alpha  # [d, k]
+        offset = mean_y - mean_x @ weights - target.double()
+        if len(alpha) < alpha.shape[1]:  # fewer samples than the rows' dimensions: measure in alpha's row span
+            basis = torch.linalg.qr(alpha.T).Q  # [k, n]
+            weights, offset = weights @ basis, offset @ basis
+        # the prediction itself in float32: it only orders candidates
+        return (self.vocab @ weights.float() + offset.float()).norm(dim=1).argsort()
+
+
+class _Kept:
+    """What a memo keeps for one prefix: candidates' states (row ``index[token]``) and the model's prediction."""
+
+    def __init__(self) -> None:
+        self.index: dict[int, int] = {}
+        self.states: torch.Tensor | None = None
+        self.order: torch.Tensor | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.states, self.order) if x is not None)
+
+
+class StateMemo:
+    """Candidates' states at one layer by (prefix, token), as the cached forward computed them, and the model's
+    next-token prediction by prefix, kept for every search of one leak and layer: the defences of an audit search the
+    same prompts, so their searches verify many of the same candidates over the same recovered prefixes. A state kept
+    from another search's forward is as good as one computed again (the radii hold the cached forward's rounding
+    whatever batch a candidate ran in); at most ``limit`` bytes are kept, the prefixes used longest ago dropped
+    first."""
+
+    def __init__(self, model: LoadedModel, layer, limit: int = MEMO_BYTES) -> None:
+        self.probe, self.layer, self.limit = model.probe, layer, limit
+        self._kept: OrderedDict[tuple[int, ...], _Kept] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.computed = 0  # candidates served from the memo / run through the model
+
+    def _entry(self, prefix_ids: list[int]) -> _Kept:
+        key = tuple(prefix_ids)
+        entry = self._kept.pop(key, None) or _Kept()
+        self._kept[key] = entry  # the most recently used last
+        return entry
+
+    def _grown(self, entry: _Kept, before: int) -> None:
+        self.bytes += entry.bytes - before
+        while self.bytes > self.limit and len(self._kept) > 1:
+            _, dropped = self._kept.popitem(last=False)
+            self.bytes -= dropped.bytes
+
+    def states(self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix]) -> torch.Tensor:
+        """The states ``[n, d]`` of candidates ``ids`` after ``prefix_ids``; ``prefix()`` gives the probe's prefix
+        (only called where a candidate is not kept)."""
+        entry = self._entry(prefix_ids)
+        wanted = ids.tolist()
+        missing = list(dict.fromkeys(i for i in wanted if i not in entry.index))
+        if missing:
+            with torch.no_grad():
+                new = self.probe.continuation(prefix(), torch.tensor(missing, device=self.probe.device))
+            before, start = entry.bytes, 0 if entry.states is None else len(entry.states)
+            entry.index.update((token, start + k) for k, token in enumerate(missing))
+            entry.states = new if entry.states is None else torch.cat([entry.states, new])
+            self._grown(entry, before)
+        self.hits += len(wanted) - len(missing)
+        self.computed += len(missing)
+        assert entry.states is not None
+        return entry.states[torch.tensor([entry.index[i] for i in wanted], device=entry.states.device)]
+
+    def prediction(self, prefix_ids: list[int], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The model's prediction after ``prefix_ids`` (every token, most likely first), ``compute()`` once."""
+        entry = self._entry(prefix_ids)
+        if entry.order is None:
+            before = entry.bytes
+            entry.order = compute().to(torch.int32)
+            self._grown(entry, before)
+        return entry.order.long()
+
+    def clear(self) -> None:
+        """Drop everything kept (the counts stay)."""
+        self._kept.clear()
+        self.bytes = 0
 
 
 class RowSearch:
@@ -108,11 +196,13 @@ class RowSearch:
 
     def __init__(
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
-        table: torch.Tensor | None = None,
+        table: torch.Tensor | None = None, memo: StateMemo | None = None,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
-        given)."""
-        self.model, self.layer, self.rows_of = model, layer, rows_of
+        given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model)."""
+        if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
+            raise ValueError("the memo holds another model's or another layer's states")
+        self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
@@ -159,6 +249,11 @@ class RowSearch:
 
     def _prediction(self, prefix: list[int]) -> torch.Tensor:
         """Every token, most likely next first (the model's own prediction from the recovered prefix)."""
+        if self.memo is not None:
+            return self.memo.prediction(prefix, lambda: self._predict(prefix))
+        return self._predict(prefix)
+
+    def _predict(self, prefix: list[int]) -> torch.Tensor:
         probe = self.model.probe
         bos = getattr(self.model.tokenizer, "bos_token_id", None) if self.model.tokenizer is not None else None
         context = prefix or ([] if bos is None else [bos])
@@ -177,8 +272,7 @@ class RowSearch:
             nearest = []
             for g in guesses.tolist():
                 grown = [*prefix, g]
-                batch = self._prediction(grown)[:BATCH]
-                rows = self._verify(self.model.probe.prefix(grown, self.layer), batch, len(grown))
+                rows = self._verify(grown, self._prediction(grown)[:BATCH])
                 nearest.append(float((rows.double() - after.double()).norm(dim=1).min()))
             guesses = guesses[torch.tensor(nearest).argsort()]
         guess = guesses[:1]
@@ -186,12 +280,19 @@ class RowSearch:
         evidence = Evidence(guess, torch.full((1,), math.inf), empty, empty, {}, 0.0, False, exhausted=True)
         return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
 
-    def _verify(self, prefix, ids: torch.Tensor, t: int) -> torch.Tensor:
-        probe = self.model.probe
+    def _verify(
+        self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix] | None = None
+    ) -> torch.Tensor:
+        """The rows of candidates ``ids`` at the position after ``prefix_ids`` (``prefix()``: the probe's prefix,
+        made only where a candidate is run through the model)."""
+        probe, t = self.model.probe, len(prefix_ids)
         if t == 0:
             return self.table[ids]
+        made = prefix or (lambda: probe.prefix(prefix_ids, self.layer))
+        if self.memo is not None:
+            return self.rows_of(self.memo.states(prefix_ids, ids, made), t)
         with torch.no_grad():
-            return self.rows_of(probe.continuation(prefix, ids.to(probe.device)), t)
+            return self.rows_of(probe.continuation(made(), ids.to(probe.device)), t)
 
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool
@@ -199,7 +300,7 @@ class RowSearch:
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
-        prefix = probe.prefix(prefix_ids, self.layer) if t else None
+        prefix = functools.cache(lambda: probe.prefix(prefix_ids, self.layer))  # made once, where first needed
         order = torch.arange(vocab) if t == 0 else self._prediction(prefix_ids)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen_ids, seen_rows, seen_dists = [], [], []
@@ -207,7 +308,7 @@ class RowSearch:
         while True:
             batch = order[~done[order]][: vocab if t == 0 else BATCH]
             done[batch] = True
-            rows = self._verify(prefix, batch, t)
+            rows = self._verify(prefix_ids, batch, prefix)
             dists = (rows.double() - target.double()).norm(dim=1)
             measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
             seen_ids.append(batch)

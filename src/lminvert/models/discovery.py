@@ -8,6 +8,8 @@ final norm are kept under other names is taught here (:func:`_find_blocks`, :fun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -117,6 +119,12 @@ def check_mapping(probe) -> None:
             raise LminvertError(
                 f"the final norm found in {name} does not give transformers' last hidden state: cannot map 'final'"
             )
+    _check_cut(probe, ids, ref, same)
+
+
+def _check_cut(probe, ids: torch.Tensor, ref: tuple[torch.Tensor, ...], same: Callable) -> None:
+    """Forwards cut after block 1 and before block 0 (:func:`.hooks.through_block`) read transformers' own states."""
+    name = type(probe.model).__name__
     for layer in sorted({0, min(1, probe.n_layers - 1)}):
         try:
             cut = probe.states(ids, layer)[probe.layer(layer)]
