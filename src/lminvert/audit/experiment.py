@@ -98,7 +98,7 @@ class Audit(Experiment):
     }  # fmt: skip
     full_duration = (
         "hours on SmolLM2 on a 2-core CPU (not measured whole: its states leak at layer 1 took 8.4 minutes for 10 of "
-        "its 90 cells, layer 15 is several times slower, docs/audit.md); --quick: 72 s"
+        "its 90 cells, layer 15 is several times slower, docs/audit.md); --quick: 56 s"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:
