@@ -23,13 +23,13 @@ def through_block(probe, stop: int) -> Iterator[None]:
     """Within: the base model's block list holds its first ``stop`` blocks only (each at its own index); the full
     list is put back on leaving. A forward then runs exactly those blocks between the model's own embedding and final
     norm (the mapping check compares such a forward with transformers' whole one: :mod:`.discovery`)."""
+    if stop == probe.n_layers:  # every block runs: nothing to cut (most forwards of a layer near the top)
+        yield
+        return
     *path, name = probe.blocks_name.split(".")
     owner = probe.base
     for part in path:
         owner = getattr(owner, part)
-    if stop == probe.n_layers:
-        yield
-        return
     setattr(owner, name, probe.blocks[:stop])  # a new list over the same blocks: the probe's own list is kept
     try:
         yield
