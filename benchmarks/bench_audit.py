@@ -1,20 +1,25 @@
-"""The audit's rows search (``lminvert audit``'s attack on rows a defence changed, a KV cache, a projection), with its
-memo switched off and on, in the same process:
+"""The audit's rows search (``lminvert audit``'s attack on rows a defence changed, a KV cache, a projection) in
+several configurations, in the same process:
 
-* ``plain`` - no memo: every defence's search runs all its candidates through the model;
-* ``memo``  - one :class:`lminvert.audit.search.StateMemo` for every defence's search at the layer (the audit's
-  default): a candidate another defence's search already verified over the same prefix is not run through the model
-  again.
+* ``plain``  - no memo, no reading, no lookahead: every defence's search runs all its candidates through the model,
+  each position's first batch is the model's prediction, position 0 is the nearest first token;
+* ``memo``   - one :class:`lminvert.audit.memo.StateMemo` for every defence's search at the layer: a candidate another
+  defence's search already verified over the same prefix is not run through the model again;
+* ``read``   - the memo, and half of each first batch from what the shipped row reads as (states leaks:
+  :class:`lminvert.audit.search.StateReading`);
+* ``look``   - the memo, and where several first tokens fit, the next row chooses among them (``RowSearch(lookahead)``);
+* ``all``    - all three (the audit's default).
 
     python benchmarks/bench_audit.py                                   # SmolLM2, states, layers 1,15,30, 4 x 12
-    python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8   # a quick look
+    python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8 --configs memo,all   # a quick look
 
 For each leak and layer the defences run one after another over the same prompts, as an audit's units do, and for
-each defence the two configurations back to back (interleaved: load changes hit both). Printed per defence and
-configuration: seconds (the searches' own, over every prompt; calibrations and tables are made once, untimed),
-candidates run through the model per position, tokens right, verdicts (certified/confident/uncertain) and wrong tokens
-claimed certified or confident (must be 0: printed loudly otherwise); then the totals and each configuration's time
-over ``plain``'s. Timed sections hold /tmp/lminvert-bench.lock, as bench_invert.py does.
+each defence the configurations back to back (interleaved: load changes hit all), each with its own memo. Printed per
+defence and configuration: seconds (the searches' own, over every prompt; calibrations, tables and the reading map
+are made before, untimed), candidates run through the model per position, tokens right, verdicts
+(certified/confident/uncertain) and wrong tokens claimed certified or confident (must be 0: printed loudly otherwise);
+then the totals and each configuration's time over the first one's. Timed sections hold /tmp/lminvert-bench.lock, as
+bench_invert.py does.
 """
 
 from __future__ import annotations
@@ -33,10 +38,15 @@ import torch
 import lminvert
 from lminvert.audit import make_leak, parse_defence
 from lminvert.audit.attack import Attack
-from lminvert.audit.search import StateMemo
 from lminvert.experiments.prompts import evaluation_prompts
 
-CONFIGS = {"plain": False, "memo": True}
+CONFIGS = {
+    "plain": {"memo": False, "reading": False, "lookahead": False},
+    "memo": {"memo": True, "reading": False, "lookahead": False},
+    "read": {"memo": True, "reading": True, "lookahead": False},
+    "look": {"memo": True, "reading": False, "lookahead": True},
+    "all": {"memo": True, "reading": True, "lookahead": True},
+}
 DEFENCES = "noise:0.001,noise:0.01,quant:bf16,quant:fp8,quant:int8,quant:int4,drop:0.25,project:128"
 
 
@@ -51,6 +61,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts, half prose and half chat-formatted")
     ap.add_argument("--length", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", default="memo,all", help=f"of {','.join(CONFIGS)}; ratios against the first")
     ap.add_argument("--out", default="out/bench/audit.json")
     args = ap.parse_args()
 
@@ -64,32 +75,36 @@ def main() -> int:
     print(f"{model.describe()}, {len(prompts)} prompts of {args.length} tokens; {where}, {threads} threads")
     report: dict = {"model": model.describe(), "prompts": len(prompts), "length": args.length, "cells": []}
     wrong_total = 0
-    totals = {name: 0.0 for name in CONFIGS}
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        ap.error(f"unknown configurations {unknown}: choose among {','.join(CONFIGS)}")
+    totals = {name: 0.0 for name in configs}
     for kind in args.leaks.split(","):
         for layer in model.probe.layers([int(x) if x.lstrip("-").isdigit() else x for x in args.layers.split(",")]):
             leak = make_leak(kind, model, layer)
-            attack = Attack(leak, memo=False)
+            attacks = {name: Attack(leak, **CONFIGS[name]) for name in configs}
             clean = [leak.capture(ids) for ids in prompts]
-            memo = StateMemo(model, leak.states_layer)
             for label in args.defences.split(","):
                 defence = parse_defence(label)
                 generator = torch.Generator().manual_seed(args.seed * 7919 + sum(map(ord, f"{kind}{layer}{label}")))
                 shipped = [defence.apply(rows, generator) for rows in clean]
-                attack.memo = None  # untimed, one position: the calibration of this defence's map, the table
-                attack.run([prompts[0][:1]], [replace(shipped[0], rows=shipped[0].rows[:1])], None)
-                for name, kept in CONFIGS.items():
-                    attack.memo = memo if kept else None
-                    before = memo.computed
+                for attack in attacks.values():  # untimed, two positions: calibrations, table, reading map
+                    memo, attack.memo = attack.memo, None
+                    attack.run([prompts[0][:2]], [replace(shipped[0], rows=shipped[0].rows[:2])], None)
+                    attack.memo = memo
+                for name, attack in attacks.items():
+                    before = attack.memo.computed if attack.memo is not None else 0
                     results = attack.run(prompts, shipped, None)
                     cell = _cell(kind, str(layer), label, name, prompts, results)
-                    if kept:
-                        cell["memo_computed_per_position"] = (memo.computed - before) / cell["positions"]
+                    if attack.memo is not None:
+                        cell["memo_computed_per_position"] = (attack.memo.computed - before) / cell["positions"]
                     totals[name] += cell["seconds"]
                     wrong_total += cell["wrong_claimed"]
                     report["cells"].append(cell)
                     print(_line(cell), flush=True)
-    plain = totals["plain"]
-    print("total seconds: " + ", ".join(f"{n} {s:.1f} ({s / plain:.2f}x)" for n, s in totals.items()))
+    base = totals[configs[0]]
+    print("total seconds: " + ", ".join(f"{n} {s:.1f} ({s / base:.2f}x)" for n, s in totals.items()))
     report["totals"] = totals
     report["wrong_claimed"] = wrong_total
     if wrong_total:

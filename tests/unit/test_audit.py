@@ -181,11 +181,11 @@ def test_the_command_refuses_bad_input_before_any_work(tmp_path):
 
 
 def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
-    """The states the rows searches of one leak and layer verified are kept (audit.search.StateMemo): a second
+    """The states the rows searches of one leak and layer verified are kept (audit.memo.StateMemo): a second
     defence's search over the same prompts runs far fewer candidates through the model and finds the same tokens with
     the same verdicts as a search without the memo; a memo over its limit drops the prefixes used longest ago."""
     from lminvert.audit.attack import Attack
-    from lminvert.audit.search import StateMemo
+    from lminvert.audit.memo import StateMemo
 
     layer = tiny.probe.layer(2)
     leak = make_leak("states", tiny, layer)
@@ -217,3 +217,32 @@ def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
     order = memo.prediction(prompts[0][:3], lambda: torch.arange(tiny.probe.vocab_size).flip(0))
     again = memo.prediction(prompts[0][:3], lambda: pytest.fail("a kept prediction was computed again"))
     assert torch.equal(order, again) and int(order[0]) == tiny.probe.vocab_size - 1
+
+
+def test_a_first_token_several_fit_is_chosen_by_the_next_row(tiny):
+    """Where position 0's row does not single out its token (an attention sink's norm lets noise cover the gaps
+    between first tokens), the next row chooses among the nearest: here the row lies nearer another first token than
+    its own, beyond the error bound of both. Without the lookahead the nearer wrong token is kept; with it the prompt
+    comes back whole. Either way position 0 is a guess: every verdict ``uncertain``, none claimed."""
+    from lminvert.audit.attack import Attack
+    from lminvert.audit.search import RowSearch
+
+    layer = tiny.probe.layer(2)
+    leak = make_leak("states", tiny, layer)
+    ids = [5, 17, 300, 2, 999, 42]
+    attack = Attack(leak, memo=False)
+    shipped = leak.capture(ids)
+    table = attack.table
+    gaps = (table - table[ids[0]]).norm(dim=1)
+    gaps[ids[0]] = float("inf")
+    other = int(gaps.argmin())
+    shipped[0] = table[ids[0]] + 0.6 * (table[other] - table[ids[0]])  # nearer the other token
+    found = {}
+    for lookahead in (False, True):
+        search = RowSearch(
+            tiny, layer, leak.rows_of, parse_source("noise:0.05"), attack._measure(None), table, lookahead=lookahead
+        )
+        found[lookahead] = search.run(shipped)
+    assert found[False].token_ids[0] == other
+    assert found[True].token_ids == ids
+    assert all(v == "uncertain" for f in found.values() for v in f.verdicts)

@@ -32,7 +32,8 @@ from ..models import LoadedModel
 from ..states import HiddenStates
 from .defences import Shipped
 from .leaks import Leak
-from .search import Measured, RowSearch, StateMemo, measure
+from .memo import StateMemo
+from .search import Measured, RowSearch, StateReading, measure
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,14 @@ class TieSort:
 
 class Attack:
     """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence; with
-    ``memo``, the candidates' states the rows searches verified too: :class:`.search.StateMemo`)."""
+    ``memo``, the candidates' states the rows searches verified too: :class:`.memo.StateMemo`)."""
 
-    def __init__(self, leak: Leak, memo: bool = True) -> None:
-        self.leak = leak
+    def __init__(self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True) -> None:
+        """``reading``: a states leak's rows searches take half of each position's first batch from what the row
+        reads as (:class:`.search.StateReading`); ``lookahead``: where several first tokens fit, the next row
+        chooses (:class:`.search.RowSearch`; off: the nearest at position 0). The first changes which candidates run
+        first; the second which first token is guessed, whose verdict stays ``uncertain`` either way."""
+        self.leak, self.reading, self.lookahead = leak, reading, lookahead
         self.model: LoadedModel = leak.model
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._measured: dict[bool, Measured] = {}
@@ -140,7 +145,12 @@ class Attack:
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
         measured = measured or self._measure(public)
-        search = RowSearch(self.model, layer, self._rows_of(public), source, measured, table, self.memo)
+        reading = None
+        if self.reading and self.leak.name == "states" and public is None:
+            reading = StateReading(self.model, layer)
+        search = RowSearch(
+            self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead
+        )
         out = []
         for r in rows:
             found = search.run(r)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,15 +33,19 @@ import torch
 
 from ..invert import acceptor
 from ..invert.acceptor import Evidence, Radii
+from ..invert.proposal import merge
+from ..invert.reader import reading_for
+from ..invert.reading import nearest_inputs, read
 from ..invert.sources import ErrorModel
-from ..invert.tables import first_position_table
+from ..invert.tables import first_position_table, position1_projection
 from ..invert.tolerance import FLOOR, SAFETY, calibration_prompts, norm
 from ..models import LoadedModel, Prefix
 from ..models.ties import tied_token_groups
+from .memo import StateMemo
 
 BATCH = 256  # candidates verified per forward
-MEMO_BYTES = 1 << 30  # states a StateMemo keeps, at most (the prefixes used longest ago are dropped first)
 GUESSES = 8  # tokens tried at a missing position (the prediction's first ones)
+LOOK = 8  # first tokens (the nearest at position 0) under which the next token is sought where several fit there
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
 
@@ -119,90 +122,23 @@ class _Ridge:
         return (self.vocab @ weights.float() + offset.float()).norm(dim=1).argsort()
 
 
-class _Kept:
-    """What a memo keeps for one prefix: candidates' states (row ``index[token]``) and the model's prediction."""
-
-    def __init__(self) -> None:
-        self.index: dict[int, int] = {}
-        self.states: torch.Tensor | None = None
-        self.order: torch.Tensor | None = None
-
-    @property
-    def bytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.states, self.order) if x is not None)
-
-
-class StateMemo:
-    """Candidates' states at one layer by (prefix, token), as the cached forward computed them, and the model's
-    next-token prediction by prefix, kept for every search of one leak and layer: the defences of an audit search the
-    same prompts, so their searches verify many of the same candidates over the same recovered prefixes. A state kept
-    from another search's forward is as good as one computed again (the radii hold the cached forward's rounding
-    whatever batch a candidate ran in); at most ``limit`` bytes are kept, the prefixes used longest ago dropped
-    first."""
-
-    def __init__(self, model: LoadedModel, layer, limit: int = MEMO_BYTES) -> None:
-        self.probe, self.layer, self.limit = model.probe, layer, limit
-        self._kept: OrderedDict[tuple[int, ...], _Kept] = OrderedDict()
-        self.bytes = 0
-        self.hits = self.computed = 0  # candidates served from the memo / run through the model
-
-    def _entry(self, prefix_ids: list[int]) -> _Kept:
-        key = tuple(prefix_ids)
-        entry = self._kept.pop(key, None) or _Kept()
-        self._kept[key] = entry  # the most recently used last
-        return entry
-
-    def _grown(self, entry: _Kept, before: int) -> None:
-        self.bytes += entry.bytes - before
-        while self.bytes > self.limit and len(self._kept) > 1:
-            _, dropped = self._kept.popitem(last=False)
-            self.bytes -= dropped.bytes
-
-    def states(self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix]) -> torch.Tensor:
-        """The states ``[n, d]`` of candidates ``ids`` after ``prefix_ids``; ``prefix()`` gives the probe's prefix
-        (only called where a candidate is not kept)."""
-        entry = self._entry(prefix_ids)
-        wanted = ids.tolist()
-        missing = list(dict.fromkeys(i for i in wanted if i not in entry.index))
-        if missing:
-            with torch.no_grad():
-                new = self.probe.continuation(prefix(), torch.tensor(missing, device=self.probe.device))
-            before, start = entry.bytes, 0 if entry.states is None else len(entry.states)
-            entry.index.update((token, start + k) for k, token in enumerate(missing))
-            entry.states = new if entry.states is None else torch.cat([entry.states, new])
-            self._grown(entry, before)
-        self.hits += len(wanted) - len(missing)
-        self.computed += len(missing)
-        assert entry.states is not None
-        return entry.states[torch.tensor([entry.index[i] for i in wanted], device=entry.states.device)]
-
-    def prediction(self, prefix_ids: list[int], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The model's prediction after ``prefix_ids`` (every token, most likely first), ``compute()`` once."""
-        entry = self._entry(prefix_ids)
-        if entry.order is None:
-            before = entry.bytes
-            entry.order = compute().to(torch.int32)
-            self._grown(entry, before)
-        return entry.order.long()
-
-    def clear(self) -> None:
-        """Drop everything kept (the counts stay)."""
-        self._kept.clear()
-        self.bytes = 0
-
-
 class RowSearch:
     """One prompt's inversion from rows (see the module docstring)."""
 
     def __init__(
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
-        table: torch.Tensor | None = None, memo: StateMemo | None = None,
+        table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
+        lookahead: bool = True,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
-        given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model)."""
+        given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
+        ``reading``: what shipped states read as (:class:`StateReading`, a states leak only; None: the first batch is
+        the model's prediction alone, later ones the ridge fit's); ``lookahead``: where several first tokens fit, the
+        next row chooses among them (False: the nearest at position 0)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
+        self.reading, self.lookahead = reading, lookahead
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
@@ -231,11 +167,16 @@ class RowSearch:
         checked: list[int] = []
         gaps: list[float | None] = []
         after_guess = fitted = False
+        reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
         for t, row in enumerate(shipped.float()):
+            after = shipped[t + 1].float() if t + 1 < len(shipped) else None
             if torch.isnan(row).any():
-                decision, count, gap = self._missing(ids, shipped[t + 1] if t + 1 < len(shipped) else None), 0, None
+                decision, count, gap = self._missing(ids, after), 0, None
             else:
-                decision, count, gap = self._position(ids, row, t, fitted)
+                decision, count, gap = self._position(ids, row, t, fitted, reads[t])
+            if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
+                token, looked = self._first_by_next(row, after, reads[1])
+                decision, count = acceptor.chosen_by_next(token), count + looked
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
             after_guess = after_guess or decision.guess
@@ -263,6 +204,64 @@ class RowSearch:
             ids = torch.tensor([context], device=probe.device)
             logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
         return logits.float().cpu().argsort(descending=True)
+
+    def _ranked(self, prefix: list[int], reading: torch.Tensor | None) -> torch.Tensor:
+        """Every token, the first batch alternately from the row's reading and the model's prediction (the
+        prediction alone without a reading), then the prediction's order."""
+        predicted = self._prediction(prefix)
+        if reading is None:
+            return predicted
+        return torch.cat([merge(torch.stack([reading[:BATCH], predicted[:BATCH]])), predicted])
+
+    def _first_by_next(self, first: torch.Tensor, after: torch.Tensor, reading) -> tuple[int, int]:
+        """Position 0's token where several fit its row (an attention sink's huge norm lets noise or quantisation
+        cover the gaps between first tokens) or none does, and the candidates this ran. Given each of the nearest
+        first tokens at position 0 in turn (``LOOK`` at most), the next token is found, then first tokens are tried
+        under it (:meth:`_firsts_under`) until the acceptor finds one under which the next row's state fits, separated
+        from the others; else the first try's choice. A guess all the same (the next token was found given another
+        first one)."""
+        order = (self.table.double() - first.double()).norm(dim=1).argsort()
+        ran, picks = 0, []
+        for guess in order[:LOOK].tolist():
+            following, count, _ = self._position([guess], after, 1, False, reading)
+            assert following.token is not None
+            pick, tried = self._firsts_under(following.token, order, after)
+            ran += count + tried
+            picks.append(pick)
+            if not pick.guess:
+                break
+        token = (picks[-1] if not picks[-1].guess else picks[0]).token
+        assert token is not None
+        return token, ran
+
+    def _firsts_under(self, following: int, order: torch.Tensor, after: torch.Tensor) -> tuple[acceptor.Decision, int]:
+        """The acceptor's choice of a first token by the next row, the next token being ``following``: first tokens
+        in ``order``, then by a ridge fit of the next row on their input vectors, a batch of two-token forwards at a
+        time; and the first tokens tried."""
+        radii, probe = self.radii(after, 1), self.model.probe
+        done = torch.zeros(len(order), dtype=torch.bool)
+        seen_ids, seen_rows, seen_dists, measured = [], [], [], {}
+        while True:
+            batch = order[~done[order]][:BATCH]
+            done[batch] = True
+            pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
+            with torch.no_grad():
+                rows = self.rows_of(probe.states(pairs, [self.layer])[self.layer][:, 1], 1)
+            dists = (rows.double() - after.double()).norm(dim=1)
+            measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
+            seen_ids.append(batch)
+            seen_rows.append(rows)
+            seen_dists.append(dists)
+            ids, rows, dists = torch.cat(seen_ids), torch.cat(seen_rows), torch.cat(seen_dists)
+            spent = bool(done.all())
+            evidence = Evidence(
+                ids, dists, rows, after, measured, radii.cached, False,
+                exhausted=spent, swept=spent, checked=len(ids), twins=self.twins,
+            )  # fmt: skip
+            decision = acceptor.decide(evidence, radii)
+            if decision.final:
+                return decision, len(ids)
+            order = self.ridge.order(ids, rows, after)
 
     def _missing(self, prefix: list[int], after: torch.Tensor | None) -> acceptor.Decision:
         """A missing position: of the prediction's first ``GUESSES`` tokens, the one under which the next position's
@@ -295,13 +294,13 @@ class RowSearch:
             return self.rows_of(probe.continuation(made(), ids.to(probe.device)), t)
 
     def _position(
-        self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool
+        self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None
     ) -> tuple[acceptor.Decision, int, float | None]:
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
         prefix = functools.cache(lambda: probe.prefix(prefix_ids, self.layer))  # made once, where first needed
-        order = torch.arange(vocab) if t == 0 else self._prediction(prefix_ids)
+        order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen_ids, seen_rows, seen_dists = [], [], []
         measured: dict[int, float] = {}  # every verified distance, measured with the rounding inside the radii
@@ -324,6 +323,8 @@ class RowSearch:
             if decision.final:
                 return decision, len(ids), _half_gap(ids, rows, decision.token)
             order = self.ridge.order(ids, rows, target)
+            if t == 1 and self.reading is not None:
+                order = merge(torch.stack([self.reading.second(ids, rows, target), order]))
 
 
 def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None:
@@ -333,3 +334,43 @@ def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None
     others = torch.cat([rows[: chosen[0]], rows[chosen[0] + 1 :]])
     gap = float((others - rows[chosen[0]]).norm(dim=1).min()) / 2
     return gap if math.isfinite(gap) else None
+
+
+class StateReading:
+    """What shipped rows of states at ``layer`` read as, for the rows search of a states leak (proposals only: every
+    candidate is still verified):
+
+    * :meth:`orders` - per position, the ``BATCH`` tokens whose input vectors lie nearest what the row (and the one
+      before it) reads as (:mod:`lminvert.invert.reading`: the reading network where one is cached, else the linear
+      reading map, built and cached on first use);
+    * :meth:`second` - at position 1, every token by the position-1 map ``h ~ a + e_v J``
+      (:func:`lminvert.invert.tables.position1_projection`), the offset ``a`` from the verified candidates: the
+      reading and the model's prediction after one token are weakest there."""
+
+    def __init__(self, model: LoadedModel, layer) -> None:
+        self.model, self.layer = model, layer
+        self.weights = reading_for(model, layer)
+
+    def orders(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per position of ``rows`` ``[T, d]``, the reading's first tokens (None at position 0, whose table verifies
+        every token, and where the row or the one before it is missing)."""
+        rows = rows.float()
+        present = ~torch.isnan(rows).any(dim=1)
+        usable = [t for t in range(1, len(rows)) if present[t] and present[t - 1]]
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        if usable:
+            predicted = read(self.weights, rows.nan_to_num().to(self.model.probe.device))[usable]
+            for t, order in zip(usable, nearest_inputs(self.model, predicted, BATCH).cpu(), strict=True):
+                out[t] = order
+        return out
+
+    def second(self, ids: torch.Tensor, states: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Every token at position 1, nearest first, by the position-1 map with its offset measured on the verified
+        candidates ``ids`` and their states (attention sinks, norms 4x the median and more, left out)."""
+        jac, norms = position1_projection(self.model, self.layer)
+        jac, norms = jac.float().cpu(), norms.float().cpu()
+        vocab = self.model.probe.vocab_matrix(torch.float32).cpu()
+        size = states.norm(dim=1)
+        keep = size <= 4 * size.median()
+        offset = (states[keep].float() - vocab[ids[keep]] @ jac).mean(0)
+        return (norms - 2 * vocab @ (jac @ (target.float() - offset))).argsort()

@@ -280,6 +280,13 @@ def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False)
     return Decision(token, verdict, guess=guess, reason=reason)
 
 
+def chosen_by_next(token: int) -> Decision:
+    """A position several tokens fit (or none did), ``token`` chosen among them by how well the next position's row
+    fits under each: a guess all the same (the next position's token was itself found given another), ``uncertain``,
+    and so is every later position."""
+    return Decision(token, UNCERTAIN, guess=True, reason="several tokens fit; the next position's row chose one")
+
+
 def final_verdict(decision: Decision, tied: bool, after_guess: bool) -> str:
     """The verdict reported for a decided position: ``uncertain`` where the token has a tied twin (no state separates
     them) or an earlier position of the prompt was a guess (everything after it was found given the guess), else the
