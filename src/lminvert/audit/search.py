@@ -5,12 +5,15 @@ For each position, the candidates' states are computed over the recovered prefix
 (:meth:`lminvert.models.LayerProbe.continuation`), turned into rows by the leak (and the public map, if any), and their
 L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
 its verdict. Every distance is measured by the cached forward, with its rounding inside the radii (no plain
-forwards: the shipped rows never reproduce bit for bit, so nothing is gained by them). Candidates come from two rankers:
+forwards: the shipped rows never reproduce bit for bit, so nothing is gained by them). Candidates come from rankers:
 position 0 from the first-position table (every token's state alone, so every token is verified at once), later
-positions first the model's own next-token prediction from the prefix, then a ridge fit from the verified candidates'
-input vectors to their rows, re-fitted after each batch. A position whose row is missing gets the prediction's first
-token under which the next position's row finds the nearest candidate, as a guess (uncertain, and so is everything
-after it).
+positions first the model's own next-token prediction from the prefix (for a states leak, alternately with what the
+row itself reads as: :class:`StateReading`), then a ridge fit from the verified candidates' input vectors to their
+rows, re-fitted after each batch (at position 1 of a states leak, alternately with the position-1 map). Where several
+first tokens fit position 0's row (an attention sink's norm lets noise or quantisation cover the gaps between them)
+or none does, the next row chooses among the nearest (``lookahead``), as a guess. A position whose row is missing gets
+the prediction's first token under which the next position's row finds the nearest candidate, as a guess (uncertain,
+and so is everything after it).
 
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
 prefix, so another defence's search over the same prompt verifies a candidate one of them already ran without a
@@ -217,9 +220,9 @@ class RowSearch:
         """Position 0's token where several fit its row (an attention sink's huge norm lets noise or quantisation
         cover the gaps between first tokens) or none does, and the candidates this ran. Given each of the nearest
         first tokens at position 0 in turn (``LOOK`` at most), the next token is found, then first tokens are tried
-        under it (:meth:`_firsts_under`) until the acceptor finds one under which the next row's state fits, separated
-        from the others; else the first try's choice. A guess all the same (the next token was found given another
-        first one)."""
+        under it (:meth:`_firsts_under`) until the acceptor finds any under which the next row's state fits (several
+        may: another next token would not separate them either); else the first try's choice. A guess all the same
+        (the next token was found given another first one)."""
         order = (self.table.double() - first.double()).norm(dim=1).argsort()
         ran, picks = 0, []
         for guess in order[:LOOK].tolist():
@@ -228,9 +231,9 @@ class RowSearch:
             pick, tried = self._firsts_under(following.token, order, after)
             ran += count + tried
             picks.append(pick)
-            if not pick.guess:
+            if pick.reason != acceptor.NO_FIT:
                 break
-        token = (picks[-1] if not picks[-1].guess else picks[0]).token
+        token = (picks[-1] if picks[-1].reason != acceptor.NO_FIT else picks[0]).token
         assert token is not None
         return token, ran
 
