@@ -98,7 +98,7 @@ class Audit(Experiment):
     }  # fmt: skip
     full_duration = (
         "hours on SmolLM2 on a 2-core CPU (not measured whole: its states leak took 8.4 minutes at layer 1 and 35 "
-        "minutes at layer 15, 20 of its 90 cells, docs/audit.md); --quick: 56 s"
+        "minutes at layer 15, 20 of its 90 cells, docs/audit.md); --quick: 64 s"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:

@@ -243,22 +243,17 @@ class RowSearch:
         time; and the first tokens tried."""
         radii, probe = self.radii(after, 1), self.model.probe
         done = torch.zeros(len(order), dtype=torch.bool)
-        seen_ids, seen_rows, seen_dists, measured = [], [], [], {}
+        seen = _Verified(after)
         while True:
             batch = order[~done[order]][:BATCH]
             done[batch] = True
             pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
             with torch.no_grad():
                 rows = self.rows_of(probe.states(pairs, [self.layer])[self.layer][:, 1], 1)
-            dists = (rows.double() - after.double()).norm(dim=1)
-            measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
-            seen_ids.append(batch)
-            seen_rows.append(rows)
-            seen_dists.append(dists)
-            ids, rows, dists = torch.cat(seen_ids), torch.cat(seen_rows), torch.cat(seen_dists)
+            ids, rows, dists = seen.add(batch, rows)
             spent = bool(done.all())
             evidence = Evidence(
-                ids, dists, rows, after, measured, radii.cached, False,
+                ids, dists, rows, after, seen.measured, radii.cached, False,
                 exhausted=spent, swept=spent, checked=len(ids), twins=self.twins,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
@@ -305,21 +300,14 @@ class RowSearch:
         prefix = functools.cache(lambda: probe.prefix(prefix_ids, self.layer))  # made once, where first needed
         order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading)
         done = torch.zeros(vocab, dtype=torch.bool)
-        seen_ids, seen_rows, seen_dists = [], [], []
-        measured: dict[int, float] = {}  # every verified distance, measured with the rounding inside the radii
+        seen = _Verified(target)
         while True:
             batch = order[~done[order]][: vocab if t == 0 else BATCH]
             done[batch] = True
-            rows = self._verify(prefix_ids, batch, prefix)
-            dists = (rows.double() - target.double()).norm(dim=1)
-            measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
-            seen_ids.append(batch)
-            seen_rows.append(rows)
-            seen_dists.append(dists)
-            ids, rows, dists = torch.cat(seen_ids), torch.cat(seen_rows), torch.cat(seen_dists)
+            ids, rows, dists = seen.add(batch, self._verify(prefix_ids, batch, prefix))
             spent = bool(done.all())
             evidence = Evidence(
-                ids, dists, rows, target, measured, radii.cached, False,
+                ids, dists, rows, target, seen.measured, radii.cached, False,
                 exhausted=spent, swept=spent, checked=len(ids), fitted=fitted, twins=self.twins,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
@@ -328,6 +316,27 @@ class RowSearch:
             order = self.ridge.order(ids, rows, target)
             if t == 1 and self.reading is not None:
                 order = merge(torch.stack([self.reading.second(ids, rows, target), order]))
+
+
+class _Verified:
+    """The candidates verified at one position so far: ids, rows, distances to ``target`` (every one measured with the
+    rounding inside the radii, also by id in ``measured``)."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target.double()
+        self.ids: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+        self.dists: list[torch.Tensor] = []
+        self.measured: dict[int, float] = {}
+
+    def add(self, batch: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add a batch's rows; every candidate verified so far: ``(ids, rows, distances)``."""
+        dists = (rows.double() - self.target).norm(dim=1)
+        self.measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
+        self.ids.append(batch)
+        self.rows.append(rows)
+        self.dists.append(dists)
+        return torch.cat(self.ids), torch.cat(self.rows), torch.cat(self.dists)
 
 
 def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None:
