@@ -231,9 +231,9 @@ class RowSearch:
             pick, tried = self._firsts_under(following.token, order, after)
             ran += count + tried
             picks.append(pick)
-            if pick.reason != acceptor.NO_FIT:
+            if not pick.unfitted:
                 break
-        token = (picks[-1] if picks[-1].reason != acceptor.NO_FIT else picks[0]).token
+        token = (picks[0] if picks[-1].unfitted else picks[-1]).token
         assert token is not None
         return token, ran
 

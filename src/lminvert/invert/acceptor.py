@@ -131,6 +131,11 @@ class Decision:
     def final(self) -> bool:
         return self.token is not None
 
+    @property
+    def unfitted(self) -> bool:
+        """Decided with no candidate within the error model (the nearest, as a guess)."""
+        return self.reason == NO_FIT
+
 
 PENDING = Decision()
 
