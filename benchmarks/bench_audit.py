@@ -1,14 +1,16 @@
 """The audit's rows search (``lminvert audit``'s attack on rows a defence changed, a KV cache, a projection) in
 several configurations, in the same process:
 
-* ``plain``  - no memo, no reading, no lookahead: every defence's search runs all its candidates through the model,
-  each position's first batch is the model's prediction, position 0 is the nearest first token;
-* ``memo``   - one :class:`lminvert.audit.memo.StateMemo` for every defence's search at the layer: a candidate another
-  defence's search already verified over the same prefix is not run through the model again;
+* ``plain``  - no memo, no reading, no lookahead, batches of 256: every defence's search runs all its candidates
+  through the model, each position's first batch is the model's prediction, position 0 is the nearest first token;
+* ``memo``   - batches of 256, one :class:`lminvert.audit.memo.StateMemo` for every defence's search at the layer:
+  a candidate another defence's search already verified over the same prefix is not run through the model again;
 * ``read``   - the memo, and half of each first batch from what the shipped row reads as (states leaks:
-  :class:`lminvert.audit.search.StateReading`);
+  :class:`lminvert.audit.rankers.StateReading`);
 * ``look``   - the memo, and where several first tokens fit, the next row chooses among them (``RowSearch(lookahead)``);
-* ``all``    - all three (the audit's default).
+* ``wide``   - all three, every batch of candidates ``BATCH`` (256);
+* ``all``    - all three, each position's first batch ``FIRST`` (32), then the rest of ``BATCH``, then ``BATCH`` per
+  batch (the audit's default).
 
     python benchmarks/bench_audit.py                                   # SmolLM2, states, layers 1,15,30, 4 x 12
     python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8 --configs memo,all   # a quick look
@@ -38,14 +40,16 @@ import torch
 import lminvert
 from lminvert.audit import make_leak, parse_defence
 from lminvert.audit.attack import Attack
+from lminvert.audit.search import BATCH, FIRST
 from lminvert.experiments.prompts import evaluation_prompts
 
 CONFIGS = {
-    "plain": {"memo": False, "reading": False, "lookahead": False},
-    "memo": {"memo": True, "reading": False, "lookahead": False},
-    "read": {"memo": True, "reading": True, "lookahead": False},
-    "look": {"memo": True, "reading": False, "lookahead": True},
-    "all": {"memo": True, "reading": True, "lookahead": True},
+    "plain": {"memo": False, "reading": False, "lookahead": False, "first": BATCH},
+    "memo": {"memo": True, "reading": False, "lookahead": False, "first": BATCH},
+    "read": {"memo": True, "reading": True, "lookahead": False, "first": BATCH},
+    "look": {"memo": True, "reading": False, "lookahead": True, "first": BATCH},
+    "wide": {"memo": True, "reading": True, "lookahead": True, "first": BATCH},
+    "all": {"memo": True, "reading": True, "lookahead": True, "first": FIRST},
 }
 DEFENCES = "noise:0.001,noise:0.01,quant:bf16,quant:fp8,quant:int8,quant:int4,drop:0.25,project:128"
 

@@ -33,7 +33,8 @@ from ..states import HiddenStates
 from .defences import Shipped
 from .leaks import Leak
 from .memo import StateMemo
-from .search import Measured, RowSearch, StateReading, measure
+from .rankers import StateReading
+from .search import BATCH, FIRST, Measured, RowSearch, measure
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,16 @@ class Attack:
     """The attack on one leak at one layer (calibrations and tables computed once, reused for every defence; with
     ``memo``, the candidates' states the rows searches verified too: :class:`.memo.StateMemo`)."""
 
-    def __init__(self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True) -> None:
+    def __init__(
+        self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST
+    ) -> None:
         """``reading``: a states leak's rows searches take half of each position's first batch from what the row
-        reads as (:class:`.search.StateReading`); ``lookahead``: where several first tokens fit, the next row
-        chooses (:class:`.search.RowSearch`; off: the nearest at position 0). The first changes which candidates run
-        first; the second which first token is guessed, whose verdict stays ``uncertain`` either way."""
-        self.leak, self.reading, self.lookahead = leak, reading, lookahead
+        reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
+        chooses (:class:`.search.RowSearch`; off: the nearest at position 0); ``first``: the rows searches' first
+        batch at a position (then the rest of ``search.BATCH``, then ``BATCH`` per batch; ``BATCH``: every batch that
+        size). The first and last change which candidates run and when; the second which first token is
+        guessed, whose verdict stays ``uncertain`` either way."""
+        self.leak, self.reading, self.lookahead, self.first = leak, reading, lookahead, first
         self.model: LoadedModel = leak.model
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._measured: dict[bool, Measured] = {}
@@ -147,10 +152,11 @@ class Attack:
         measured = measured or self._measure(public)
         reading = None
         if self.reading and self.leak.name == "states" and public is None:
-            reading = StateReading(self.model, layer)
+            reading = StateReading(self.model, layer, BATCH)
         search = RowSearch(
-            self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead
-        )
+            self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead,
+            self.first,
+        )  # fmt: skip
         out = []
         for r in rows:
             found = search.run(r)

@@ -37,20 +37,25 @@ import torch
 from ..invert import acceptor
 from ..invert.acceptor import Evidence, Radii
 from ..invert.proposal import merge
-from ..invert.reader import reading_for
-from ..invert.reading import nearest_inputs, read
 from ..invert.sources import ErrorModel
-from ..invert.tables import first_position_table, position1_projection
+from ..invert.tables import first_position_table
 from ..invert.tolerance import FLOOR, SAFETY, calibration_prompts, norm
 from ..models import LoadedModel, Prefix
 from ..models.ties import tied_token_groups
 from .memo import StateMemo
+from .rankers import Ridge, StateReading
+from .running import Running
 
-BATCH = 256  # candidates verified per forward
-GUESSES = 8  # tokens tried at a missing position (the prediction's first ones)
-LOOK = 8  # first tokens (the nearest at position 0) under which the next token is sought where several fit there
-FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
-RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
+BATCH = 256  # candidates verified per forward, at most
+FIRST = 32  # the first batch at a position after the first (then the rest of BATCH, then BATCH per batch): the rankers
+# put the true token of a row that fits among their first few dozen at most positions, and a forward's cost is its
+# batch's
+# candidates offered at a position once, after a guess, the row before fitted nothing (the prefix is likely wrong, so
+# nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
+# prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
+BROKEN = 2 * BATCH
+LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
+# position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
 
 Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a position -> rows [n, k] as shipped
 
@@ -78,51 +83,29 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> Measured:
-    """The disagreements on two calibration prompts of 12 tokens (every position measured)."""
+    """The disagreements on two calibration prompts of 12 tokens (every position measured; the cached forward over a
+    prefix made in one forward and over one grown a token at a time, one token and two at a time, as the search runs
+    them)."""
     probe = model.probe
     rounding, first, rest = 0.0, 0.0, 0.0
     for ids in calibration_prompts(model, n=2, length=12):
         observed = capture(ids)
         plain = probe.states(torch.tensor(ids), [layer])[layer][0]
+        running = Running(model, layer)  # the search's prefixes grow a token at a time: measured both ways
         for t in range(len(ids)):
             row = rows_of(plain[t : t + 1], t)
-            cached = rows_of(probe.continuation(probe.prefix(ids[:t], layer), torch.tensor([ids[t]])), t)
-            rounding = max(rounding, _relative(cached, row))
+            for prefix in [probe.prefix(ids[:t], layer)] + ([running.prefix()] if t else []):
+                cached = rows_of(probe.continuation(prefix, torch.tensor([ids[t]])), t)
+                rounding = max(rounding, _relative(cached, row))
+                if t + 1 < len(ids):  # two tokens at a time (the lookahead's): the second one's row
+                    pair = rows_of(probe.chains(prefix, torch.tensor([ids[t : t + 2]]))[0][:, 1], t + 1)
+                    rounding = max(rounding, _relative(pair, rows_of(plain[t + 1 : t + 2], t + 1)))
+            running.add(ids[t])
             if t == 0:
                 first = max(first, _relative(observed[:1], row))
             else:
                 rest = max(rest, _relative(observed[t : t + 1], row))
     return Measured(rounding, first, rest)
-
-
-class _Ridge:
-    """Rows predicted from input vectors by a ridge fit on the verified candidates (dual form: fewer samples than
-    dimensions), and the vocabulary ordered by how near its predicted rows lie to the target."""
-
-    def __init__(self, vocab: torch.Tensor) -> None:
-        self.vocab = vocab  # [V, d] float32
-
-    def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Every token, the nearest predicted row first. The prediction of input ``v`` is ``v W + b`` with
-        ``W = X^T alpha`` (``X`` the centred inputs of the ``n`` samples): it lies in the span of ``alpha``'s rows, so
-        its distance to the target is, up to a constant, its distance there. Measured in an orthonormal basis ``U`` of
-        that span (``n`` dimensions, not the rows' ``k``), the vocabulary's product costs ``V x d x n``, not
-        ``V x d x k``, and the order is the same (up to float32 rounding)."""
-        nearest = (rows.double() - target.double()).norm(dim=1).argsort()[:FIT]  # a local fit: the closest ones
-        ids, rows = ids[nearest], rows[nearest]
-        x = self.vocab[ids].double()
-        mean_x, mean_y = x.mean(0), rows.double().mean(0)
-        x = x - mean_x
-        gram = x @ x.T
-        penalty = RIDGE * float(gram.diagonal().mean()) + 1e-12
-        alpha = torch.linalg.solve(gram + penalty * torch.eye(len(x), dtype=torch.float64), rows.double() - mean_y)
-        weights = x.T @ alpha  # [d, k]
-        offset = mean_y - mean_x @ weights - target.double()
-        if len(alpha) < alpha.shape[1]:  # fewer samples than the rows' dimensions: measure in alpha's row span
-            basis = torch.linalg.qr(alpha.T).Q  # [k, n]
-            weights, offset = weights @ basis, offset @ basis
-        # the prediction itself in float32: it only orders candidates
-        return (self.vocab @ weights.float() + offset.float()).norm(dim=1).argsort()
 
 
 class RowSearch:
@@ -131,24 +114,29 @@ class RowSearch:
     def __init__(
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
         table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
-        lookahead: bool = True,
+        lookahead: bool = True, first: int = FIRST,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
         ``reading``: what shipped states read as (:class:`StateReading`, a states leak only; None: the first batch is
         the model's prediction alone, later ones the ridge fit's); ``lookahead``: where several first tokens fit, the
-        next row chooses among them (False: the nearest at position 0)."""
+        next row chooses among them (False: the nearest at position 0); ``first``: the first batch of candidates at a
+        position after the first, then the rest of ``BATCH``, then ``BATCH`` per batch (``BATCH``: every batch that
+        size)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
         self.reading, self.lookahead = reading, lookahead
+        if not 1 <= first <= BATCH:
+            raise ValueError(f"the first batch must hold 1 to {BATCH} candidates, not {first}")
+        self.first = first
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
         self.floor = max(FLOOR, float(torch.finfo(probe.dtype).eps))
-        self.ridge = _Ridge(probe.vocab_matrix(torch.float32).cpu())
+        self.ridge = Ridge(probe.vocab_matrix(torch.float32).cpu())
         if table is None:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
@@ -169,16 +157,24 @@ class RowSearch:
         verdicts: list[str] = []
         checked: list[int] = []
         gaps: list[float | None] = []
-        after_guess = fitted = False
+        after_guess = fitted = broken = False
         reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
+        running = Running(self.model, self.layer)
         for t, row in enumerate(shipped.float()):
             after = shipped[t + 1].float() if t + 1 < len(shipped) else None
+            following = reads[t + 1] if t + 1 < len(shipped) else None
+            # after a guess under which the last row fitted nothing, the prefix is likely wrong: this position is
+            # offered BROKEN candidates at most, and a missing one is not chosen by the next row
+            budget = BROKEN if after_guess and broken else None
             if torch.isnan(row).any():
-                decision, count, gap = self._missing(ids, after), 0, None
+                decision, count, fit = self._missing(ids, after, following, running, broken)
+                gap, broken = None, not fit
             else:
-                decision, count, gap = self._position(ids, row, t, fitted, reads[t])
+                decision, count, gap = self._position(ids, row, t, fitted, reads[t], running, budget)
+                broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
-                token, looked = self._first_by_next(row, after, reads[1])
+                nearest = (self.table.double() - row.double()).norm(dim=1).argsort()
+                token, looked, _ = self._by_next([], nearest, after, following)
                 decision, count = acceptor.chosen_by_next(token), count + looked
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
@@ -186,16 +182,20 @@ class RowSearch:
             # after a guess, later positions fit only if it was right: they are not searched through the vocabulary
             fitted = (fitted and not decision.guess) or verdict != acceptor.UNCERTAIN
             ids.append(decision.token)
+            running.add(decision.token)
             verdicts.append(verdict)
             checked.append(count)
             gaps.append(gap)
         return Found(ids, verdicts, checked, gaps, time.perf_counter() - start)
 
-    def _prediction(self, prefix: list[int]) -> torch.Tensor:
-        """Every token, most likely next first (the model's own prediction from the recovered prefix)."""
-        if self.memo is not None:
-            return self.memo.prediction(prefix, lambda: self._predict(prefix))
-        return self._predict(prefix)
+    def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
+        """Every token, most likely next first (the model's own prediction from the recovered prefix; from
+        ``running``'s cache where it holds the prefix)."""
+        if running is not None and running.holds(prefix):
+            compute = running.prediction
+        else:
+            compute = functools.partial(self._predict, prefix)
+        return compute() if self.memo is None else self.memo.prediction(prefix, compute)
 
     def _predict(self, prefix: list[int]) -> torch.Tensor:
         probe = self.model.probe
@@ -208,48 +208,63 @@ class RowSearch:
             logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
         return logits.float().cpu().argsort(descending=True)
 
-    def _ranked(self, prefix: list[int], reading: torch.Tensor | None) -> torch.Tensor:
+    def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
         """Every token, the first batch alternately from the row's reading and the model's prediction (the
         prediction alone without a reading), then the prediction's order."""
-        predicted = self._prediction(prefix)
+        predicted = self._prediction(prefix, running)
         if reading is None:
             return predicted
-        return torch.cat([merge(torch.stack([reading[:BATCH], predicted[:BATCH]])), predicted])
+        head = merge(torch.stack([reading[:BATCH], predicted[:BATCH]]))
+        return torch.cat([head, predicted[~torch.isin(predicted, head)]])
 
-    def _first_by_next(self, first: torch.Tensor, after: torch.Tensor, reading) -> tuple[int, int]:
-        """Position 0's token where several fit its row (an attention sink's huge norm lets noise or quantisation
-        cover the gaps between first tokens) or none does, and the candidates this ran. Given each of the nearest
-        first tokens at position 0 in turn (``LOOK`` at most), the next token is found, then first tokens are tried
-        under it (:meth:`_firsts_under`) until the acceptor finds any under which the next row's state fits (several
-        may: another next token would not separate them either); else the first try's choice. A guess all the same
-        (the next token was found given another first one)."""
-        order = (self.table.double() - first.double()).norm(dim=1).argsort()
-        ran, picks = 0, []
+    def _by_next(
+        self, prefix_ids: list[int], order: torch.Tensor, after: torch.Tensor, reading, running: Running | None = None
+    ) -> tuple[int, int, bool]:
+        """The token at position ``t = len(prefix_ids)`` chosen by the next row ``after``, where several fit its own
+        row (position 0: an attention sink's huge norm lets noise or quantisation cover the gaps between first
+        tokens), none does, or the row is missing; and the candidates this ran. Given each of the first tokens of
+        ``order`` in turn (``LOOK`` at most), the next token is found, then tokens at ``t`` are tried under it
+        (:meth:`_under`) until the acceptor finds any under which the next row's state fits (several may: another next
+        token would not separate them either); else the first try's choice. A guess all the same (the next token was
+        found given another one at ``t``). Returned: the token, the candidates run, whether the next row fitted. A
+        next token already tried is not tried again."""
+        t = len(prefix_ids)
+        ran, picks, tried = 0, [], set()
         for guess in order[:LOOK].tolist():
-            following, count, _ = self._position([guess], after, 1, False, reading)
+            following, count, _ = self._position([*prefix_ids, guess], after, t + 1, False, reading)
+            ran += count
             assert following.token is not None
-            pick, tried = self._firsts_under(following.token, order, after)
-            ran += count + tried
+            if following.token in tried:
+                continue
+            tried.add(following.token)
+            pick, under = self._under(prefix_ids, following.token, order, after, running)
+            ran += under
             picks.append(pick)
             if not pick.unfitted:
                 break
         token = (picks[0] if picks[-1].unfitted else picks[-1]).token
         assert token is not None
-        return token, ran
+        return token, ran, not picks[-1].unfitted
 
-    def _firsts_under(self, following: int, order: torch.Tensor, after: torch.Tensor) -> tuple[acceptor.Decision, int]:
-        """The acceptor's choice of a first token by the next row, the next token being ``following``: first tokens
-        in ``order``, then by a ridge fit of the next row on their input vectors, a batch of two-token forwards at a
-        time; and the first tokens tried."""
-        radii, probe = self.radii(after, 1), self.model.probe
+    def _under(
+        self, prefix_ids: list[int], following: int, order: torch.Tensor, after: torch.Tensor, running: Running | None
+    ) -> tuple[acceptor.Decision, int]:
+        """The acceptor's choice of the token at ``t = len(prefix_ids)`` by the next row, the next token being
+        ``following``: tokens in ``order``, then by a ridge fit of the next row on their input vectors, a batch of
+        two-token continuations of the prefix at a time (:meth:`LayerProbe.chains`); and the tokens tried."""
+        t, probe = len(prefix_ids), self.model.probe
+        radii = self.radii(after, t + 1)
+        if running is not None and running.holds(prefix_ids):
+            prefix = running.prefix()
+        else:
+            prefix = probe.prefix(prefix_ids, self.layer)
         done = torch.zeros(len(order), dtype=torch.bool)
         seen = _Verified(after)
-        while True:
-            batch = order[~done[order]][:BATCH]
+        for size in self._sizes():
+            batch = order[~done[order]][:size]
             done[batch] = True
             pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
-            with torch.no_grad():
-                rows = self.rows_of(probe.states(pairs, [self.layer])[self.layer][:, 1], 1)
+            rows = self.rows_of(probe.chains(prefix, pairs)[0][:, 1], t + 1)
             ids, rows, dists = seen.add(batch, rows)
             spent = bool(done.all())
             evidence = Evidence(
@@ -259,23 +274,40 @@ class RowSearch:
             decision = acceptor.decide(evidence, radii)
             if decision.final:
                 return decision, len(ids)
-            order = self.ridge.order(ids, rows, after)
+            order = self._reranked(order, ids, rows, after)
+        raise AssertionError("unreachable: the batches never end")
 
-    def _missing(self, prefix: list[int], after: torch.Tensor | None) -> acceptor.Decision:
-        """A missing position: of the prediction's first ``GUESSES`` tokens, the one under which the next position's
-        row (if shipped) has the nearest candidate among the prediction's first batch there."""
-        guesses = self._prediction(prefix)[:GUESSES]
-        if after is not None and not torch.isnan(after).any():
-            nearest = []
-            for g in guesses.tolist():
-                grown = [*prefix, g]
-                rows = self._verify(grown, self._prediction(grown)[:BATCH])
-                nearest.append(float((rows.double() - after.double()).norm(dim=1).min()))
-            guesses = guesses[torch.tensor(nearest).argsort()]
-        guess = guesses[:1]
+    def _reranked(self, order: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor):
+        """The order of the next batch: the rankers' own until ``BATCH`` candidates are verified, then the ridge fit's
+        (a fit on a few dozen candidates chosen by the rankers orders the vocabulary badly; SmolLM2 layer 15, fp8: a
+        true token the fit on 256 put in the next batch stayed out of 1,248 when the fit started at 32)."""
+        return self.ridge.order(ids, rows, target) if len(ids) >= BATCH else order
+
+    def _sizes(self):
+        """The batch sizes at a position after the first: ``first``, the rest of ``BATCH``, then ``BATCH`` for ever
+        (the first ``BATCH`` candidates are the rankers' first ``BATCH`` whatever ``first`` is; a position that needs
+        more than ``first`` usually needs many more, and small batches cost more per candidate)."""
+        yield self.first
+        if self.first < BATCH:
+            yield BATCH - self.first
+        while True:
+            yield BATCH
+
+    def _missing(
+        self, prefix: list[int], after: torch.Tensor | None, reading, running: Running, broken: bool
+    ) -> tuple[acceptor.Decision, int, bool]:
+        """A missing position: chosen by the next row where it is shipped (:meth:`_by_next`, the model's prediction
+        first) and the row before fitted (``broken``: it did not, so the prefix is likely wrong and nothing would fit
+        the next row), else the prediction's first token; a guess either way. And the candidates this ran, and
+        whether the next row fitted under the token (True where it was not tried)."""
+        predicted = self._prediction(prefix, running)
+        if after is not None and not torch.isnan(after).any() and self.lookahead and not broken:
+            token, ran, fit = self._by_next(prefix, predicted, after, reading, running)
+            return acceptor.chosen_by_next(token), ran, fit
+        guess = predicted[:1]
         empty = torch.empty(0)
         evidence = Evidence(guess, torch.full((1,), math.inf), empty, empty, {}, 0.0, False, exhausted=True)
-        return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)), 0, not broken
 
     def _verify(
         self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix] | None = None
@@ -292,30 +324,39 @@ class RowSearch:
             return self.rows_of(probe.continuation(made(), ids.to(probe.device)), t)
 
     def _position(
-        self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None
-    ) -> tuple[acceptor.Decision, int, float | None]:
+        self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
+        running: Running | None = None, budget: int | None = None,
+    ) -> tuple[acceptor.Decision, int, float | None]:  # fmt: skip
+        """The decision at position ``t`` after ``prefix_ids`` (``running``: the search's recovered prefix, whose
+        caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many), the
+        candidates verified, half the gap to the nearest other."""
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
-        prefix = functools.cache(lambda: probe.prefix(prefix_ids, self.layer))  # made once, where first needed
-        order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading)
+        if running is not None and running.holds(prefix_ids):
+            prefix = running.prefix
+        else:  # made once, where first needed
+            prefix = functools.cache(lambda: probe.prefix(prefix_ids, self.layer))
+        order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = _Verified(target)
-        while True:
-            batch = order[~done[order]][: vocab if t == 0 else BATCH]
+        for size in [vocab] if t == 0 else self._sizes():
+            batch = order[~done[order]][:size]
             done[batch] = True
             ids, rows, dists = seen.add(batch, self._verify(prefix_ids, batch, prefix))
             spent = bool(done.all())
             evidence = Evidence(
                 ids, dists, rows, target, seen.measured, radii.cached, False,
-                exhausted=spent, swept=spent, checked=len(ids), fitted=fitted, twins=self.twins,
+                exhausted=spent or (budget is not None and len(ids) >= budget), swept=spent, checked=len(ids),
+                fitted=fitted, twins=self.twins,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.final:
                 return decision, len(ids), _half_gap(ids, rows, decision.token)
-            order = self.ridge.order(ids, rows, target)
+            order = self._reranked(order, ids, rows, target)
             if t == 1 and self.reading is not None:
                 order = merge(torch.stack([self.reading.second(ids, rows, target), order]))
+        raise AssertionError("unreachable: position 0 verifies the whole vocabulary, others never run out of batches")
 
 
 class _Verified:
@@ -346,43 +387,3 @@ def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None
     others = torch.cat([rows[: chosen[0]], rows[chosen[0] + 1 :]])
     gap = float((others - rows[chosen[0]]).norm(dim=1).min()) / 2
     return gap if math.isfinite(gap) else None
-
-
-class StateReading:
-    """What shipped rows of states at ``layer`` read as, for the rows search of a states leak (proposals only: every
-    candidate is still verified):
-
-    * :meth:`orders` - per position, the ``BATCH`` tokens whose input vectors lie nearest what the row (and the one
-      before it) reads as (:mod:`lminvert.invert.reading`: the reading network where one is cached, else the linear
-      reading map, built and cached on first use);
-    * :meth:`second` - at position 1, every token by the position-1 map ``h ~ a + e_v J``
-      (:func:`lminvert.invert.tables.position1_projection`), the offset ``a`` from the verified candidates: the
-      reading and the model's prediction after one token are weakest there."""
-
-    def __init__(self, model: LoadedModel, layer) -> None:
-        self.model, self.layer = model, layer
-        self.weights = reading_for(model, layer)
-
-    def orders(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
-        """Per position of ``rows`` ``[T, d]``, the reading's first tokens (None at position 0, whose table verifies
-        every token, and where the row or the one before it is missing)."""
-        rows = rows.float()
-        present = ~torch.isnan(rows).any(dim=1)
-        usable = [t for t in range(1, len(rows)) if present[t] and present[t - 1]]
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        if usable:
-            predicted = read(self.weights, rows.nan_to_num().to(self.model.probe.device))[usable]
-            for t, order in zip(usable, nearest_inputs(self.model, predicted, BATCH).cpu(), strict=True):
-                out[t] = order
-        return out
-
-    def second(self, ids: torch.Tensor, states: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Every token at position 1, nearest first, by the position-1 map with its offset measured on the verified
-        candidates ``ids`` and their states (attention sinks, norms 4x the median and more, left out)."""
-        jac, norms = position1_projection(self.model, self.layer)
-        jac, norms = jac.float().cpu(), norms.float().cpu()
-        vocab = self.model.probe.vocab_matrix(torch.float32).cpu()
-        size = states.norm(dim=1)
-        keep = size <= 4 * size.median()
-        offset = (states[keep].float() - vocab[ids[keep]] @ jac).mean(0)
-        return (norms - 2 * vocab @ (jac @ (target.float() - offset))).argsort()
