@@ -229,8 +229,13 @@ class RowSearch:
         found given another one at ``t``). Returned: the token, the candidates run, whether the next row fitted. A
         next token already tried is not tried again."""
         t = len(prefix_ids)
-        ran, picks, tried = 0, [], set()
-        for guess in order[:LOOK].tolist():
+        ran, picks, tried, guessed = 0, [], set(), set()
+        queue = order[:LOOK].tolist()
+        while queue and len(guessed) < LOOK:
+            guess = queue.pop(0)
+            if guess in guessed:
+                continue
+            guessed.add(guess)
             following, count, _ = self._position([*prefix_ids, guess], after, t + 1, False, reading)
             ran += count
             assert following.token is not None
@@ -242,6 +247,8 @@ class RowSearch:
             picks.append(pick)
             if not pick.unfitted:
                 break
+            assert pick.token is not None
+            queue.insert(0, pick.token)  # the nearest under that next token is the next try
         token = (picks[0] if picks[-1].unfitted else picks[-1]).token
         assert token is not None
         return token, ran, not picks[-1].unfitted
