@@ -246,3 +246,57 @@ def test_a_first_token_several_fit_is_chosen_by_the_next_row(tiny):
     assert found[False].token_ids[0] == other
     assert found[True].token_ids == ids
     assert all(v == "uncertain" for f in found.values() for v in f.verdicts)
+
+
+def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny):
+    """audit.running.Running: the prediction after the recovered prefix and the probe's prefix at the layer, grown a
+    token at a time, are those computed over the whole prefix (the same order; states within float32 rounding), and
+    a prefix that is not the running one is not served by it."""
+    from lminvert.audit.running import Running
+    from lminvert.audit.search import RowSearch
+
+    layer = tiny.probe.layer(2)
+    ids = [5, 17, 300, 2, 999, 42]
+    running = Running(tiny, layer)
+    candidates = torch.tensor([4, 8, 15, 16, 23, 42])
+    search = RowSearch.__new__(RowSearch)  # only its whole-prefix prediction is used here
+    search.model = tiny
+    for t, token in enumerate(ids):
+        running.add(token)
+        if t % 2:  # caches asked for every other position: the tokens added since join in one go
+            continue
+        assert running.holds(ids[: t + 1]) and not running.holds(ids[:t]) and not running.holds([])
+        whole = search._predict(ids[: t + 1])
+        assert torch.equal(running.prediction()[:20], whole[:20])
+        grown = tiny.probe.continuation(running.prefix(), candidates)
+        again = tiny.probe.continuation(tiny.probe.prefix(ids[: t + 1], layer), candidates)
+        torch.testing.assert_close(grown, again, rtol=1e-5, atol=1e-5)
+
+
+def test_a_missing_position_is_chosen_by_the_next_row(tiny):
+    """A dropped position whose token the model ranks far down its prediction: the prediction's first is wrong, the
+    next row (shipped whole) chooses the right one (the rest of the prompt comes back whole too); every verdict from
+    the missing position on is ``uncertain``, and none is claimed wrongly."""
+    from lminvert.audit.attack import Attack
+    from lminvert.audit.search import RowSearch
+
+    layer = tiny.probe.layer(2)
+    leak = make_leak("states", tiny, layer)
+    prefix = [5, 17, 300]
+    search = RowSearch.__new__(RowSearch)
+    search.model = tiny
+    ids = [*prefix, int(search._predict(prefix)[100]), 999, 42]  # the prediction's 101st token at position 3
+    shipped = leak.capture(ids)
+    shipped[3] = float("nan")
+    attack = Attack(leak, memo=False)
+    found = {}
+    for lookahead in (False, True):
+        search = RowSearch(
+            tiny, layer, leak.rows_of, parse_source("noise:0.01"), attack._measure(None), attack.table,
+            lookahead=lookahead,
+        )  # fmt: skip
+        found[lookahead] = search.run(shipped)
+    assert found[False].token_ids[3] != ids[3]
+    assert found[True].token_ids == ids
+    for f in found.values():
+        assert all(v == "uncertain" for v in f.verdicts[3:]) and all(v != "uncertain" for v in f.verdicts[:3])
