@@ -97,8 +97,8 @@ class Audit(Experiment):
         "leaks": ["states", "kv", "last"], "defences": list(DEFAULT), "prompts_file": None,
     }  # fmt: skip
     full_duration = (
-        "hours on SmolLM2 on a 2-core CPU (not measured whole: its states leak took 8.4 minutes at layer 1 and 35 "
-        "minutes at layer 15, 20 of its 90 cells, docs/audit.md); --quick: 64 s"
+        "over an hour on SmolLM2 on a 2-core CPU (not measured whole: its states leak took 5.4 minutes at layer 1 and "
+        "21 minutes at layer 15, its KV leak 27 minutes at block 15, docs/audit.md); --quick: 86 s"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:

@@ -259,9 +259,8 @@ class RowSearch:
         """The acceptor's choice of the token at ``t = len(prefix_ids)`` by the next row, the next token being
         ``following``: tokens in ``order``, then by a ridge fit of the next row on their input vectors, a batch of
         ``BATCH`` two-token continuations of the prefix at a time (:meth:`LayerProbe.chains`); and the tokens tried.
-        No smaller first batch here: the order at position 0 (the nearest first tokens) is a weak ranker, and on 32 of
-        them a wrong first token was found alone within the next row's error bound (SmolLM2 layer 1, quant:int4: 5 of
-        20 first tokens wrong that batches of 256 had right)."""
+        No smaller first batch: the nearest first tokens are a weak order, and on 32 of them a wrong one fitted alone
+        (SmolLM2 layer 1, quant:int4: 5 of 20 first tokens wrong that batches of 256 had right)."""
         t, probe = len(prefix_ids), self.model.probe
         radii = self.radii(after, t + 1)
         if running is not None and running.holds(prefix_ids):
