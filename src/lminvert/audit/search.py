@@ -258,9 +258,8 @@ class RowSearch:
     ) -> tuple[acceptor.Decision, int]:
         """The acceptor's choice of the token at ``t = len(prefix_ids)`` by the next row, the next token being
         ``following``: tokens in ``order``, then by a ridge fit of the next row on their input vectors, a batch of
-        ``BATCH`` two-token continuations of the prefix at a time (:meth:`LayerProbe.chains`); and the tokens tried.
-        No smaller first batch: the nearest first tokens are a weak order, and on 32 of them a wrong one fitted alone
-        (SmolLM2 layer 1, quant:int4: 5 of 20 first tokens wrong that batches of 256 had right)."""
+        two-token continuations of the prefix at a time (:meth:`LayerProbe.chains`; batches as :meth:`_sizes`); and
+        the tokens tried."""
         t, probe = len(prefix_ids), self.model.probe
         radii = self.radii(after, t + 1)
         if running is not None and running.holds(prefix_ids):
@@ -269,7 +268,7 @@ class RowSearch:
             prefix = probe.prefix(prefix_ids, self.layer)
         done = torch.zeros(len(order), dtype=torch.bool)
         seen = _Verified(after)
-        for size in self._sizes(BATCH):
+        for size in self._sizes():
             batch = order[~done[order]][:size]
             done[batch] = True
             pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
@@ -292,15 +291,13 @@ class RowSearch:
         true token the fit on 256 put in the next batch stayed out of 1,248 when the fit started at 32)."""
         return self.ridge.order(ids, rows, target) if len(ids) >= BATCH else order
 
-    def _sizes(self, first: int | None = None):
-        """The batch sizes at a position after the first: ``first`` (the search's own where not given), the rest of
-        ``BATCH``, then ``BATCH`` for ever (the first ``BATCH`` candidates are the rankers' first ``BATCH`` whatever
-        ``first`` is; a position that needs more than ``first`` usually needs many more, and small batches cost more
-        per candidate)."""
-        first = self.first if first is None else first
-        yield first
-        if first < BATCH:
-            yield BATCH - first
+    def _sizes(self):
+        """The batch sizes at a position after the first: ``first``, the rest of ``BATCH``, then ``BATCH`` for ever
+        (the first ``BATCH`` candidates are the rankers' first ``BATCH`` whatever ``first`` is; a position that needs
+        more than ``first`` usually needs many more, and small batches cost more per candidate)."""
+        yield self.first
+        if self.first < BATCH:
+            yield BATCH - self.first
         while True:
             yield BATCH
 
