@@ -98,7 +98,7 @@ class Audit(Experiment):
     }  # fmt: skip
     full_duration = (
         "over an hour on SmolLM2 on a 2-core CPU (not measured whole: its states leak took 5.4 minutes at layer 1 and "
-        "21 minutes at layer 15, its KV leak 27 minutes at block 15, docs/audit.md); --quick: 86 s"
+        "21 minutes at layer 15, its KV leak 27 minutes at block 15, docs/audit.md); --quick: 72 s"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:
