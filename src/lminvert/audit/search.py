@@ -8,12 +8,13 @@ its verdict. Every distance is measured by the cached forward, with its rounding
 forwards: the shipped rows never reproduce bit for bit, so nothing is gained by them). Candidates come from rankers:
 position 0 from the first-position table (every token's state alone, so every token is verified at once), later
 positions first the model's own next-token prediction from the prefix (for a states leak, alternately with what the
-row itself reads as: :class:`StateReading`), then a ridge fit from the verified candidates' input vectors to their
-rows, re-fitted after each batch (at position 1 of a states leak, alternately with the position-1 map). Where several
-first tokens fit position 0's row (an attention sink's norm lets noise or quantisation cover the gaps between them)
-or none does, the next row chooses among the nearest (``lookahead``), as a guess. A position whose row is missing gets
-the prediction's first token under which the next position's row finds the nearest candidate, as a guess (uncertain,
-and so is everything after it).
+row itself reads as: :class:`StateReading`), 32 of them first, then the rest of the first 256, then a ridge fit from
+the verified candidates' input vectors to their rows, re-fitted after each batch (at position 1 of a states leak,
+alternately with the position-1 map). Where several first tokens fit position 0's row (an attention sink's norm lets
+noise or quantisation cover the gaps between them) or none does, the next row chooses among the nearest
+(``lookahead``), as a guess; a position whose row is missing is chosen by the next row the same way, the prediction
+first (a guess: uncertain, and so is everything after it). The recovered prefix's caches grow a token at a time
+(:class:`.running.Running`).
 
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
 prefix, so another defence's search over the same prompt verifies a candidate one of them already ran without a
@@ -262,10 +263,7 @@ class RowSearch:
         the tokens tried."""
         t, probe = len(prefix_ids), self.model.probe
         radii = self.radii(after, t + 1)
-        if running is not None and running.holds(prefix_ids):
-            prefix = running.prefix()
-        else:
-            prefix = probe.prefix(prefix_ids, self.layer)
+        prefix = self._prefix(prefix_ids, running)()
         done = torch.zeros(len(order), dtype=torch.bool)
         seen = _Verified(after)
         for size in self._sizes():
@@ -284,6 +282,13 @@ class RowSearch:
                 return decision, len(ids)
             order = self._reranked(order, ids, rows, after)
         raise AssertionError("unreachable: the batches never end")
+
+    def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
+        """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
+        made once in one forward."""
+        if running is not None and running.holds(prefix_ids):
+            return running.prefix
+        return functools.cache(lambda: self.model.probe.prefix(prefix_ids, self.layer))
 
     def _reranked(self, order: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor):
         """The order of the next batch: the rankers' own until ``BATCH`` candidates are verified, then the ridge fit's
@@ -341,10 +346,7 @@ class RowSearch:
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
-        if running is not None and running.holds(prefix_ids):
-            prefix = running.prefix
-        else:  # made once, where first needed
-            prefix = functools.cache(lambda: probe.prefix(prefix_ids, self.layer))
+        prefix = self._prefix(prefix_ids, running)
         order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = _Verified(target)

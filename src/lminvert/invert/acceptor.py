@@ -286,10 +286,10 @@ def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False)
 
 
 def chosen_by_next(token: int) -> Decision:
-    """A position several tokens fit (or none did), ``token`` chosen among them by how well the next position's row
-    fits under each: a guess all the same (the next position's token was itself found given another), ``uncertain``,
-    and so is every later position."""
-    return Decision(token, UNCERTAIN, guess=True, reason="several tokens fit; the next position's row chose one")
+    """A position several tokens fit (or none did, or whose row is missing), ``token`` chosen by how well the next
+    position's row fits under it: a guess all the same (the next position's token was itself found given another),
+    ``uncertain``, and so is every later position."""
+    return Decision(token, UNCERTAIN, guess=True, reason="its own row did not choose; the next position's row chose")
 
 
 def final_verdict(decision: Decision, tied: bool, after_guess: bool) -> str:
