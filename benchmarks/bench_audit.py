@@ -9,8 +9,10 @@ several configurations, in the same process:
   :class:`lminvert.audit.rankers.StateReading`);
 * ``look``   - the memo, and where several first tokens fit, the next row chooses among them (``RowSearch(lookahead)``);
 * ``wide``   - all three, every batch of candidates ``BATCH`` (256);
-* ``all``    - all three, each position's first batch ``FIRST`` (32), then the rest of ``BATCH``, then ``BATCH`` per
-  batch (the audit's default).
+* ``nosecant`` - all three, each position's first batch ``FIRST`` (32), then the rest of ``BATCH``, then ``BATCH``
+  per batch, later batches from the rankers' order and the ridge fit alone;
+* ``all``    - the same, the secant model's order in every later batch too (:class:`lminvert.audit.rankers.Secant`;
+  the audit's default).
 
     python benchmarks/bench_audit.py                                   # SmolLM2, states, layers 1,15,30, 4 x 12
     python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8 --configs memo,all   # a quick look
@@ -44,12 +46,13 @@ from lminvert.audit.search import BATCH, FIRST
 from lminvert.experiments.prompts import evaluation_prompts
 
 CONFIGS = {
-    "plain": {"memo": False, "reading": False, "lookahead": False, "first": BATCH},
-    "memo": {"memo": True, "reading": False, "lookahead": False, "first": BATCH},
-    "read": {"memo": True, "reading": True, "lookahead": False, "first": BATCH},
-    "look": {"memo": True, "reading": False, "lookahead": True, "first": BATCH},
-    "wide": {"memo": True, "reading": True, "lookahead": True, "first": BATCH},
-    "all": {"memo": True, "reading": True, "lookahead": True, "first": FIRST},
+    "plain": {"memo": False, "reading": False, "lookahead": False, "first": BATCH, "secant": False},
+    "memo": {"memo": True, "reading": False, "lookahead": False, "first": BATCH, "secant": False},
+    "read": {"memo": True, "reading": True, "lookahead": False, "first": BATCH, "secant": False},
+    "look": {"memo": True, "reading": False, "lookahead": True, "first": BATCH, "secant": False},
+    "wide": {"memo": True, "reading": True, "lookahead": True, "first": BATCH, "secant": False},
+    "nosecant": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": False},
+    "all": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True},
 }
 DEFENCES = "noise:0.001,noise:0.01,quant:bf16,quant:fp8,quant:int8,quant:int4,drop:0.25,project:128"
 

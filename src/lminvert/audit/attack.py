@@ -33,8 +33,8 @@ from ..states import HiddenStates
 from .defences import Shipped
 from .leaks import Leak
 from .memo import StateMemo
-from .rankers import StateReading
-from .search import BATCH, FIRST, Measured, RowSearch, measure
+from .rankers import Secant, StateReading
+from .search import FIRST, Measured, RowSearch, measure
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,17 @@ class Attack:
     ``memo``, the candidates' states the rows searches verified too: :class:`.memo.StateMemo`)."""
 
     def __init__(
-        self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST
-    ) -> None:
+        self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
+        secant: bool = True,
+    ) -> None:  # fmt: skip
         """``reading``: a states leak's rows searches take half of each position's first batch from what the row
         reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
         chooses (:class:`.search.RowSearch`; off: the nearest at position 0); ``first``: the rows searches' first
         batch at a position (then the rest of ``search.BATCH``, then ``BATCH`` per batch; ``BATCH``: every batch that
-        size). The first and last change which candidates run and when; the second which first token is
+        size); ``secant``: the rows searches' later batches draw from the secant model too (:class:`.rankers.Secant`).
+        The first, the last two change which candidates run and when; the second which first token is
         guessed, whose verdict stays ``uncertain`` either way."""
-        self.leak, self.reading, self.lookahead, self.first = leak, reading, lookahead, first
+        self.leak, self.reading, self.lookahead, self.first, self.secant = leak, reading, lookahead, first, secant
         self.model: LoadedModel = leak.model
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._measured: dict[bool, Measured] = {}
@@ -152,10 +154,11 @@ class Attack:
         measured = measured or self._measure(public)
         reading = None
         if self.reading and self.leak.name == "states" and public is None:
-            reading = StateReading(self.model, layer, BATCH)
+            reading = StateReading(self.model, layer, self.model.probe.vocab_size)
+        secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
         search = RowSearch(
             self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead,
-            self.first,
+            self.first, secant,
         )  # fmt: skip
         out = []
         for r in rows:

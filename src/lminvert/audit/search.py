@@ -44,7 +44,7 @@ from ..invert.tolerance import FLOOR, SAFETY, calibration_prompts, norm
 from ..models import LoadedModel, Prefix
 from ..models.ties import tied_token_groups
 from .memo import StateMemo
-from .rankers import Ridge, StateReading
+from .rankers import Ridge, Secant, StateReading
 from .running import Running
 
 BATCH = 256  # candidates verified per forward, at most
@@ -115,7 +115,7 @@ class RowSearch:
     def __init__(
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
         table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
-        lookahead: bool = True, first: int = FIRST,
+        lookahead: bool = True, first: int = FIRST, secant: Secant | None = None,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
@@ -123,11 +123,12 @@ class RowSearch:
         the model's prediction alone, later ones the ridge fit's); ``lookahead``: where several first tokens fit, the
         next row chooses among them (False: the nearest at position 0); ``first``: the first batch of candidates at a
         position after the first, then the rest of ``BATCH``, then ``BATCH`` per batch (``BATCH``: every batch that
-        size)."""
+        size); ``secant``: the secant model that joins the rankers' order after a position's first batch (None:
+        the rankers' order alone until ``BATCH`` candidates are verified, then the ridge fit's beside it)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
-        self.reading, self.lookahead = reading, lookahead
+        self.reading, self.lookahead, self.secant = reading, lookahead, secant
         if not 1 <= first <= BATCH:
             raise ValueError(f"the first batch must hold 1 to {BATCH} candidates, not {first}")
         self.first = first
@@ -161,6 +162,8 @@ class RowSearch:
         after_guess = fitted = broken = False
         reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
         running = Running(self.model, self.layer)
+        if self.secant is not None:
+            self.secant.begin_prompt()
         for t, row in enumerate(shipped.float()):
             after = shipped[t + 1].float() if t + 1 < len(shipped) else None
             following = reads[t + 1] if t + 1 < len(shipped) else None
@@ -171,7 +174,7 @@ class RowSearch:
                 decision, count, fit = self._missing(ids, after, following, running, broken)
                 gap, broken = None, not fit
             else:
-                decision, count, gap = self._position(ids, row, t, fitted, reads[t], running, budget)
+                decision, count, gap = self._position(ids, row, t, fitted, reads[t], running, budget, self.secant)
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
                 nearest = (self.table.double() - row.double()).norm(dim=1).argsort()
@@ -215,8 +218,7 @@ class RowSearch:
         predicted = self._prediction(prefix, running)
         if reading is None:
             return predicted
-        head = merge(torch.stack([reading[:BATCH], predicted[:BATCH]]))
-        return torch.cat([head, predicted[~torch.isin(predicted, head)]])
+        return merge(torch.stack([reading, predicted]))
 
     def _by_next(
         self, prefix_ids: list[int], order: torch.Tensor, after: torch.Tensor, reading, running: Running | None = None
@@ -280,7 +282,7 @@ class RowSearch:
             decision = acceptor.decide(evidence, radii)
             if decision.final:
                 return decision, len(ids)
-            order = self._reranked(order, ids, rows, after)
+            order = self.ridge.order(ids, rows, after) if len(ids) >= BATCH else order
         raise AssertionError("unreachable: the batches never end")
 
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
@@ -290,11 +292,19 @@ class RowSearch:
             return running.prefix
         return functools.cache(lambda: self.model.probe.prefix(prefix_ids, self.layer))
 
-    def _reranked(self, order: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor):
-        """The order of the next batch: the rankers' own until ``BATCH`` candidates are verified, then the ridge fit's
-        (a fit on a few dozen candidates chosen by the rankers orders the vocabulary badly; SmolLM2 layer 15, fp8: a
-        true token the fit on 256 put in the next batch stayed out of 1,248 when the fit started at 32)."""
-        return self.ridge.order(ids, rows, target) if len(ids) >= BATCH else order
+    def _reranked(
+        self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor, base: torch.Tensor,
+        carried: torch.Tensor | None, order: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The order of the next batch at a position: ``base`` (the rankers' own) merged with the secant model's
+        (``carried``, where there is one) and, once ``BATCH`` candidates are verified, the ridge fit's; ``order`` (the
+        current one) where there is neither. (A ridge fit on a few dozen candidates chosen by the rankers orders the
+        vocabulary badly; SmolLM2 layer 15, fp8: a true token the fit on 256 put in the next batch stayed out of 1,248
+        when the fit replaced the rankers' order from 32.)"""
+        streams = [] if carried is None else [carried]
+        if len(ids) >= BATCH:
+            streams.append(self.ridge.order(ids, rows, target))
+        return merge(torch.stack([*streams, base])) if streams else order
 
     def _sizes(self):
         """The batch sizes at a position after the first: ``first``, the rest of ``BATCH``, then ``BATCH`` for ever
@@ -338,22 +348,28 @@ class RowSearch:
 
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
-        running: Running | None = None, budget: int | None = None,
+        running: Running | None = None, budget: int | None = None, secant: Secant | None = None,
     ) -> tuple[acceptor.Decision, int, float | None]:  # fmt: skip
         """The decision at position ``t`` after ``prefix_ids`` (``running``: the search's recovered prefix, whose
-        caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many), the
-        candidates verified, half the gap to the nearest other."""
+        caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many; ``secant``:
+        the prompt's secant model, which learns from this position), the candidates verified, half the gap to the
+        nearest other."""
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
         prefix = self._prefix(prefix_ids, running)
         order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
+        base = order
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = _Verified(target)
+        ctx = secant.begin(t, target) if secant is not None and t > 0 else None
         for size in [vocab] if t == 0 else self._sizes():
             batch = order[~done[order]][:size]
             done[batch] = True
-            ids, rows, dists = seen.add(batch, self._verify(prefix_ids, batch, prefix))
+            fresh = self._verify(prefix_ids, batch, prefix)
+            ids, rows, dists = seen.add(batch, fresh)
+            if ctx is not None:
+                secant.add(ctx, batch, fresh)  # type: ignore[union-attr]
             spent = bool(done.all())
             evidence = Evidence(
                 ids, dists, rows, target, seen.measured, radii.cached, False,
@@ -362,10 +378,11 @@ class RowSearch:
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.final:
+                if ctx is not None:
+                    secant.end(ctx)  # type: ignore[union-attr]
                 return decision, len(ids), _half_gap(ids, rows, decision.token)
-            order = self._reranked(order, ids, rows, target)
-            if t == 1 and self.reading is not None:
-                order = merge(torch.stack([self.reading.second(ids, rows, target), order]))
+            carried = None if ctx is None else secant.order(ctx)  # type: ignore[union-attr]
+            order = self._reranked(ids, rows, target, base, carried, order)
         raise AssertionError("unreachable: position 0 verifies the whole vocabulary, others never run out of batches")
 
 
