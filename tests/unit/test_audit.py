@@ -94,7 +94,8 @@ def test_the_rows_search_allows_a_half_model_one_unit_of_rounding(dtype):
     """Calibration prompts can find a bfloat16 cached forward bit-identical to the observer's while other prompts'
     rows differ in the last bits (SmolLM2, a permuted prompt: 7 of 8 positions left uncertain): the rows search's
     rounding radius never falls below one unit of the model's precision; a float32 model's stays at the float floor."""
-    from lminvert.audit.search import Measured, RowSearch
+    from lminvert.audit.calibration import Measured
+    from lminvert.audit.search import RowSearch
     from lminvert.invert.sources import Exact
     from lminvert.invert.tolerance import FLOOR, SAFETY
 
@@ -300,3 +301,34 @@ def test_a_missing_position_is_chosen_by_the_next_row(tiny):
     assert found[True].token_ids == ids
     for f in found.values():
         assert all(v == "uncertain" for v in f.verdicts[3:]) and all(v != "uncertain" for v in f.verdicts[:3])
+
+
+def test_the_secant_model_changes_which_candidates_run_not_the_answer(tiny):
+    """audit.rankers.Secant (the engine's secant model, carried from position to position) only orders candidates:
+    searches with and without it recover the same tokens with the same verdicts from states and from a KV cache; a
+    later batch's order is still every token once; for states the first fit is the position-1 map, for KV rows
+    there is none until candidates are verified."""
+    from lminvert.audit.attack import Attack
+    from lminvert.audit.rankers import Secant
+
+    layer = tiny.probe.layer(2)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, tiny.probe.vocab_size, (8,), generator=generator).tolist() for _ in range(2)]
+    for name in ("states", "kv"):
+        leak = make_leak(name, tiny, layer)
+        shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
+        plain, carried = Attack(leak, memo=False, secant=False), Attack(leak, memo=False)
+        a, b = plain.run(prompts, shipped, None), carried.run(prompts, shipped, None)
+        assert [r.token_ids for r in b] == prompts, name
+        assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
+        assert sum(map(sum, (r.checked for r in b))) > 32 * 7 * len(prompts), name  # later batches ran
+        secant = Secant(tiny, layer, states=name == "states")
+        secant.begin_prompt()
+        assert (secant.ranker.jac is not None) == (name == "states")
+        ctx = secant.begin(3, shipped[0].rows[3])
+        batch = torch.arange(64)
+        prefix = tiny.probe.prefix(prompts[0][:3], leak.states_layer)
+        secant.add(ctx, batch, leak.rows_of(tiny.probe.continuation(prefix, batch), 3))
+        secant.ranker.fit(ctx)
+        order = secant.order(ctx)
+        assert order is not None and torch.equal(order.sort().values, torch.arange(tiny.probe.vocab_size))

@@ -30,11 +30,12 @@ from ..invert.sources import Exact, Float, parse_source
 from ..invert.tables import first_position_table
 from ..models import LoadedModel
 from ..states import HiddenStates
+from .calibration import Measured, measure
 from .defences import Shipped
 from .leaks import Leak
 from .memo import StateMemo
 from .rankers import Secant, StateReading
-from .search import FIRST, Measured, RowSearch, measure
+from .search import FIRST, RowSearch
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Attack:
         self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
         secant: bool = True,
     ) -> None:  # fmt: skip
-        """``reading``: a states leak's rows searches take half of each position's first batch from what the row
+        """``reading``: a states leak's rows searches take half of each position's rankers' order from what the row
         reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
         chooses (:class:`.search.RowSearch`; off: the nearest at position 0); ``first``: the rows searches' first
         batch at a position (then the rest of ``search.BATCH``, then ``BATCH`` per batch; ``BATCH``: every batch that

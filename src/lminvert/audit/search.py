@@ -7,22 +7,24 @@ L2 distances to the observed row are the evidence; :func:`lminvert.invert.accept
 its verdict. Every distance is measured by the cached forward, with its rounding inside the radii (no plain
 forwards: the shipped rows never reproduce bit for bit, so nothing is gained by them). Candidates come from rankers:
 position 0 from the first-position table (every token's state alone, so every token is verified at once), later
-positions first the model's own next-token prediction from the prefix (for a states leak, alternately with what the
-row itself reads as: :class:`StateReading`), 32 of them first, then the rest of the first 256, then a ridge fit from
-the verified candidates' input vectors to their rows, re-fitted after each batch (at position 1 of a states leak,
-alternately with the position-1 map). Where several first tokens fit position 0's row (an attention sink's norm lets
-noise or quantisation cover the gaps between them) or none does, the next row chooses among the nearest
-(``lookahead``), as a guess; a position whose row is missing is chosen by the next row the same way, the prediction
-first (a guess: uncertain, and so is everything after it). The recovered prefix's caches grow a token at a time
-(:class:`.running.Running`).
+positions the model's own next-token prediction from the prefix (for a states leak, alternately with what the
+row itself reads as: :class:`StateReading`), 32 of them first, then the rest of the first 256, then 256 at a time.
+From the second batch on, that order is merged with the engine's secant model of the position's map
+(:class:`.rankers.Secant`: fitted on the verified candidates of this position and the last ones, for a states leak
+from the position-1 map at first), and from 256 verified with a ridge fit on this position's closest candidates
+alone (:class:`.rankers.Ridge`), each re-fitted as candidates come. Where several first tokens fit position 0's row
+(an attention sink's norm lets noise or quantisation cover the gaps between them) or none does, the next row chooses
+among the nearest (``lookahead``), as a guess; a position whose row is missing is chosen by the next row the same
+way, the prediction first (a guess: uncertain, and so is everything after it). The recovered prefix's caches grow a
+token at a time (:class:`.running.Running`).
 
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
 prefix, so another defence's search over the same prompt verifies a candidate one of them already ran without a
 forward (``RowSearch(memo=None)``: none).
 
-Radii are measured, not assumed (:func:`measure`): on calibration prompts, how far the cached forward's rows lie from a
-plain forward's (rounding) and how far the deployment's own rows lie from the plain forward's (where they were
-computed); the source's error model adds the defence's bound, computed on the shipped row.
+Radii are measured, not assumed (:func:`.calibration.measure`: how far the cached forward's rows lie from a plain
+forward's, and the deployment's own rows from the plain forward's); the source's error model adds the defence's
+bound, computed on the shipped row.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from ..invert.acceptor import Evidence, Radii
 from ..invert.proposal import merge
 from ..invert.sources import ErrorModel
 from ..invert.tables import first_position_table
-from ..invert.tolerance import FLOOR, SAFETY, calibration_prompts, norm
+from ..invert.tolerance import FLOOR, SAFETY, norm
 from ..models import LoadedModel, Prefix
 from ..models.ties import tied_token_groups
+from .calibration import Measured, Rows
 from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
 from .running import Running
@@ -58,17 +61,6 @@ BROKEN = 2 * BATCH
 LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
 # position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
 
-Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a position -> rows [n, k] as shipped
-
-
-@dataclass(frozen=True)
-class Measured:
-    """Relative disagreements in the rows' space (see the module docstring)."""
-
-    rounding: float  # cached forward vs plain forward
-    first: float  # the deployment's rows vs the plain forward's, at position 0
-    rest: float  # the same at later positions
-
 
 @dataclass(frozen=True)
 class Found:
@@ -77,36 +69,6 @@ class Found:
     checked: list[int]  # candidates verified per position
     half_gaps: list[float | None]  # half the distance from the chosen row to the nearest other verified row
     seconds: float
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
-
-
-def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> Measured:
-    """The disagreements on two calibration prompts of 12 tokens (every position measured; the cached forward over a
-    prefix made in one forward and over one grown a token at a time, one token and two at a time, as the search runs
-    them)."""
-    probe = model.probe
-    rounding, first, rest = 0.0, 0.0, 0.0
-    for ids in calibration_prompts(model, n=2, length=12):
-        observed = capture(ids)
-        plain = probe.states(torch.tensor(ids), [layer])[layer][0]
-        running = Running(model, layer)  # the search's prefixes grow a token at a time: measured both ways
-        for t in range(len(ids)):
-            row = rows_of(plain[t : t + 1], t)
-            for prefix in [probe.prefix(ids[:t], layer)] + ([running.prefix()] if t else []):
-                cached = rows_of(probe.continuation(prefix, torch.tensor([ids[t]])), t)
-                rounding = max(rounding, _relative(cached, row))
-                if t + 1 < len(ids):  # two tokens at a time (the lookahead's): the second one's row
-                    pair = rows_of(probe.chains(prefix, torch.tensor([ids[t : t + 2]]))[0][:, 1], t + 1)
-                    rounding = max(rounding, _relative(pair, rows_of(plain[t + 1 : t + 2], t + 1)))
-            running.add(ids[t])
-            if t == 0:
-                first = max(first, _relative(observed[:1], row))
-            else:
-                rest = max(rest, _relative(observed[t : t + 1], row))
-    return Measured(rounding, first, rest)
 
 
 class RowSearch:
@@ -119,8 +81,8 @@ class RowSearch:
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
-        ``reading``: what shipped states read as (:class:`StateReading`, a states leak only; None: the first batch is
-        the model's prediction alone, later ones the ridge fit's); ``lookahead``: where several first tokens fit, the
+        ``reading``: what shipped states read as (:class:`StateReading`, a states leak only; None: the rankers' order
+        is the model's prediction alone); ``lookahead``: where several first tokens fit, the
         next row chooses among them (False: the nearest at position 0); ``first``: the first batch of candidates at a
         position after the first, then the rest of ``BATCH``, then ``BATCH`` per batch (``BATCH``: every batch that
         size); ``secant``: the secant model that joins the rankers' order after a position's first batch (None:
@@ -213,8 +175,8 @@ class RowSearch:
         return logits.float().cpu().argsort(descending=True)
 
     def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
-        """Every token, the first batch alternately from the row's reading and the model's prediction (the
-        prediction alone without a reading), then the prediction's order."""
+        """Every token, alternately from the row's reading and the model's prediction (the prediction alone without a
+        reading)."""
         predicted = self._prediction(prefix, running)
         if reading is None:
             return predicted
