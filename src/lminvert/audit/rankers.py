@@ -31,33 +31,33 @@ class Secant:
         self.probe = model.probe
         self.ranker = SecantRanker()
         self.ranker.prepare(model, layer, states, None)
+        self.ctx: PositionContext  # the position being searched (set by :meth:`begin`)
 
     def begin_prompt(self) -> None:
         self.ranker.begin_prompt(torch.empty(0), None)
 
-    def begin(self, t: int, target: torch.Tensor) -> PositionContext:
-        """Position ``t``'s context (what the ranker sees: its verified candidates), its row ``target``."""
+    def begin(self, t: int, target: torch.Tensor) -> None:
+        """Position ``t`` starts, its row ``target`` (the ranker sees its verified candidates from now on)."""
         target = target.float().to(self.probe.device)
-        ctx = PositionContext(self.probe, None, 0, target, 0.0, t, torch.Generator())  # type: ignore[arg-type]
-        self.ranker.begin_position(ctx)
-        return ctx
+        self.ctx = PositionContext(self.probe, None, 0, target, 0.0, t, torch.Generator())  # type: ignore[arg-type]
+        self.ranker.begin_position(self.ctx)
 
-    def add(self, ctx: PositionContext, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    def add(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """A batch verified at the position: ``ids`` and their ``rows``."""
         device = self.probe.device
         ids, rows = ids.to(device), rows.float().to(device)
-        ctx.record(ids, rows, ctx.distances(rows))
+        self.ctx.record(ids, rows, self.ctx.distances(rows))
 
-    def order(self, ctx: PositionContext) -> torch.Tensor | None:
+    def order(self) -> torch.Tensor | None:
         """Every token, nearest predicted row first (None: no fit yet)."""
-        if self.ranker.refit_due(ctx):
-            self.ranker.fit(ctx)
-        scores = self.ranker.scores(ctx)
+        if self.ranker.refit_due(self.ctx):
+            self.ranker.fit(self.ctx)
+        scores = self.ranker.scores(self.ctx)
         return None if scores is None else scores.argsort().cpu()
 
-    def end(self, ctx: PositionContext) -> None:
+    def end(self) -> None:
         """The position is decided: its pairs join the next positions' fits."""
-        self.ranker.end_position(ctx)
+        self.ranker.end_position(self.ctx)
 
 
 class Ridge:

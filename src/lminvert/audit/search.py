@@ -256,17 +256,17 @@ class RowSearch:
 
     def _reranked(
         self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor, base: torch.Tensor,
-        carried: torch.Tensor | None, order: torch.Tensor,
+        carried: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         """The order of the next batch at a position: ``base`` (the rankers' own) merged with the secant model's
-        (``carried``, where there is one) and, once ``BATCH`` candidates are verified, the ridge fit's; ``order`` (the
-        current one) where there is neither. (A ridge fit on a few dozen candidates chosen by the rankers orders the
+        (``carried``, where there is one) and, once ``BATCH`` candidates are verified, the ridge fit's; ``base`` alone
+        where there is neither. (A ridge fit on a few dozen candidates chosen by the rankers orders the
         vocabulary badly; SmolLM2 layer 15, fp8: a true token the fit on 256 put in the next batch stayed out of 1,248
         when the fit replaced the rankers' order from 32.)"""
         streams = [] if carried is None else [carried]
         if len(ids) >= BATCH:
             streams.append(self.ridge.order(ids, rows, target))
-        return merge(torch.stack([*streams, base])) if streams else order
+        return merge(torch.stack([*streams, base])) if streams else base
 
     def _sizes(self):
         """The batch sizes at a position after the first: ``first``, the rest of ``BATCH``, then ``BATCH`` for ever
@@ -324,14 +324,16 @@ class RowSearch:
         base = order
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = _Verified(target)
-        ctx = secant.begin(t, target) if secant is not None and t > 0 else None
+        learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
+        if learning is not None:
+            learning.begin(t, target)
         for size in [vocab] if t == 0 else self._sizes():
             batch = order[~done[order]][:size]
             done[batch] = True
             fresh = self._verify(prefix_ids, batch, prefix)
             ids, rows, dists = seen.add(batch, fresh)
-            if ctx is not None:
-                secant.add(ctx, batch, fresh)  # type: ignore[union-attr]
+            if learning is not None:
+                learning.add(batch, fresh)
             spent = bool(done.all())
             evidence = Evidence(
                 ids, dists, rows, target, seen.measured, radii.cached, False,
@@ -340,11 +342,10 @@ class RowSearch:
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.final:
-                if ctx is not None:
-                    secant.end(ctx)  # type: ignore[union-attr]
+                if learning is not None:
+                    learning.end()
                 return decision, len(ids), _half_gap(ids, rows, decision.token)
-            carried = None if ctx is None else secant.order(ctx)  # type: ignore[union-attr]
-            order = self._reranked(ids, rows, target, base, carried, order)
+            order = self._reranked(ids, rows, target, base, None if learning is None else learning.order())
         raise AssertionError("unreachable: position 0 verifies the whole vocabulary, others never run out of batches")
 
 
