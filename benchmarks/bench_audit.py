@@ -11,8 +11,10 @@ several configurations, in the same process:
 * ``wide``   - all three, every batch of candidates ``BATCH`` (256);
 * ``nosecant`` - all three, each position's first batch ``FIRST`` (32), then the rest of ``BATCH``, then ``BATCH``
   per batch, later batches from the rankers' order and the ridge fit alone;
-* ``all``    - the same, the secant model's order in every later batch too (:class:`lminvert.audit.rankers.Secant`;
-  the audit's default).
+* ``noreuse`` - the same, the secant model's order in every later batch too (:class:`lminvert.audit.rankers.Secant`),
+  the recovered prefix grown by a forward through every block wherever it grows;
+* ``all``    - the same, the prefix grown from the chosen candidate's own forward, only the blocks above the layer
+  running for it (``RowSearch(reuse)``, :class:`lminvert.audit.running.Running`; the audit's default).
 
     python benchmarks/bench_audit.py                                   # SmolLM2, states, layers 1,15,30, 4 x 12
     python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8 --configs memo,all   # a quick look
@@ -46,13 +48,14 @@ from lminvert.audit.search import BATCH, FIRST
 from lminvert.experiments.prompts import evaluation_prompts
 
 CONFIGS = {
-    "plain": {"memo": False, "reading": False, "lookahead": False, "first": BATCH, "secant": False},
-    "memo": {"memo": True, "reading": False, "lookahead": False, "first": BATCH, "secant": False},
-    "read": {"memo": True, "reading": True, "lookahead": False, "first": BATCH, "secant": False},
-    "look": {"memo": True, "reading": False, "lookahead": True, "first": BATCH, "secant": False},
-    "wide": {"memo": True, "reading": True, "lookahead": True, "first": BATCH, "secant": False},
-    "nosecant": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": False},
-    "all": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True},
+    "plain": {"memo": False, "reading": False, "lookahead": False, "first": BATCH, "secant": False, "reuse": False},
+    "memo": {"memo": True, "reading": False, "lookahead": False, "first": BATCH, "secant": False, "reuse": False},
+    "read": {"memo": True, "reading": True, "lookahead": False, "first": BATCH, "secant": False, "reuse": False},
+    "look": {"memo": True, "reading": False, "lookahead": True, "first": BATCH, "secant": False, "reuse": False},
+    "wide": {"memo": True, "reading": True, "lookahead": True, "first": BATCH, "secant": False, "reuse": False},
+    "nosecant": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": False, "reuse": False},
+    "noreuse": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True, "reuse": False},
+    "all": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True, "reuse": True},
 }
 DEFENCES = "noise:0.001,noise:0.01,quant:bf16,quant:fp8,quant:int8,quant:int4,drop:0.25,project:128"
 

@@ -207,13 +207,15 @@ def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
     memo = StateMemo(tiny, layer)
     prefix = tiny.probe.prefix(prompts[0][:3], layer)
     ids = torch.tensor([4, 8, 15, 16, 23, 42])
-    first = memo.states(prompts[0][:3], ids, lambda: prefix)
+    first = memo.states(prompts[0][:3], ids, lambda missing: tiny.probe.continuation(prefix, missing))
     torch.testing.assert_close(first, tiny.probe.continuation(prefix, ids), rtol=1e-5, atol=1e-5)
-    again = memo.states(prompts[0][:3], ids.flip(0), lambda: pytest.fail("a kept state ran through the model"))
+    again = memo.states(prompts[0][:3], ids.flip(0), lambda _: pytest.fail("a kept state ran through the model"))
     assert torch.equal(again, first.flip(0)) and memo.hits == 6 and memo.computed == 6
     small = StateMemo(tiny, layer, limit=1)
     for t in (2, 3, 4):
-        small.states(prompts[0][:t], ids, lambda t=t: tiny.probe.prefix(prompts[0][:t], layer))
+        small.states(
+            prompts[0][:t], ids, lambda x, t=t: tiny.probe.continuation(tiny.probe.prefix(prompts[0][:t], layer), x)
+        )
     assert list(small._kept) == [tuple(prompts[0][:4])] and small.bytes == first.numel() * first.element_size()
     order = memo.prediction(prompts[0][:3], lambda: torch.arange(tiny.probe.vocab_size).flip(0))
     again = memo.prediction(prompts[0][:3], lambda: pytest.fail("a kept prediction was computed again"))
@@ -249,29 +251,48 @@ def test_a_first_token_several_fit_is_chosen_by_the_next_row(tiny):
     assert all(v == "uncertain" for f in found.values() for v in f.verdicts)
 
 
-def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny):
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("at", [1, 2, "final"])
+def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, at, reuse, monkeypatch):
     """audit.running.Running: the prediction after the recovered prefix and the probe's prefix at the layer, grown a
     token at a time, are those computed over the whole prefix (the same order; states within float32 rounding), and
-    a prefix that is not the running one is not served by it."""
+    a prefix that is not the running one is not served by it. With ``reuse``, a token that was one of the position's
+    candidates grows the cache from their forward (only the blocks above the layer run: none at the last block's), so
+    a forward through every block runs only where it was not."""
     from lminvert.audit.running import Running
     from lminvert.audit.search import RowSearch
 
-    layer = tiny.probe.layer(2)
-    ids = [5, 17, 300, 2, 999, 42]
-    running = Running(tiny, layer)
+    probe = tiny.probe
+    layer = probe.layer(at)
+    ids = [5, 17, 300, 2, 999, 42, 7, 64]
+    running = Running(tiny, layer, reuse)
+    assert running.reuse == reuse  # tiny-llama's blocks can be skipped: reuse holds at every layer
+    forwards = []
+    advance = probe.advance_rows
+    monkeypatch.setattr(probe, "advance_rows", lambda *args: forwards.append(1) or advance(*args))
     candidates = torch.tensor([4, 8, 15, 16, 23, 42])
     search = RowSearch.__new__(RowSearch)  # only its whole-prefix prediction is used here
     search.model = tiny
+    offered = 0
     for t, token in enumerate(ids):
+        if t and t % 3 != 2:  # the token among the position's candidates (at every third position it is not)
+            states = running.candidates(torch.tensor([11, token, 3]))
+            whole = probe.continuation(probe.prefix(ids[:t], layer), torch.tensor([11, token, 3]))
+            torch.testing.assert_close(states, whole, rtol=1e-5, atol=1e-5)
+            offered += 1
         running.add(token)
-        if t % 2:  # caches asked for every other position: the tokens added since join in one go
-            continue
         assert running.holds(ids[: t + 1]) and not running.holds(ids[:t]) and not running.holds([])
+        if t % 2 and t % 3 == 2:  # caches not asked for here: the tokens added since join the next forward
+            continue
         whole = search._predict(ids[: t + 1])
-        assert torch.equal(running.prediction()[:20], whole[:20])
-        grown = tiny.probe.continuation(running.prefix(), candidates)
-        again = tiny.probe.continuation(tiny.probe.prefix(ids[: t + 1], layer), candidates)
+        assert torch.equal(running.prediction()[:20], whole[:20]), t
+        grown = probe.continuation(running.prefix(), candidates)
+        again = probe.continuation(probe.prefix(ids[: t + 1], layer), candidates)
         torch.testing.assert_close(grown, again, rtol=1e-5, atol=1e-5)
+    # with reuse, a forward only where the cache grew by a token that was no candidate (positions 0, 2 and 5, the
+    # last caught up by position 6's candidates); without, one wherever the cache is asked for after a token was added
+    # (every position but 5, and at 6 twice: the candidates, then the check after the token)
+    assert len(forwards) == (len(ids) - offered if reuse else 8)
 
 
 def test_a_missing_position_is_chosen_by_the_next_row(tiny):
@@ -332,3 +353,21 @@ def test_the_secant_model_changes_which_candidates_run_not_the_answer(tiny):
         secant.ranker.fit(secant.ctx)
         order = secant.order()
         assert order is not None and torch.equal(order.sort().values, torch.arange(tiny.probe.vocab_size))
+
+
+def test_growing_the_prefix_from_the_candidates_forward_changes_no_answer(tiny):
+    """RowSearch(reuse): the recovered prefix grown from the chosen candidate's forward (the block above the layer run
+    on its state) gives the same tokens and verdicts as one grown by a forward through every block, from states and
+    from a KV cache, and the prompts are recovered whole."""
+    from lminvert.audit.attack import Attack
+
+    layer = tiny.probe.layer(1)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, tiny.probe.vocab_size, (8,), generator=generator).tolist() for _ in range(2)]
+    for name in ("states", "kv"):
+        leak = make_leak(name, tiny, layer if name == "states" else tiny.probe.layer(2))
+        shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
+        grown, reused = Attack(leak, memo=False, reuse=False), Attack(leak, memo=False)
+        a, b = grown.run(prompts, shipped, None), reused.run(prompts, shipped, None)
+        assert [r.token_ids for r in b] == prompts, name
+        assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name

@@ -93,16 +93,19 @@ class Attack:
 
     def __init__(
         self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
-        secant: bool = True,
+        secant: bool = True, reuse: bool = True,
     ) -> None:  # fmt: skip
         """``reading``: a states leak's rows searches take half of each position's rankers' order from what the row
         reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
         chooses (:class:`.search.RowSearch`; off: the nearest at position 0); ``first``: the rows searches' first
         batch at a position (then the rest of ``search.BATCH``, then ``BATCH`` per batch; ``BATCH``: every batch that
-        size); ``secant``: the rows searches' later batches draw from the secant model too (:class:`.rankers.Secant`).
-        The first, the last two change which candidates run and when; the second which first token is
-        guessed, whose verdict stays ``uncertain`` either way."""
+        size); ``secant``: the rows searches' later batches draw from the secant model too (:class:`.rankers.Secant`);
+        ``reuse``: the recovered prefix grows from the chosen candidate's forward, only the blocks above the layer
+        running for it (``RowSearch(reuse)``). The first, ``first`` and ``secant`` change which candidates run and
+        when; ``reuse`` how many forwards run (and, by the prediction's rounding alone, which candidates);
+        ``lookahead`` which first token is guessed, whose verdict stays ``uncertain`` either way."""
         self.leak, self.reading, self.lookahead, self.first, self.secant = leak, reading, lookahead, first, secant
+        self.reuse = reuse
         self.model: LoadedModel = leak.model
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._measured: dict[bool, Measured] = {}
@@ -159,7 +162,7 @@ class Attack:
         secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
         search = RowSearch(
             self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead,
-            self.first, secant,
+            self.first, secant, self.reuse,
         )  # fmt: skip
         out = []
         for r in rows:

@@ -31,23 +31,28 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> Measured:
     """The disagreements on two calibration prompts of 12 tokens (every position measured; the cached forward over a
-    prefix made in one forward and over one grown a token at a time, one token and two at a time, as the search runs
-    them)."""
+    prefix made in one forward and over ones grown a token at a time, by a forward and from a batch's keys and values,
+    one token and two at a time, and a batch run through every block, as the search runs them)."""
     probe = model.probe
     rounding, first, rest = 0.0, 0.0, 0.0
     for ids in calibration_prompts(model, n=2, length=12):
         observed = capture(ids)
         plain = probe.states(torch.tensor(ids), [layer])[layer][0]
-        running = Running(model, layer)  # the search's prefixes grow a token at a time: measured both ways
+        forward, kept = Running(model, layer, reuse=False), Running(model, layer)  # grown by a forward / from keys
         for t in range(len(ids)):
             row = rows_of(plain[t : t + 1], t)
-            for prefix in [probe.prefix(ids[:t], layer)] + ([running.prefix()] if t else []):
+            grown = [forward.prefix(), kept.prefix()] if t else []
+            for prefix in [probe.prefix(ids[:t], layer), *grown]:
                 cached = rows_of(probe.continuation(prefix, torch.tensor([ids[t]])), t)
                 rounding = max(rounding, _relative(cached, row))
                 if t + 1 < len(ids):  # two tokens at a time (the lookahead's): the second one's row
                     pair = rows_of(probe.chains(prefix, torch.tensor([ids[t : t + 2]]))[0][:, 1], t + 1)
                     rounding = max(rounding, _relative(pair, rows_of(plain[t + 1 : t + 2], t + 1)))
-            running.add(ids[t])
+            if t:  # among other candidates, as the search runs them: the keys the next position's prefix grows from
+                batch = torch.tensor([ids[t], *ids[:t]])
+                rounding = max(rounding, _relative(rows_of(kept.candidates(batch)[:1], t), row))
+            forward.add(ids[t])
+            kept.add(ids[t])
             if t == 0:
                 first = max(first, _relative(observed[:1], row))
             else:

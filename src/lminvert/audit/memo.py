@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..models import LoadedModel, Prefix
+from ..models import LoadedModel
 
 MEMO_BYTES = 1 << 30  # states a StateMemo keeps, at most (the prefixes used longest ago are dropped first)
 
@@ -53,15 +53,16 @@ class StateMemo:
             _, dropped = self._kept.popitem(last=False)
             self.bytes -= dropped.bytes
 
-    def states(self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix]) -> torch.Tensor:
-        """The states ``[n, d]`` of candidates ``ids`` after ``prefix_ids``; ``prefix()`` gives the probe's prefix
-        (only called where a candidate is not kept)."""
+    def states(
+        self, prefix_ids: list[int], ids: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The states ``[n, d]`` of candidates ``ids`` after ``prefix_ids``; ``compute(missing)`` gives those of the
+        candidates not kept (by the cached forward over the prefix)."""
         entry = self._entry(prefix_ids)
         wanted = ids.tolist()
         missing = list(dict.fromkeys(i for i in wanted if i not in entry.index))
         if missing:
-            with torch.no_grad():
-                new = self.probe.continuation(prefix(), torch.tensor(missing, device=self.probe.device))
+            new = compute(torch.tensor(missing))
             before, start = entry.bytes, 0 if entry.states is None else len(entry.states)
             entry.index.update((token, start + k) for k, token in enumerate(missing))
             entry.states = new if entry.states is None else torch.cat([entry.states, new])

@@ -1,57 +1,119 @@
-"""The recovered prefix of one rows search, with its caches grown a token at a time (:class:`Running`): the model's
-own KV cache over every block (its next-token prediction after the prefix) and the layer probe's prefix at the
-searched layer (the candidates' cached forward). Without it each position recomputes both over the whole prefix.
+"""The recovered prefix of one rows search (:class:`Running`): one KV cache over every block, grown a token at a time,
+that gives both the candidates' cached forward at the searched layer and the model's next-token prediction after the
+prefix. Where the chosen token was a candidate run over it (:meth:`Running.candidates`), the cache grows from that
+forward's keys and values and only the blocks above the layer run, on its state (none at the last block's layer),
+which also gives the prediction; elsewhere one forward through every block does both.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
-from ..models import LoadedModel, Prefix
+from ..models import LoadedModel, NewKeys, Prefix
+
+OFFERED = 1024  # candidates of a position whose keys and values are kept (the latest batches'), at most
+
+
+class Runs:
+    """Candidates :meth:`Running.candidates` ran: their ids, states at the searched layer ``[n, d]`` and keys and values
+    (None where no block ran)."""
+
+    def __init__(self, ids: torch.Tensor, states: torch.Tensor, keys: NewKeys | None) -> None:
+        self.ids, self.states, self.keys = ids.tolist(), states, keys
+
+    def index(self, token: int) -> int | None:
+        return self.ids.index(token) if token in self.ids else None
 
 
 class Running:
-    """The prefix recovered so far (:attr:`ids`) and, made where first asked and then grown by the tokens added since,
-    the model's prediction after it (every token, most likely first) and the probe's prefix at ``layer``. Each cache
-    holds the KV cache of one prompt only: a prefix that is not :attr:`ids` is computed elsewhere."""
+    """The prefix recovered so far (:attr:`ids`) and the probe's cache of it over every block (``top``: the last
+    block's layer, or ``final`` where the search's layer is), made where first asked and then grown by the tokens
+    added since: the candidates' prefix at ``layer`` (:meth:`prefix`, a view of that cache), the model's prediction
+    after it (:meth:`prediction`). The cache holds one prompt's prefix only: a prefix that is not :attr:`ids` is
+    computed elsewhere. ``reuse``: a token chosen from :meth:`candidates` grows the cache from their forward (False: a
+    forward through every block, when next needed)."""
 
-    def __init__(self, model: LoadedModel, layer) -> None:
+    def __init__(self, model: LoadedModel, layer, reuse: bool = True) -> None:
         self.model, self.layer = model, layer
+        probe = model.probe
+        self.top = max(layer, probe.layer(probe.n_layers))
+        # the blocks above the layer run alone on a state only where the blocks below can be skipped
+        self.reuse = reuse and (layer.top_block == self.top.top_block or probe.skips_below)
         self.ids: list[int] = []
-        self._cache: DynamicCache | None = None  # the model's, over ids[: self._cached]
-        self._cached = 0
-        self._order: torch.Tensor | None = None  # the prediction after ids[: self._cached]
-        self._prefix: Prefix | None = None  # the probe's, over ids[: self._prefix.length]
+        self._full: Prefix | None = None  # the cache over ids[: self._full.length] (None: nothing computed yet)
+        self._final: tuple[torch.Tensor, bool] | None = None  # the last token's state at top and whether it is normed
+        self._order: torch.Tensor | None = None  # the prediction after ids
+        self._offers: list[Runs] = []  # this position's candidates run over the cache (:meth:`candidates`)
 
     def add(self, token: int) -> None:
-        """The next position's token (no forward runs until a cache is asked for)."""
-        self.ids.append(int(token))
+        """The next position's token: the cache grows from its forward where it was one of this position's
+        :meth:`candidates` and the cache is up to date (only the blocks above the layer run), else when next asked for
+        (one forward)."""
+        token = int(token)
+        offered = next(((runs, i) for runs in self._offers if (i := runs.index(token)) is not None), None)
+        self._offers, self._order, self._final = [], None, None
+        if self.reuse and offered is not None and offered[0].keys is not None and self._current():
+            runs, i = offered
+            assert self._full is not None and runs.keys is not None
+            pick = torch.tensor([i], device=runs.states.device)
+            probe = self.model.probe
+            self._full, final = probe.advance_above(
+                self._full, [token], runs.keys.take(pick), runs.states[i : i + 1], self.layer
+            )
+            self._final = (final[0], True)
+        self.ids.append(token)
 
     def holds(self, prefix_ids: list[int]) -> bool:
         """Whether ``prefix_ids`` is the running prefix (and not empty: an empty prefix has no caches)."""
         return bool(prefix_ids) and prefix_ids == self.ids
 
-    def prediction(self) -> torch.Tensor:
-        """Every token, most likely next after :attr:`ids` first (the tokens added since the last call run through
-        every block in one forward over the model's cache)."""
-        if self._order is None or self._cached < len(self.ids):
-            probe = self.model.probe
-            if self._cache is None:
-                self._cache = DynamicCache(config=probe.config)
-            new = torch.tensor([self.ids[self._cached :]], device=probe.device)
-            with torch.no_grad():
-                out = self.model.model(input_ids=new, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
-            self._cached = len(self.ids)
-            self._order = out.logits[0, -1].float().cpu().argsort(descending=True)
-        return self._order
+    def _current(self) -> bool:
+        return self._full is not None and self._full.length == len(self.ids)
+
+    def _catch_up(self) -> Prefix:
+        """The cache over :attr:`ids`, the tokens added since it was last grown run through every block in one
+        forward (which also gives the last one's final state)."""
+        probe = self.model.probe
+        if self._current():
+            assert self._full is not None
+            return self._full
+        if self._full is None:
+            self._full = probe.prefix(self.ids[:-1], self.top) if len(self.ids) > 1 else Prefix([[]], self.top, None)
+        for token in self.ids[self._full.length : -1]:
+            self._full = probe.defer(self._full, [token])
+        self._full, final = probe.advance_rows(self._full, [self.ids[-1]])
+        self._final = (final[0], self.top.is_final)
+        return self._full
 
     def prefix(self) -> Prefix:
-        """The probe's prefix of :attr:`ids` at the layer (grown by the tokens added since the last call, one forward
-        each; made in one forward the first time)."""
+        """The probe's prefix of :attr:`ids` at the searched layer (a view of the running cache: never grown
+        itself)."""
+        full = self._catch_up()
+        return Prefix([list(full.rows[0])], self.layer, full.cache)
+
+    def candidates(self, ids: torch.Tensor) -> torch.Tensor:
+        """The states ``[n, d]`` at the searched layer of candidates ``ids`` for the next position (the cached forward
+        over :meth:`prefix`); with ``reuse`` their keys and values are kept until the next :meth:`add` (the latest
+        ``OFFERED`` candidates' at most)."""
         probe = self.model.probe
-        if self._prefix is None:
-            self._prefix = probe.prefix(self.ids, self.layer)
-        for token in self.ids[self._prefix.length :]:
-            self._prefix = probe.extend(self._prefix, token)
-        return self._prefix
+        with torch.no_grad():
+            if not self.reuse:
+                return probe.continuation(self.prefix(), ids.to(probe.device))
+            states, keys = probe.continuation(self.prefix(), ids.to(probe.device), keys=True)
+        self._offers.append(Runs(ids, states, keys))
+        while sum(len(r.ids) for r in self._offers) > OFFERED and len(self._offers) > 1:
+            self._offers.pop(0)
+        return states
+
+    def prediction(self) -> torch.Tensor:
+        """Every token, most likely next after :attr:`ids` first (from the last token's final state; one forward where
+        it is not known)."""
+        if self._order is None:
+            if self._final is None:
+                self._catch_up()
+            assert self._final is not None
+            state, normed = self._final
+            self._order = (
+                self.model.probe.next_token_logits(state, normed=normed).float().cpu().argsort(descending=True)
+            )
+        return self._order

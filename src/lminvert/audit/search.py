@@ -77,7 +77,7 @@ class RowSearch:
     def __init__(
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
         table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
-        lookahead: bool = True, first: int = FIRST, secant: Secant | None = None,
+        lookahead: bool = True, first: int = FIRST, secant: Secant | None = None, reuse: bool = True,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
@@ -86,11 +86,13 @@ class RowSearch:
         next row chooses among them (False: the nearest at position 0); ``first``: the first batch of candidates at a
         position after the first, then the rest of ``BATCH``, then ``BATCH`` per batch (``BATCH``: every batch that
         size); ``secant``: the secant model that joins the rankers' order after a position's first batch (None:
-        the rankers' order alone until ``BATCH`` candidates are verified, then the ridge fit's beside it)."""
+        the rankers' order alone until ``BATCH`` candidates are verified, then the ridge fit's beside it); ``reuse``:
+        the recovered prefix grows from the chosen candidate's forward, only the blocks above the layer running for
+        it, which gives the next prediction too (:class:`.running.Running`; False: a forward through every block)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
-        self.reading, self.lookahead, self.secant = reading, lookahead, secant
+        self.reading, self.lookahead, self.secant, self.reuse = reading, lookahead, secant, reuse
         if not 1 <= first <= BATCH:
             raise ValueError(f"the first batch must hold 1 to {BATCH} candidates, not {first}")
         self.first = first
@@ -123,7 +125,7 @@ class RowSearch:
         gaps: list[float | None] = []
         after_guess = fitted = broken = False
         reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
-        running = Running(self.model, self.layer)
+        running = Running(self.model, self.layer, self.reuse)
         if self.secant is not None:
             self.secant.begin_prompt()
         for t, row in enumerate(shipped.float()):
@@ -295,18 +297,24 @@ class RowSearch:
         return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)), 0, not broken
 
     def _verify(
-        self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix] | None = None
-    ) -> torch.Tensor:
+        self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix] | None = None,
+        ran: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The rows of candidates ``ids`` at the position after ``prefix_ids`` (``prefix()``: the probe's prefix,
-        made only where a candidate is run through the model)."""
+        made only where a candidate is run through the model; ``ran``: runs them instead, over the search's own
+        prefix: :meth:`.running.Running.candidates`)."""
         probe, t = self.model.probe, len(prefix_ids)
         if t == 0:
             return self.table[ids]
         made = prefix or (lambda: probe.prefix(prefix_ids, self.layer))
-        if self.memo is not None:
-            return self.rows_of(self.memo.states(prefix_ids, ids, made), t)
-        with torch.no_grad():
-            return self.rows_of(probe.continuation(made(), ids.to(probe.device)), t)
+
+        def compute(missing: torch.Tensor) -> torch.Tensor:
+            if ran is not None:
+                return ran(missing)
+            with torch.no_grad():
+                return probe.continuation(made(), missing.to(probe.device))
+
+        return self.rows_of(compute(ids) if self.memo is None else self.memo.states(prefix_ids, ids, compute), t)
 
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
@@ -320,6 +328,8 @@ class RowSearch:
         radii = self.radii(target, t)
         vocab = probe.vocab_size
         prefix = self._prefix(prefix_ids, running)
+        # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
+        ran = running.candidates if running is not None and running.holds(prefix_ids) else None
         order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
         base = order
         done = torch.zeros(vocab, dtype=torch.bool)
@@ -330,7 +340,7 @@ class RowSearch:
         for size in [vocab] if t == 0 else self._sizes():
             batch = order[~done[order]][:size]
             done[batch] = True
-            fresh = self._verify(prefix_ids, batch, prefix)
+            fresh = self._verify(prefix_ids, batch, prefix, ran)
             ids, rows, dists = seen.add(batch, fresh)
             if learning is not None:
                 learning.add(batch, fresh)

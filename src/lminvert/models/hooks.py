@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from .hf_internals import Cache
 from .layers import Layer
 
 
@@ -87,9 +88,12 @@ def forward_layers(probe, layers: Iterable[Layer], whole: bool = False, **kwargs
     return {layer: captured[layer] for layer in wanted}
 
 
-def final_from(probe, states: torch.Tensor, resolved: Layer) -> torch.Tensor:
+def final_from(probe, states: torch.Tensor, resolved: Layer, cache: Cache | None = None) -> torch.Tensor:
     """The last hidden state ``[B, T, d]`` of sequences whose layer-``resolved`` states are ``states`` (the body of
-    :meth:`.probe.LayerProbe.final_from`, whose docstring states the contract)."""
+    :meth:`.probe.LayerProbe.final_from`, whose docstring states the contract). ``cache``: the KV cache of the
+    sequences' earlier positions in every block, where the blocks below ``resolved`` are skipped (a ValueError
+    elsewhere: they would run on placeholders and cache their keys): ``states`` are the next positions', the blocks
+    above ``resolved`` attend to the cache and add their keys and values to it, the blocks below leave it as it is."""
     states = states.to(device=probe.device, dtype=probe.dtype)
     if states.dim() == 2:
         states = states[None]
@@ -108,6 +112,8 @@ def final_from(probe, states: torch.Tensor, resolved: Layer) -> torch.Tensor:
 
     below = probe.blocks[: int(resolved)]
     skipped = probe._blocks_return_tensors and int(resolved) > 0
+    if cache is not None and not skipped:
+        raise ValueError(f"the blocks below layer {resolved} cannot be skipped: give no cache")
     if int(resolved) == 0:
         handle = probe.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
     elif skipped:  # an instance attribute: nn.Module calls it instead of the class's (one already there is kept)
@@ -120,7 +126,8 @@ def final_from(probe, states: torch.Tensor, resolved: Layer) -> torch.Tensor:
     placeholder = torch.zeros(states.shape[:2], dtype=torch.long, device=probe.device)
     try:  # it only orders candidates: a half model's GEMMs may run as float32 ones here (:mod:`.halfmath`)
         with torch.no_grad(), probe._cached_math():
-            return probe.base(input_ids=placeholder, use_cache=False).last_hidden_state
+            cached = {"use_cache": False} if cache is None else {"past_key_values": cache, "use_cache": True}
+            return probe.base(input_ids=placeholder, **cached).last_hidden_state
     finally:
         if handle is not None:
             handle.remove()

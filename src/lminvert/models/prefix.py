@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from . import hooks
 from .hf_internals import Cache, CacheLayerMixin
 from .layers import Layer, LayerSpec
 
@@ -190,6 +191,24 @@ def advance_from(probe, prefix: Prefix, token_ids: Sequence[int], new: NewKeys) 
     for block, (keys, values) in enumerate(new.layers):
         cache.update(keys, values, block)
     return Prefix(rows, prefix.layer, cache)
+
+
+def advance_above(
+    probe, prefix: Prefix, token_ids: Sequence[int], new: NewKeys, states: torch.Tensor, layer: Layer
+) -> tuple[Prefix, torch.Tensor]:
+    """Every row grows by its token whose keys and values in blocks ``1..layer`` (``new``) and state at ``layer``
+    (``states`` ``[N, d]``) were computed already: only the blocks above ``layer`` run, on the states (one forward, none
+    at the last block), then the lower blocks' keys and values join the cache. Returns the grown prefix and the new
+    tokens' states after the final norm ``[N, d]``."""
+    if prefix.behind or prefix.cache is None:
+        raise ValueError("advance_above grows a cached prefix with no deferred tokens")
+    if int(layer) < 1 or len(new.layers) != layer.top_block or layer.top_block > prefix.layer.top_block:
+        raise ValueError(f"keys and values of blocks 1..{int(layer)} (within the prefix's) needed")
+    rows = grown_rows(prefix, token_ids)
+    final = hooks.final_from(probe, states[:, None, :], layer, cache=prefix.cache)[:, -1]
+    for block, (keys, values) in enumerate(new.layers):
+        prefix.cache.update(keys, values, block)
+    return Prefix(rows, prefix.layer, prefix.cache), final
 
 
 def select(probe, prefix: Prefix, keep: Sequence[int]) -> Prefix:

@@ -269,6 +269,22 @@ class LayerProbe:
         over (an empty prefix's is created from ``new``)."""
         return prefix_cache.advance_from(self, prefix, token_ids, new)
 
+    def advance_above(
+        self, prefix: Prefix, token_ids: Sequence[int], new: NewKeys, states: torch.Tensor, layer: LayerSpec
+    ) -> tuple[Prefix, torch.Tensor]:
+        """Every row grows by its token, whose keys and values in blocks ``1..layer`` (``new``) and state at ``layer``
+        (``states`` ``[N, d]``) a verification forward at ``layer`` (:meth:`continuation` with ``keys=True``) already
+        computed: only the blocks above ``layer`` run (one forward on the states, none where ``layer`` is the last
+        block's; a prefix at a higher layer, where :attr:`skips_below`). Returns the grown prefix (the cache is taken
+        over) and the new tokens' states after the final norm ``[N, d]`` (what the LM head reads)."""
+        return prefix_cache.advance_above(self, prefix, token_ids, new, states, self.layer(layer))
+
+    @property
+    def skips_below(self) -> bool:
+        """Whether a forward can skip the blocks below a layer, running the ones above on given states
+        (:meth:`final_from` does; :meth:`advance_above` needs it)."""
+        return self._blocks_return_tensors
+
     def select(self, prefix: Prefix, keep: Sequence[int]) -> Prefix:
         """Only rows ``keep`` of the prefix (its cache is taken over)."""
         return prefix_cache.select(self, prefix, keep)
