@@ -13,8 +13,10 @@ several configurations, in the same process:
   per batch, later batches from the rankers' order and the ridge fit alone;
 * ``noreuse`` - the same, the secant model's order in every later batch too (:class:`lminvert.audit.rankers.Secant`),
   the recovered prefix grown by a forward through every block wherever it grows;
-* ``all``    - the same, the prefix grown from the chosen candidate's own forward, only the blocks above the layer
-  running for it (``RowSearch(reuse)``, :class:`lminvert.audit.running.Running`; the audit's default).
+* ``noscreen`` - the same, the prefix grown from the chosen candidate's own forward, only the blocks above the layer
+  running for it (``RowSearch(reuse)``, :class:`lminvert.audit.running.Running`);
+* ``all``    - the same, later batches of 64 candidates or more screened with bfloat16 GEMMs first where that pays
+  (:mod:`lminvert.audit.screen`; the audit's default).
 
     python benchmarks/bench_audit.py                                   # SmolLM2, states, layers 1,15,30, 4 x 12
     python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8 --configs memo,all   # a quick look
@@ -47,15 +49,18 @@ from lminvert.audit.attack import Attack
 from lminvert.audit.search import BATCH, FIRST
 from lminvert.experiments.prompts import evaluation_prompts
 
+ALL = {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True, "reuse": True, "screen": None}
+OFF = {"secant": False, "reuse": False, "screen": False}
 CONFIGS = {
-    "plain": {"memo": False, "reading": False, "lookahead": False, "first": BATCH, "secant": False, "reuse": False},
-    "memo": {"memo": True, "reading": False, "lookahead": False, "first": BATCH, "secant": False, "reuse": False},
-    "read": {"memo": True, "reading": True, "lookahead": False, "first": BATCH, "secant": False, "reuse": False},
-    "look": {"memo": True, "reading": False, "lookahead": True, "first": BATCH, "secant": False, "reuse": False},
-    "wide": {"memo": True, "reading": True, "lookahead": True, "first": BATCH, "secant": False, "reuse": False},
-    "nosecant": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": False, "reuse": False},
-    "noreuse": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True, "reuse": False},
-    "all": {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True, "reuse": True},
+    "plain": {**ALL, **OFF, "memo": False, "reading": False, "lookahead": False, "first": BATCH},
+    "memo": {**ALL, **OFF, "reading": False, "lookahead": False, "first": BATCH},
+    "read": {**ALL, **OFF, "lookahead": False, "first": BATCH},
+    "look": {**ALL, **OFF, "reading": False, "first": BATCH},
+    "wide": {**ALL, **OFF, "first": BATCH},
+    "nosecant": {**ALL, **OFF},
+    "noreuse": {**ALL, "reuse": False, "screen": False},
+    "noscreen": {**ALL, "screen": False},
+    "all": ALL,
 }
 DEFENCES = "noise:0.001,noise:0.01,quant:bf16,quant:fp8,quant:int8,quant:int4,drop:0.25,project:128"
 

@@ -338,11 +338,12 @@ def test_the_secant_model_changes_which_candidates_run_not_the_answer(tiny):
     for name in ("states", "kv"):
         leak = make_leak(name, tiny, layer)
         shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
-        plain, carried = Attack(leak, memo=False, secant=False), Attack(leak, memo=False)
+        # without the reading, whose first candidates hold tiny-llama's true tokens: later batches run
+        plain, carried = (Attack(leak, memo=False, secant=on, reading=False) for on in (False, True))
         a, b = plain.run(prompts, shipped, None), carried.run(prompts, shipped, None)
         assert [r.token_ids for r in b] == prompts, name
         assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
-        assert sum(map(sum, (r.checked for r in b))) > 32 * 7 * len(prompts), name  # later batches ran
+        assert sum(sum(r.checked[1:]) for r in b) > 32 * 7 * len(prompts), name  # later batches ran
         secant = Secant(tiny, layer, states=name == "states")
         secant.begin_prompt()
         assert (secant.ranker.jac is not None) == (name == "states")
@@ -371,3 +372,41 @@ def test_growing_the_prefix_from_the_candidates_forward_changes_no_answer(tiny):
         a, b = grown.run(prompts, shipped, None), reused.run(prompts, shipped, None)
         assert [r.token_ids for r in b] == prompts, name
         assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
+
+
+def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, monkeypatch):
+    """audit.screen: with large later batches screened with bfloat16 GEMMs first, the searches recover the same tokens
+    with the same verdicts from states and from a KV cache, and candidates were screened out; where a position's row
+    fits nothing after fitted ones (searched through the vocabulary), the screened-out candidates are verified in full
+    before the position counts as swept, so it checks every token exactly once."""
+    from dataclasses import replace
+
+    from lminvert.audit.attack import Attack
+    from lminvert.audit.screen import Screened
+
+    screened_out, taken = [], []
+    add, take = Screened.add, Screened.take
+    monkeypatch.setattr(Screened, "add", lambda self, ids, d: screened_out.append(len(ids)) or add(self, ids, d))
+    monkeypatch.setattr(Screened, "take", lambda self: taken.append(self.count) or take(self))
+    layer = tiny.probe.layer(2)
+    generator = torch.Generator().manual_seed(3)  # prompts some of whose positions need later batches
+    prompts = [torch.randint(0, tiny.probe.vocab_size, (8,), generator=generator).tolist() for _ in range(2)]
+    for name in ("states", "kv"):
+        leak = make_leak(name, tiny, layer)
+        shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
+        # without the reading, whose first candidates hold tiny-llama's true tokens: later batches run
+        full, screened = (Attack(leak, memo=False, reading=False, screen=on) for on in (False, True))
+        assert full._measure(None).screen is None and 0 < screened._measure(None).screen < 0.1
+        screened_out.clear()
+        a, b = full.run(prompts, shipped, None), screened.run(prompts, shipped, None)
+        assert [r.token_ids for r in b] == prompts, name
+        assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
+        assert sum(screened_out) > 0, name
+    leak = make_leak("states", tiny, layer)
+    rows = leak.capture(prompts[0])
+    rows[5] = torch.randn(rows.shape[1], generator=generator) * rows[5].norm() / rows.shape[1] ** 0.5
+    broken = replace(parse_defence("noise:0.001").apply(rows, generator), rows=rows)
+    taken.clear()
+    found = Attack(leak, memo=False, screen=True).run([prompts[0]], [broken], None)[0]
+    assert found.checked[5] == tiny.probe.vocab_size and found.verdicts[5] == "uncertain"
+    assert taken and taken[-1] > 0  # the screened-out ran in full before the sweep ended

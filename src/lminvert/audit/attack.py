@@ -35,6 +35,7 @@ from .defences import Shipped
 from .leaks import Leak
 from .memo import StateMemo
 from .rankers import Secant, StateReading
+from .screen import Screen
 from .search import FIRST, RowSearch
 
 
@@ -93,7 +94,7 @@ class Attack:
 
     def __init__(
         self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
-        secant: bool = True, reuse: bool = True,
+        secant: bool = True, reuse: bool = True, screen: bool | None = None,
     ) -> None:  # fmt: skip
         """``reading``: a states leak's rows searches take half of each position's rankers' order from what the row
         reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
@@ -103,10 +104,17 @@ class Attack:
         ``reuse``: the recovered prefix grows from the chosen candidate's forward, only the blocks above the layer
         running for it (``RowSearch(reuse)``). The first, ``first`` and ``secant`` change which candidates run and
         when; ``reuse`` how many forwards run (and, by the prediction's rounding alone, which candidates);
-        ``lookahead`` which first token is guessed, whose verdict stays ``uncertain`` either way."""
+        ``lookahead`` which first token is guessed, whose verdict stays ``uncertain`` either way. ``screen``: the rows
+        searches screen large later batches with bfloat16 GEMMs (:mod:`.screen`; None: where it pays,
+        :attr:`lminvert.models.LayerProbe.can_screen`; True on a model it cannot run on: a ValueError), which changes
+        which candidates are verified in full."""
         self.leak, self.reading, self.lookahead, self.first, self.secant = leak, reading, lookahead, first, secant
         self.reuse = reuse
         self.model: LoadedModel = leak.model
+        refusal = self.model.probe.screen_refusal
+        if screen and refusal is not None:
+            raise ValueError(f"screening runs a float32 model's linear layers in bfloat16; {refusal}")
+        self.screen = self.model.probe.can_screen if screen is None else screen
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._measured: dict[bool, Measured] = {}
         self._table: torch.Tensor | None = None
@@ -160,9 +168,10 @@ class Attack:
         if self.reading and self.leak.name == "states" and public is None:
             reading = StateReading(self.model, layer, self.model.probe.vocab_size)
         secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
+        screen = None if measured.screen is None else Screen(self.model, measured.screen)
         search = RowSearch(
             self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead,
-            self.first, secant, self.reuse,
+            self.first, secant, self.reuse, screen,
         )  # fmt: skip
         out = []
         for r in rows:
@@ -181,7 +190,8 @@ class Attack:
         key = public is not None
         if key not in self._measured:
             capture = self.leak.capture if public is None else (lambda ids: public(self.leak.capture(ids)))
-            self._measured[key] = measure(self.model, self.leak.states_layer, self._rows_of(public), capture)
+            rows_of = self._rows_of(public)
+            self._measured[key] = measure(self.model, self.leak.states_layer, rows_of, capture, self.screen)
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:

@@ -12,6 +12,7 @@ import torch
 from ..invert.tolerance import calibration_prompts
 from ..models import LoadedModel
 from .running import Running
+from .screen import SCREEN_FROM, Screen
 
 Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a position -> rows [n, k] as shipped
 
@@ -23,18 +24,24 @@ class Measured:
     rounding: float  # cached forward vs plain forward
     first: float  # the deployment's rows vs the plain forward's, at position 0
     rest: float  # the same at later positions
+    screen: float | None = None  # a screened batch's rows (bfloat16 GEMMs) vs the plain forward's (None: not measured)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
 
 
-def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> Measured:
+def measure(
+    model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor], screen: bool = False
+) -> Measured:
     """The disagreements on two calibration prompts of 12 tokens (every position measured; the cached forward over a
     prefix made in one forward and over ones grown a token at a time, by a forward and from a batch's keys and values,
-    one token and two at a time, and a batch run through every block, as the search runs them)."""
+    one token and two at a time, as the search runs them; with ``screen``, the true token's row in a screened batch
+    of ``SCREEN_FROM`` candidates too)."""
     probe = model.probe
     rounding, first, rest = 0.0, 0.0, 0.0
+    screened: float | None = 0.0 if screen else None
+    others = torch.arange(SCREEN_FROM - 1)  # the screened batch's other candidates
     for ids in calibration_prompts(model, n=2, length=12):
         observed = capture(ids)
         plain = probe.states(torch.tensor(ids), [layer])[layer][0]
@@ -51,10 +58,14 @@ def measure(model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[in
             if t:  # among other candidates, as the search runs them: the keys the next position's prefix grows from
                 batch = torch.tensor([ids[t], *ids[:t]])
                 rounding = max(rounding, _relative(rows_of(kept.candidates(batch)[:1], t), row))
+            if screened is not None and t:
+                batch = torch.cat([torch.tensor([ids[t]]), others])
+                fast = Screen(model, 0.0).states(probe.prefix(ids[:t], layer), batch)
+                screened = max(screened, _relative(rows_of(fast[:1], t), row))
             forward.add(ids[t])
             kept.add(ids[t])
             if t == 0:
                 first = max(first, _relative(observed[:1], row))
             else:
                 rest = max(rest, _relative(observed[t : t + 1], row))
-    return Measured(rounding, first, rest)
+    return Measured(rounding, first, rest, screened)

@@ -72,6 +72,11 @@ class StateMemo:
         assert entry.states is not None
         return entry.states[torch.tensor([entry.index[i] for i in wanted], device=entry.states.device)]
 
+    def kept(self, prefix_ids: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """Which of candidates ``ids`` after ``prefix_ids`` have their states kept ``[n]`` (bool)."""
+        index = self._entry(prefix_ids).index
+        return torch.tensor([i in index for i in ids.tolist()], dtype=torch.bool)
+
     def prediction(self, prefix_ids: list[int], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The model's prediction after ``prefix_ids`` (every token, most likely first), ``compute()`` once."""
         entry = self._entry(prefix_ids)

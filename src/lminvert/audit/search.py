@@ -49,6 +49,7 @@ from .calibration import Measured, Rows
 from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
 from .running import Running
+from .screen import Screen, Screened
 
 BATCH = 256  # candidates verified per forward, at most
 FIRST = 32  # the first batch at a position after the first (then the rest of BATCH, then BATCH per batch): the rankers
@@ -78,6 +79,7 @@ class RowSearch:
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
         table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
         lookahead: bool = True, first: int = FIRST, secant: Secant | None = None, reuse: bool = True,
+        screen: Screen | None = None,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
@@ -88,11 +90,12 @@ class RowSearch:
         size); ``secant``: the secant model that joins the rankers' order after a position's first batch (None:
         the rankers' order alone until ``BATCH`` candidates are verified, then the ridge fit's beside it); ``reuse``:
         the recovered prefix grows from the chosen candidate's forward, only the blocks above the layer running for
-        it, which gives the next prediction too (:class:`.running.Running`; False: a forward through every block)."""
+        it, which gives the next prediction too (:class:`.running.Running`; False: a forward through every block);
+        ``screen``: large later batches are screened with bfloat16 GEMMs first (:mod:`.screen`; None: not)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
-        self.reading, self.lookahead, self.secant, self.reuse = reading, lookahead, secant, reuse
+        self.reading, self.lookahead, self.secant, self.reuse, self.screen = reading, lookahead, secant, reuse, screen
         if not 1 <= first <= BATCH:
             raise ValueError(f"the first batch must hold 1 to {BATCH} candidates, not {first}")
         self.first = first
@@ -316,6 +319,33 @@ class RowSearch:
 
         return self.rows_of(compute(ids) if self.memo is None else self.memo.states(prefix_ids, ids, compute), t)
 
+    def _batch(
+        self, prefix_ids: list[int], batch: torch.Tensor, prefix: Callable[[], Prefix],
+        ran: Callable[[torch.Tensor], torch.Tensor] | None, target: torch.Tensor, out: Screened | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A batch's candidates verified in full, their rows, and every candidate's row (the screened one where it was
+        screened out). With ``out``, a batch of ``SCREEN_FROM`` or more is screened first (:mod:`.screen`): the
+        candidates whose screened row lies beyond ``out.radius`` join ``out``; those the memo keeps are not
+        screened."""
+        kept = torch.zeros(len(batch), dtype=torch.bool) if self.memo is None else self.memo.kept(prefix_ids, batch)
+        tried = (~kept).nonzero().flatten()
+        if out is None or self.screen is None or not Screen.applies(len(tried)) or math.isinf(out.radius):
+            fresh = self._verify(prefix_ids, batch, prefix, ran)
+            return batch, fresh, fresh
+        t = len(prefix_ids)
+        screened = self.rows_of(self.screen.states(prefix(), batch[tried]), t)
+        dists = (screened.double() - target.double()).norm(dim=1)
+        beyond = dists > out.radius
+        far = tried[beyond]
+        out.add(batch[far], dists[beyond])
+        near = torch.ones(len(batch), dtype=torch.bool)
+        near[far] = False
+        every = torch.empty(len(batch), screened.shape[1])
+        every[far] = screened[beyond]
+        fresh = self._verify(prefix_ids, batch[near], prefix, ran) if near.any() else screened[:0]
+        every[near] = fresh
+        return batch[near], fresh, every
+
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
         running: Running | None = None, budget: int | None = None, secant: Secant | None = None,
@@ -337,25 +367,39 @@ class RowSearch:
         learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
         if learning is not None:
             learning.begin(t, target)
-        for size in [vocab] if t == 0 else self._sizes():
+        out = None if self.screen is None or t == 0 else Screened(self.screen.radius(target, radii.plain))
+        pool = seen if out is None else _Verified(target)  # the rankers' rows: screened ones too
+        reranked = 0  # candidates checked when the order was last made
+        for n, size in enumerate([vocab] if t == 0 else self._sizes()):
+            if out is not None and out.count and bool(done.all()):  # every token ran: the screened-out in full now
+                order, out.radius = out.take(), math.inf
+                done[order] = False
             batch = order[~done[order]][:size]
             done[batch] = True
-            fresh = self._verify(prefix_ids, batch, prefix, ran)
-            ids, rows, dists = seen.add(batch, fresh)
+            # the first batch is not screened: the acceptor separates a contender only from a population of rows
+            # verified in full (acceptor.POPULATION), which the rankers' first candidates make
+            full, fresh, every = self._batch(prefix_ids, batch, prefix, ran, target, out if n else None)
+            ids, rows, dists = seen.add(full, fresh)
+            known = (ids, rows) if pool is seen else pool.add(batch, every)[:2]
             if learning is not None:
-                learning.add(batch, fresh)
-            spent = bool(done.all())
+                learning.add(batch, every)
+            spent = bool(done.all()) and (out is None or not out.count)
+            checked = len(ids) + (0 if out is None else out.count)
             evidence = Evidence(
                 ids, dists, rows, target, seen.measured, radii.cached, False,
-                exhausted=spent or (budget is not None and len(ids) >= budget), swept=spent, checked=len(ids),
+                exhausted=spent or (budget is not None and checked >= budget), swept=spent, checked=checked,
                 fitted=fitted, twins=self.twins,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.final:
                 if learning is not None:
                     learning.end()
-                return decision, len(ids), _half_gap(ids, rows, decision.token)
-            order = self._reranked(ids, rows, target, base, None if learning is None else learning.order())
+                return decision, checked, _half_gap(ids, rows, decision.token)
+            if checked >= 2 * reranked:  # the rankers' order is remade as the position's candidates double
+                order, reranked = (
+                    self._reranked(*known, target, base, None if learning is None else learning.order()),
+                    checked,
+                )
         raise AssertionError("unreachable: position 0 verifies the whole vocabulary, others never run out of batches")
 
 
