@@ -3,17 +3,22 @@ first runs with bfloat16 GEMMs (:meth:`lminvert.models.LayerProbe.screening`: a 
 bfloat16 GEMMs), as the engine's search screens (:mod:`lminvert.invert.search`). Only the candidates whose screened row
 lies within the screening radius of the target are verified in full and shown to the acceptor; the others are screened
 out (:class:`Screened`): never shown to it, counted as checked, and verified in full before the position could be
-called swept (every token verified). The rankers see every row, screened ones included (they only order candidates).
+called swept (every token verified); where nothing fits, those that could lie nearer than the nearest candidate verified
+in full are verified before it is taken as the guess. The rankers see every row, screened ones included (they only
+order candidates).
 
 The radius covers every candidate the acceptor compares: a contender lies within the plain radius of the target, a
 rival of one within ``SLACK`` plain radii more (:func:`lminvert.invert.acceptor.margin`), so every candidate whose full
 row could lie within ``1 + SLACK`` plain radii is verified in full, the screened rows' own error allowed for as
 ``SAFETY`` times its measured relative size (:func:`.calibration.measure`). Screening thus changes no certified or
-confident verdict, as far as that measurement bounds the error; it may change which token an ``uncertain`` position
-guesses where nothing fits (the nearest of the candidates verified in full).
+confident verdict, nor the nearest candidate an ``uncertain`` position takes where nothing fits, as far as that
+measurement bounds the error.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 
@@ -36,9 +41,32 @@ class Screen:
         forward of their picks)."""
         return size >= SCREEN_FROM
 
-    def radius(self, target: torch.Tensor, plain: float) -> float:
-        """Screened rows farther than this from ``target`` are screened out (see the module docstring)."""
-        return (1 + SLACK) * plain + SAFETY * max(self.relative, FLOOR) * norm(target)
+    def error(self, target: torch.Tensor) -> float:
+        """How far a screened row near ``target`` may lie from its row computed in full."""
+        return SAFETY * max(self.relative, FLOOR) * norm(target)
+
+    def screened(self, target: torch.Tensor, plain: float) -> Screened:
+        """A position's screened-out candidates, for the row ``target`` and the plain radius ``plain``: screened rows
+        farther than ``(1 + SLACK) * plain`` plus the screening's error are screened out (the module docstring)."""
+        error = self.error(target)
+        return Screened((1 + SLACK) * plain + error, error)
+
+    def split(
+        self, batch: torch.Tensor, tried: torch.Tensor, prefix: Prefix,
+        rows_of: Callable[[torch.Tensor], torch.Tensor], target: torch.Tensor, out: Screened,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Screen candidates ``batch[tried]`` over ``prefix`` (``rows_of``: their states -> rows): those whose screened
+        row lies beyond ``out.radius`` of ``target`` join ``out``. Returned: which of ``batch`` are to be verified in
+        full ``[B]`` (bool), and ``[B, k]`` rows holding the screened-out ones' screened rows (the others' to be
+        filled)."""
+        screened = rows_of(self.states(prefix, batch[tried]))
+        dists = (screened.double() - target.double()).norm(dim=1)
+        beyond = dists > out.radius
+        far = tried[beyond]
+        out.add(batch[far], dists[beyond])
+        near, every = torch.ones(len(batch), dtype=torch.bool), torch.empty(len(batch), screened.shape[1])
+        near[far], every[far] = False, screened[beyond]
+        return near, every
 
     def states(self, prefix: Prefix, ids: torch.Tensor) -> torch.Tensor:
         """The screened states ``[n, d]`` of candidates ``ids`` over ``prefix`` (float32)."""
@@ -47,10 +75,11 @@ class Screen:
 
 
 class Screened:
-    """One position's screened-out candidates: their ids and screened distances, until verified in full."""
+    """One position's screened-out candidates: their ids and screened distances, until verified in full (``radius``:
+    screened farther than this, a candidate is screened out; ``error``: the screened distances' own)."""
 
-    def __init__(self, radius: float) -> None:
-        self.radius = radius
+    def __init__(self, radius: float, error: float) -> None:
+        self.radius, self.error = radius, error
         self.ids: list[torch.Tensor] = []
         self.dists: list[torch.Tensor] = []
         self.count = 0  # screened out and not verified in full since
@@ -60,8 +89,12 @@ class Screened:
         self.dists.append(dists)
         self.count += len(ids)
 
-    def take(self) -> torch.Tensor:
-        """Every screened-out candidate, the nearest first (to be verified in full now)."""
+    def take(self, within: float = math.inf) -> torch.Tensor:
+        """The screened-out candidates whose row computed in full could lie within ``within`` of the target (every
+        one by default), the nearest first, to be verified in full now: they are no longer screened out."""
+        if not self.count:
+            return torch.empty(0, dtype=torch.long)
         ids, dists = torch.cat(self.ids), torch.cat(self.dists)
-        self.ids, self.dists, self.count = [], [], 0
-        return ids[dists.argsort()]
+        taken = dists - self.error <= within
+        self.ids, self.dists, self.count = [ids[~taken]], [dists[~taken]], int((~taken).sum())
+        return ids[taken][dists[taken].argsort()]

@@ -4,23 +4,21 @@ with positions missing): SIPIT with the comparison made in the rows' space.
 For each position, the candidates' states are computed over the recovered prefix's KV cache
 (:meth:`lminvert.models.LayerProbe.continuation`), turned into rows by the leak (and the public map, if any), and their
 L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
-its verdict. Every distance is measured by the cached forward, with its rounding inside the radii (no plain
-forwards: the shipped rows never reproduce bit for bit, so nothing is gained by them). Candidates come from rankers:
-position 0 from the first-position table (every token's state alone, so every token is verified at once), later
-positions the model's own next-token prediction from the prefix (for a states leak, alternately with what the
-row itself reads as: :class:`StateReading`), 32 of them first, then the rest of the first 256, then 256 at a time.
-From the second batch on, that order is merged with the engine's secant model of the position's map
-(:class:`.rankers.Secant`: fitted on the verified candidates of this position and the last ones, for a states leak
-from the position-1 map at first), and from 256 verified with a ridge fit on this position's closest candidates
-alone (:class:`.rankers.Ridge`), each re-fitted as candidates come. Where several first tokens fit position 0's row
-(an attention sink's norm lets noise or quantisation cover the gaps between them) or none does, the next row chooses
-among the nearest (``lookahead``), as a guess; a position whose row is missing is chosen by the next row the same
-way, the prediction first (a guess: uncertain, and so is everything after it). The recovered prefix's caches grow a
-token at a time (:class:`.running.Running`).
+its verdict. Every distance is measured by the cached forward, with its rounding inside the radii (the shipped rows
+never reproduce bit for bit: no plain forwards). Candidates come from rankers: position 0 from the first-position
+table (every token verified at once), later positions the model's own next-token prediction from the prefix (for a
+states leak, alternately with what the row reads as: :class:`StateReading`), 32 of them first, then the rest of the
+first 256, then 256 at a time. Later batches merge that order with the engine's secant model of the position's map
+(:class:`.rankers.Secant`) and, from 256 verified, a ridge fit on this position's closest candidates
+(:class:`.rankers.Ridge`), the order remade as the position's candidates double. Where several first tokens fit
+position 0's row (an attention sink's norm lets noise cover the gaps between them) or none does, the next row chooses
+among the nearest (``lookahead``), as a guess; a missing row's token is chosen by the next row the same way, the
+prediction first (a guess: uncertain, and so is everything after it). The recovered prefix's cache grows a token at a
+time, from the chosen candidate's forward where it can (:class:`.running.Running`); later batches of 64 or more may be
+screened with bfloat16 GEMMs first (:mod:`.screen`).
 
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
-prefix, so another defence's search over the same prompt verifies a candidate one of them already ran without a
-forward (``RowSearch(memo=None)``: none).
+prefix, so another defence's search verifies a candidate one of them already ran without a forward.
 
 Radii are measured, not assumed (:func:`.calibration.measure`: how far the cached forward's rows lie from a plain
 forward's, and the deployment's own rows from the plain forward's); the source's error model adds the defence's
@@ -50,15 +48,17 @@ from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
 from .running import Running
 from .screen import Screen, Screened
+from .verified import Verified, half_gap
 
 BATCH = 256  # candidates verified per forward, at most
 FIRST = 32  # the first batch at a position after the first (then the rest of BATCH, then BATCH per batch): the rankers
-# put the true token of a row that fits among their first few dozen at most positions, and a forward's cost is its
-# batch's
+# put the true token of a row that fits among their first few dozen at most positions; a forward costs as its batch's
 # candidates offered at a position once, after a guess, the row before fitted nothing (the prefix is likely wrong, so
 # nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
 # prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
+RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
+# (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
 # position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
 
@@ -67,7 +67,7 @@ LOOK = 8  # tokens under which the next token is sought where a position's own r
 class Found:
     token_ids: list[int]
     verdicts: list[str]
-    checked: list[int]  # candidates verified per position
+    checked: list[int]  # candidates checked per position (verified in full or screened out)
     half_gaps: list[float | None]  # half the distance from the chosen row to the nearest other verified row
     seconds: float
 
@@ -234,7 +234,7 @@ class RowSearch:
         radii = self.radii(after, t + 1)
         prefix = self._prefix(prefix_ids, running)()
         done = torch.zeros(len(order), dtype=torch.bool)
-        seen = _Verified(after)
+        seen = Verified(after)
         for size in self._sizes():
             batch = order[~done[order]][:size]
             done[batch] = True
@@ -333,17 +333,8 @@ class RowSearch:
             fresh = self._verify(prefix_ids, batch, prefix, ran)
             return batch, fresh, fresh
         t = len(prefix_ids)
-        screened = self.rows_of(self.screen.states(prefix(), batch[tried]), t)
-        dists = (screened.double() - target.double()).norm(dim=1)
-        beyond = dists > out.radius
-        far = tried[beyond]
-        out.add(batch[far], dists[beyond])
-        near = torch.ones(len(batch), dtype=torch.bool)
-        near[far] = False
-        every = torch.empty(len(batch), screened.shape[1])
-        every[far] = screened[beyond]
-        fresh = self._verify(prefix_ids, batch[near], prefix, ran) if near.any() else screened[:0]
-        every[near] = fresh
+        near, every = self.screen.split(batch, tried, prefix(), lambda states: self.rows_of(states, t), target, out)
+        every[near] = fresh = self._verify(prefix_ids, batch[near], prefix, ran) if near.any() else every[:0]
         return batch[near], fresh, every
 
     def _position(
@@ -363,12 +354,12 @@ class RowSearch:
         order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
         base = order
         done = torch.zeros(vocab, dtype=torch.bool)
-        seen = _Verified(target)
+        seen = Verified(target)
         learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
         if learning is not None:
             learning.begin(t, target)
-        out = None if self.screen is None or t == 0 else Screened(self.screen.radius(target, radii.plain))
-        pool = seen if out is None else _Verified(target)  # the rankers' rows: screened ones too
+        out = None if self.screen is None or t == 0 else self.screen.screened(target, radii.plain)
+        pool = seen if out is None else Verified(target)  # the rankers' rows: screened ones too
         reranked = 0  # candidates checked when the order was last made
         for n, size in enumerate([vocab] if t == 0 else self._sizes()):
             if out is not None and out.count and bool(done.all()):  # every token ran: the screened-out in full now
@@ -391,43 +382,18 @@ class RowSearch:
                 fitted=fitted, twins=self.twins,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
+            if decision.unfitted and out is not None:  # nothing fits: the screened-out that may be nearer, in full
+                nearer = out.take(float(dists.min()) if len(dists) else math.inf)
+                if len(nearer):
+                    order, out.radius, done[nearer] = nearer, math.inf, False
+                    continue
             if decision.final:
                 if learning is not None:
                     learning.end()
-                return decision, checked, _half_gap(ids, rows, decision.token)
-            if checked >= 2 * reranked:  # the rankers' order is remade as the position's candidates double
+                return decision, checked, half_gap(ids, rows, decision.token)
+            if checked >= RERANK * reranked:
                 order, reranked = (
                     self._reranked(*known, target, base, None if learning is None else learning.order()),
                     checked,
                 )
         raise AssertionError("unreachable: position 0 verifies the whole vocabulary, others never run out of batches")
-
-
-class _Verified:
-    """The candidates verified at one position so far: ids, rows, distances to ``target`` (every one measured with the
-    rounding inside the radii, also by id in ``measured``)."""
-
-    def __init__(self, target: torch.Tensor) -> None:
-        self.target = target.double()
-        self.ids: list[torch.Tensor] = []
-        self.rows: list[torch.Tensor] = []
-        self.dists: list[torch.Tensor] = []
-        self.measured: dict[int, float] = {}
-
-    def add(self, batch: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add a batch's rows; every candidate verified so far: ``(ids, rows, distances)``."""
-        dists = (rows.double() - self.target).norm(dim=1)
-        self.measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
-        self.ids.append(batch)
-        self.rows.append(rows)
-        self.dists.append(dists)
-        return torch.cat(self.ids), torch.cat(self.rows), torch.cat(self.dists)
-
-
-def _half_gap(ids: torch.Tensor, rows: torch.Tensor, token: int) -> float | None:
-    chosen = (ids == token).nonzero().flatten()
-    if len(ids) < 2 or not len(chosen):
-        return None
-    others = torch.cat([rows[: chosen[0]], rows[chosen[0] + 1 :]])
-    gap = float((others - rows[chosen[0]]).norm(dim=1).min()) / 2
-    return gap if math.isfinite(gap) else None
