@@ -413,7 +413,9 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
     rows[5] = torch.randn(rows.shape[1], generator=generator) * rows[5].norm() / rows.shape[1] ** 0.5
     broken = replace(parse_defence("noise:0.001").apply(rows, generator), rows=rows)
     taken.clear()
-    found = Attack(leak, memo=False, screen=True).run([prompts[0]], [broken], None)[0]
+    found, plain = (Attack(leak, memo=False, screen=on).run([prompts[0]], [broken], None)[0] for on in (True, False))
     assert found.checked[5] == tiny.probe.vocab_size and found.verdicts[5] == "uncertain"
+    # where nothing fits (position 5, and the positions after it, given a guess) the nearest is the same token
+    assert (found.token_ids, found.verdicts) == (plain.token_ids, plain.verdicts)
     # every screened-out candidate (thousands) ran in full before the sweep ended
     assert any(before == got > 1000 for before, got in taken), taken
