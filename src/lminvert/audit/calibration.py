@@ -41,6 +41,7 @@ def measure(
     probe = model.probe
     rounding, first, rest = 0.0, 0.0, 0.0
     screened: float | None = 0.0 if screen else None
+    screening = Screen(model, 0.0) if screen else None  # its forward alone: the error is what is measured here
     others = torch.arange(SCREEN_FROM - 1)  # the screened batch's other candidates
     for ids in calibration_prompts(model, n=2, length=12):
         observed = capture(ids)
@@ -48,8 +49,9 @@ def measure(
         forward, kept = Running(model, layer, reuse=False), Running(model, layer)  # grown by a forward / from keys
         for t in range(len(ids)):
             row = rows_of(plain[t : t + 1], t)
+            whole = probe.prefix(ids[:t], layer)  # made in one forward
             grown = [forward.prefix(), kept.prefix()] if t else []
-            for prefix in [probe.prefix(ids[:t], layer), *grown]:
+            for prefix in [whole, *grown]:
                 cached = rows_of(probe.continuation(prefix, torch.tensor([ids[t]])), t)
                 rounding = max(rounding, _relative(cached, row))
                 if t + 1 < len(ids):  # two tokens at a time (the lookahead's): the second one's row
@@ -58,9 +60,8 @@ def measure(
             if t:  # among other candidates, as the search runs them: the keys the next position's prefix grows from
                 batch = torch.tensor([ids[t], *ids[:t]])
                 rounding = max(rounding, _relative(rows_of(kept.candidates(batch)[:1], t), row))
-            if screened is not None and t:
-                batch = torch.cat([torch.tensor([ids[t]]), others])
-                fast = Screen(model, 0.0).states(probe.prefix(ids[:t], layer), batch)
+            if screening is not None and screened is not None and t:
+                fast = screening.states(whole, torch.cat([torch.tensor([ids[t]]), others]))
                 screened = max(screened, _relative(rows_of(fast[:1], t), row))
             forward.add(ids[t])
             kept.add(ids[t])

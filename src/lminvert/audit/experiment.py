@@ -97,9 +97,9 @@ class Audit(Experiment):
         "leaks": ["states", "kv", "last"], "defences": list(DEFAULT), "prompts_file": None,
     }  # fmt: skip
     full_duration = (
-        "over two hours on SmolLM2 on a 2-core CPU (not measured whole: its states leak took 5.4, 21 and 70 minutes at "
-        "layers 1, 15 and 30, its KV leak 7 and 27 minutes at blocks 1 and 15, last 2.7 minutes, docs/audit.md); "
-        "--quick: 82 s"
+        "about three hours on SmolLM2 on a 2-core CPU (measured in parts, over three versions of the code: its states "
+        "leak 5.4, 21 and 70 minutes at layers 1, 15 and 30, its KV leak 7, 27 and 49 minutes at blocks 1, 15 and 30, "
+        "last 2.7 minutes, docs/audit.md); --quick: 130 s"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:

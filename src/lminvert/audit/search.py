@@ -327,8 +327,9 @@ class RowSearch:
         screened out). With ``out``, a batch of ``SCREEN_FROM`` or more is screened first (:mod:`.screen`): the
         candidates whose screened row lies beyond ``out.radius`` join ``out``; those the memo keeps are not
         screened."""
-        kept = torch.zeros(len(batch), dtype=torch.bool) if self.memo is None else self.memo.kept(prefix_ids, batch)
-        tried = (~kept).nonzero().flatten()
+        tried = torch.arange(len(batch))
+        if out is not None and self.memo is not None and Screen.applies(len(batch)):  # only where it may screen
+            tried = (~self.memo.kept(prefix_ids, batch)).nonzero().flatten()
         if out is None or self.screen is None or not Screen.applies(len(tried)) or math.isinf(out.radius):
             fresh = self._verify(prefix_ids, batch, prefix, ran)
             return batch, fresh, fresh
