@@ -402,7 +402,7 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
         shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
         # without the reading, whose first candidates hold tiny-llama's true tokens: later batches run
         full, screened = (Attack(leak, memo=False, reading=False, screen=on) for on in (False, True))
-        assert full._measure(None).screen is None and 0 < screened._measure(None).screen < 0.1
+        assert not full.screen and 0 < screened.calibration.screened() < 0.1
         screened_out.clear()
         a, b = full.run(prompts, shipped, None), screened.run(prompts, shipped, None)
         assert [r.token_ids for r in b] == prompts, name
@@ -419,3 +419,36 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
     assert (found.token_ids, found.verdicts) == (plain.token_ids, plain.verdicts)
     # every screened-out candidate (thousands) ran in full before the sweep ended
     assert any(before == got > 1000 for before, got in taken), taken
+
+
+def test_the_calibration_runs_its_forwards_once_for_every_leak_map_and_later_run(tiny, isolated_cache, monkeypatch):
+    """audit.calibration: the cached and screened forwards' states of one layer are computed once, kept beside the
+    tables bit for bit, and serve a states leak and a KV leak reading that layer, and a projection of either; a new
+    process (the model's memo emptied) reads them from disk without a forward of a candidate."""
+    from lminvert.audit.calibration import KIND, SCREEN_KIND, Calibration
+
+    def forget() -> None:  # as in a new process: the loaded model keeps none of them
+        for key in [k for k in tiny.memo if isinstance(k, tuple) and k[0] in (KIND, SCREEN_KIND)]:
+            del tiny.memo[key]
+
+    forget()
+    layer = tiny.probe.layer(1)
+    states, kv = make_leak("states", tiny, layer), make_leak("kv", tiny, tiny.probe.layer(2))
+    assert kv.states_layer == layer
+    first = Calibration(tiny, layer, states.rows_of, states.capture)
+    measured, screened = first.measured(), first.screened()
+    assert 0 < measured.rounding < 1e-4 and measured.first == measured.rest == 0.0 and 0 < screened < 0.1
+    again = first._run()  # the kept states are the forwards' own, bit for bit
+    assert first._cached is not None and len(first._cached) == len(again) > 100
+    for (t, a, b), (u, c, d) in zip(first._cached, again, strict=True):
+        assert t == u and torch.equal(a, c) and torch.equal(b, d) and a.dtype == c.dtype
+    assert list(isolated_cache.glob(f"tables/*{KIND}*"))
+    runs = []
+    for name in ("continuation", "chains"):
+        real = getattr(type(tiny.probe), name)
+        monkeypatch.setattr(type(tiny.probe), name, lambda *a, real=real, **k: runs.append(1) or real(*a, **k))
+    forget()
+    other = Calibration(tiny, layer, kv.rows_of, kv.capture)
+    assert other.measured().rounding > 0 and other.screened() > 0 and not runs
+    projection = torch.randn(kv.width, 8, generator=torch.Generator().manual_seed(0))
+    assert other.measured(lambda rows: rows @ projection).rounding > 0 and not runs

@@ -30,7 +30,7 @@ from ..invert.sources import Exact, Float, parse_source
 from ..invert.tables import first_position_table
 from ..models import LoadedModel
 from ..states import HiddenStates
-from .calibration import Measured, measure
+from .calibration import Calibration, Measured
 from .defences import Shipped
 from .leaks import Leak
 from .memo import StateMemo
@@ -116,6 +116,7 @@ class Attack:
             raise ValueError(f"screening runs a float32 model's linear layers in bfloat16; {refusal}")
         self.screen = self.model.probe.can_screen if screen is None else screen
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
+        self._calibration: Calibration | None = None
         self._measured: dict[bool, Measured] = {}
         self._table: torch.Tensor | None = None
         self._sorted: torch.Tensor | None = None  # the table's rows sorted (for a secret permutation)
@@ -168,7 +169,7 @@ class Attack:
         if self.reading and self.leak.name == "states" and public is None:
             reading = StateReading(self.model, layer, self.model.probe.vocab_size)
         secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
-        screen = None if measured.screen is None else Screen(self.model, measured.screen)
+        screen = Screen(self.model, lambda: self.calibration.screened(public)) if self.screen else None
         search = RowSearch(
             self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead,
             self.first, secant, self.reuse, screen,
@@ -186,12 +187,17 @@ class Attack:
             return self.leak.rows_of
         return lambda states, t: public(self.leak.rows_of(states, t))
 
+    @property
+    def calibration(self) -> Calibration:
+        """The calibration prompts' forwards, run once for every defence and public map (:mod:`.calibration`)."""
+        if self._calibration is None:
+            self._calibration = Calibration(self.model, self.leak.states_layer, self.leak.rows_of, self.leak.capture)
+        return self._calibration
+
     def _measure(self, public) -> Measured:
         key = public is not None
         if key not in self._measured:
-            capture = self.leak.capture if public is None else (lambda ids: public(self.leak.capture(ids)))
-            rows_of = self._rows_of(public)
-            self._measured[key] = measure(self.model, self.leak.states_layer, rows_of, capture, self.screen)
+            self._measured[key] = self.calibration.measured(public)
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:

@@ -1,6 +1,8 @@
-"""The rows search's radii, measured (:func:`measure`): on calibration prompts, how far the cached forward's rows lie
-from a plain forward's (rounding) and how far the deployment's own rows lie from the plain forward's (where they were
-computed)."""
+"""The rows search's radii, measured (:class:`Calibration`): on calibration prompts, how far the cached forward's rows
+lie from a plain forward's (rounding), how far the deployment's own rows lie from the plain forward's (where they were
+computed), and how far a screened forward's rows lie from the plain forward's (:mod:`.screen`). The forwards run once
+per model, dtype, layer and device type (kept beside the tables), and are read through the leak's rows and any public
+map of them (a projection): every leak's and map's radii come from the same states."""
 
 from __future__ import annotations
 
@@ -9,12 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..invert.tables import cached
 from ..invert.tolerance import calibration_prompts
 from ..models import LoadedModel
 from .running import Running
-from .screen import SCREEN_FROM, Screen
+from .screen import SCREEN_FROM, screened_states
 
 Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a position -> rows [n, k] as shipped
+Map = Callable[[torch.Tensor], torch.Tensor]  # a public map of the rows (rows [n, k] -> [n, m])
+Pair = tuple[int, torch.Tensor, torch.Tensor]  # a position, what was compared there [1, *], the plain states [1, d]
+KIND, SCREEN_KIND = "audit-calibration1", "audit-screen1"  # the cache's names: new ones whenever what is run changes
 
 
 @dataclass(frozen=True)
@@ -24,49 +30,108 @@ class Measured:
     rounding: float  # cached forward vs plain forward
     first: float  # the deployment's rows vs the plain forward's, at position 0
     rest: float  # the same at later positions
-    screen: float | None = None  # a screened batch's rows (bfloat16 GEMMs) vs the plain forward's (None: not measured)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
 
 
-def measure(
-    model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor], screen: bool = False
-) -> Measured:
-    """The disagreements on two calibration prompts of 12 tokens (every position measured; the cached forward over a
-    prefix made in one forward and over ones grown a token at a time, by a forward and from a batch's keys and values,
-    one token and two at a time, as the search runs them; with ``screen``, the true token's row in a screened batch
-    of ``SCREEN_FROM`` candidates too)."""
-    probe = model.probe
-    rounding, first, rest = 0.0, 0.0, 0.0
-    screened: float | None = 0.0 if screen else None
-    screening = Screen(model, 0.0) if screen else None  # its forward alone: the error is what is measured here
-    others = torch.arange(SCREEN_FROM - 1)  # the screened batch's other candidates
-    for ids in calibration_prompts(model, n=2, length=12):
-        observed = capture(ids)
-        plain = probe.states(torch.tensor(ids), [layer])[layer][0]
-        forward, kept = Running(model, layer, reuse=False), Running(model, layer)  # grown by a forward / from keys
-        for t in range(len(ids)):
-            row = rows_of(plain[t : t + 1], t)
-            whole = probe.prefix(ids[:t], layer)  # made in one forward
-            grown = [forward.prefix(), kept.prefix()] if t else []
-            for prefix in [whole, *grown]:
-                cached = rows_of(probe.continuation(prefix, torch.tensor([ids[t]])), t)
-                rounding = max(rounding, _relative(cached, row))
-                if t + 1 < len(ids):  # two tokens at a time (the lookahead's): the second one's row
-                    pair = rows_of(probe.chains(prefix, torch.tensor([ids[t : t + 2]]))[0][:, 1], t + 1)
-                    rounding = max(rounding, _relative(pair, rows_of(plain[t + 1 : t + 2], t + 1)))
-            if t:  # among other candidates, as the search runs them: the keys the next position's prefix grows from
-                batch = torch.tensor([ids[t], *ids[:t]])
-                rounding = max(rounding, _relative(rows_of(kept.candidates(batch)[:1], t), row))
-            if screening is not None and screened is not None and t:
-                fast = screening.states(whole, torch.cat([torch.tensor([ids[t]]), others]))
-                screened = max(screened, _relative(rows_of(fast[:1], t), row))
-            forward.add(ids[t])
-            kept.add(ids[t])
-            if t == 0:
-                first = max(first, _relative(observed[:1], row))
-            else:
-                rest = max(rest, _relative(observed[t : t + 1], row))
-    return Measured(rounding, first, rest, screened)
+class Calibration:
+    """Four calibration prompts of 12 tokens (:func:`lminvert.invert.tolerance.calibration_prompts`), every position
+    measured, for one leak at one layer (``rows_of``: the leak's rows of states; ``capture``: the deployment's rows of
+    a prompt). The cached and the screened forwards' states depend on the model, its dtype, the layer and the device
+    type alone: they are computed once (the screened ones when first asked for: a search that screens no batch never
+    runs them) and kept beside the tables; the deployment's rows are captured anew for every leak."""
+
+    def __init__(self, model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> None:
+        self.model, self.layer, self.rows_of, self.capture = model, layer, rows_of, capture
+        self._prompts: list[list[int]] | None = None
+        self._cached: list[Pair] | None = None  # cached forwards' states beside the plain forward's
+        self._observed: list[Pair] | None = None  # the deployment's rows beside the plain forward's states
+        self._screened: list[Pair] | None = None  # screened states beside the plain forward's
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        if self._prompts is None:
+            self._prompts = calibration_prompts(self.model, n=2, length=12)
+        return self._prompts
+
+    def measured(self, public: Map | None = None) -> Measured:
+        """The rounding and the deployment's disagreement, read through ``public`` (None: the rows themselves)."""
+        if self._cached is None:
+            self._cached = self._kept(KIND, self._run)
+        if self._observed is None:
+            self._observed = self._observe()
+        rows = self._rows(public)
+        seen = public or (lambda r: r)
+        rounding = max(_relative(rows(a, t), rows(b, t)) for t, a, b in self._cached)
+        first = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t == 0)
+        rest = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t > 0)
+        return Measured(rounding, first, rest)
+
+    def screened(self, public: Map | None = None) -> float:
+        """The relative disagreement of a screened batch's rows (``SCREEN_FROM`` candidates, the true token among
+        them), read through ``public``."""
+        if self._screened is None:
+            self._screened = self._kept(SCREEN_KIND, self._screen)
+        rows = self._rows(public)
+        return max(_relative(rows(a, t), rows(b, t)) for t, a, b in self._screened)
+
+    def _rows(self, public: Map | None) -> Rows:
+        return self.rows_of if public is None else (lambda states, t: public(self.rows_of(states, t)))
+
+    def _kept(self, kind: str, run: Callable[[], list[Pair]]) -> list[Pair]:
+        """``run()``'s states, from the cache beside the tables where they are there (per device type)."""
+
+        def build() -> torch.Tensor:  # [N, 2, d + 1] float64 (exact for every float dtype): the position beside
+            return torch.stack([torch.cat([torch.cat([a, b]), torch.full((2, 1), t)], 1) for t, a, b in run()]).double()
+
+        packed = cached(self.model, self.layer, kind, build, per_device=True).cpu()
+        dtype = self.model.probe.dtype
+        return [(int(p[0, -1]), p[:1, :-1].to(dtype), p[1:, :-1].to(dtype)) for p in packed]
+
+    def _plain(self, ids: list[int]) -> torch.Tensor:
+        probe = self.model.probe
+        return probe.states(torch.tensor(ids), [self.layer])[self.layer][0].cpu()
+
+    def _observe(self) -> list[Pair]:
+        """The deployment's rows beside the plain forward's states."""
+        out: list[Pair] = []
+        for ids in self.prompts:
+            observed, plain = self.capture(ids), self._plain(ids)
+            out += [(t, observed[t : t + 1], plain[t : t + 1]) for t in range(len(ids))]
+        return out
+
+    def _screen(self) -> list[Pair]:
+        """A screened batch's true token's states beside the plain forward's."""
+        others = torch.arange(SCREEN_FROM - 1)  # the screened batch's other candidates
+        probe, out = self.model.probe, []
+        for ids in self.prompts:
+            plain = self._plain(ids)
+            for t in range(1, len(ids)):
+                batch = torch.cat([torch.tensor([ids[t]]), others])
+                fast = screened_states(probe, probe.prefix(ids[:t], self.layer), batch)
+                out.append((t, fast[:1].cpu(), plain[t : t + 1]))
+        return out
+
+    def _run(self) -> list[Pair]:
+        """The cached forward over a prefix made in one forward and over ones grown a token at a time, by a forward
+        (up to the layer: the blocks above change no key below it) and from a batch's keys and values, one token and
+        two at a time (the lookahead's: the second one's row), as the search runs them, and among other candidates:
+        the keys the prefix grows from."""
+        probe, layer = self.model.probe, self.layer
+        out: list[Pair] = []
+        for ids in self.prompts:
+            plain = self._plain(ids)
+            grown, kept = probe.prefix(ids[:1], layer), Running(self.model, layer)
+            for t in range(len(ids)):
+                for prefix in [probe.prefix(ids[:t], layer), *([grown, kept.prefix()] if t else [])]:
+                    out.append((t, probe.continuation(prefix, torch.tensor([ids[t]])).cpu(), plain[t : t + 1]))
+                    if t + 1 < len(ids):
+                        pair = probe.chains(prefix, torch.tensor([ids[t : t + 2]]))[0][:, 1].cpu()
+                        out.append((t + 1, pair, plain[t + 1 : t + 2]))
+                if t:
+                    out.append((t, kept.candidates(torch.tensor([ids[t], *ids[:t]]))[:1].cpu(), plain[t : t + 1]))
+                    grown = probe.extend(grown, ids[t])
+                kept.add(ids[t])
+        return out

@@ -10,13 +10,14 @@ order candidates).
 The radius covers every candidate the acceptor compares: a contender lies within the plain radius of the target, a
 rival of one within ``SLACK`` plain radii more (:func:`lminvert.invert.acceptor.margin`), so every candidate whose full
 row could lie within ``1 + SLACK`` plain radii is verified in full, the screened rows' own error allowed for as
-``SAFETY`` times its measured relative size (:func:`.calibration.measure`). Screening thus changes no certified or
-confident verdict, nor the nearest candidate an ``uncertain`` position takes where nothing fits, as far as that
-measurement bounds the error.
+``SAFETY`` times its measured relative size (:meth:`.calibration.Calibration.screened`, on the first batch screened).
+Screening thus changes no certified or confident verdict, nor the nearest candidate an ``uncertain`` position takes
+where nothing fits, as far as that measurement bounds the error.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -25,15 +26,20 @@ import torch
 from ..invert.acceptor import SLACK
 from ..invert.tolerance import FLOOR, SAFETY, norm
 from ..invert.verification import SCREEN_FROM
-from ..models import LoadedModel, Prefix
+from ..models import LayerProbe, LoadedModel, Prefix
 
 
 class Screen:
-    """A model's screened forward and its measured relative error in the rows' space (``relative``: the largest
-    ``||screened row - plain row|| / ||plain row||`` of the calibration prompts' true tokens)."""
+    """A model's screened forward and its relative error in the rows' space (``relative``: measured on first use, by
+    ``measure``: the largest ``||screened row - plain row|| / ||plain row||`` of the calibration prompts' true
+    tokens; a search that screens no batch never measures it)."""
 
-    def __init__(self, model: LoadedModel, relative: float) -> None:
-        self.probe, self.relative = model.probe, relative
+    def __init__(self, model: LoadedModel, measure: Callable[[], float]) -> None:
+        self.probe, self._measure = model.probe, measure
+
+    @functools.cached_property
+    def relative(self) -> float:
+        return self._measure()
 
     @staticmethod
     def applies(size: int) -> bool:
@@ -48,8 +54,7 @@ class Screen:
     def screened(self, target: torch.Tensor, plain: float) -> Screened:
         """A position's screened-out candidates, for the row ``target`` and the plain radius ``plain``: screened rows
         farther than ``(1 + SLACK) * plain`` plus the screening's error are screened out (the module docstring)."""
-        error = self.error(target)
-        return Screened((1 + SLACK) * plain + error, error)
+        return Screened(lambda: self.error(target), (1 + SLACK) * plain)
 
     def split(
         self, batch: torch.Tensor, tried: torch.Tensor, prefix: Prefix,
@@ -59,7 +64,7 @@ class Screen:
         row lies beyond ``out.radius`` of ``target`` join ``out``. Returned: which of ``batch`` are to be verified in
         full ``[B]`` (bool), and ``[B, k]`` rows holding the screened-out ones' screened rows (the others' to be
         filled)."""
-        screened = rows_of(self.states(prefix, batch[tried]))
+        screened = rows_of(screened_states(self.probe, prefix, batch[tried]))
         dists = (screened.double() - target.double()).norm(dim=1)
         beyond = dists > out.radius
         far = tried[beyond]
@@ -68,21 +73,32 @@ class Screen:
         near[far], every[far] = False, screened[beyond]
         return near, every
 
-    def states(self, prefix: Prefix, ids: torch.Tensor) -> torch.Tensor:
-        """The screened states ``[n, d]`` of candidates ``ids`` over ``prefix`` (float32)."""
-        with torch.no_grad(), self.probe.screening():
-            return self.probe.continuation(prefix, ids.to(self.probe.device)).float()
+
+def screened_states(probe: LayerProbe, prefix: Prefix, ids: torch.Tensor) -> torch.Tensor:
+    """The screened states ``[n, d]`` of candidates ``ids`` over ``prefix`` (float32)."""
+    with torch.no_grad(), probe.screening():
+        return probe.continuation(prefix, ids.to(probe.device)).float()
 
 
 class Screened:
-    """One position's screened-out candidates: their ids and screened distances, until verified in full (``radius``:
-    screened farther than this, a candidate is screened out; ``error``: the screened distances' own)."""
+    """One position's screened-out candidates: their ids and screened distances, until verified in full. A candidate
+    whose screened row lies farther than ``radius`` is screened out (``error``: the screened distances' own, computed
+    on first use by the function given; ``reach``: the radius less it). Once some are taken to be verified in full
+    (:meth:`take`), the position screens no more (``open`` False, ``radius`` infinite)."""
 
-    def __init__(self, radius: float, error: float) -> None:
-        self.radius, self.error = radius, error
+    def __init__(self, error: Callable[[], float], reach: float) -> None:
+        self._error, self.reach, self.open = error, reach, True
         self.ids: list[torch.Tensor] = []
         self.dists: list[torch.Tensor] = []
         self.count = 0  # screened out and not verified in full since
+
+    @functools.cached_property
+    def error(self) -> float:
+        return self._error()
+
+    @property
+    def radius(self) -> float:
+        return self.reach + self.error if self.open else math.inf
 
     def add(self, ids: torch.Tensor, dists: torch.Tensor) -> None:
         self.ids.append(ids)
@@ -91,7 +107,9 @@ class Screened:
 
     def take(self, within: float = math.inf) -> torch.Tensor:
         """The screened-out candidates whose row computed in full could lie within ``within`` of the target (every
-        one by default), the nearest first, to be verified in full now: they are no longer screened out."""
+        one by default), the nearest first, to be verified in full now: they are no longer screened out, and the
+        position screens no more."""
+        self.open = False
         if not self.count:
             return torch.empty(0, dtype=torch.long)
         ids, dists = torch.cat(self.ids), torch.cat(self.dists)

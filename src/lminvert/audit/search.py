@@ -20,7 +20,7 @@ screened with bfloat16 GEMMs first (:mod:`.screen`).
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
 prefix, so another defence's search verifies a candidate one of them already ran without a forward.
 
-Radii are measured, not assumed (:func:`.calibration.measure`: how far the cached forward's rows lie from a plain
+Radii are measured, not assumed (:class:`.calibration.Calibration`: how far the cached forward's rows lie from a plain
 forward's, and the deployment's own rows from the plain forward's); the source's error model adds the defence's
 bound, computed on the shipped row.
 """
@@ -330,7 +330,7 @@ class RowSearch:
         tried = torch.arange(len(batch))
         if out is not None and self.memo is not None and Screen.applies(len(batch)):  # only where it may screen
             tried = (~self.memo.kept(prefix_ids, batch)).nonzero().flatten()
-        if out is None or self.screen is None or not Screen.applies(len(tried)) or math.isinf(out.radius):
+        if out is None or self.screen is None or not Screen.applies(len(tried)) or not out.open:
             fresh = self._verify(prefix_ids, batch, prefix, ran)
             return batch, fresh, fresh
         t = len(prefix_ids)
@@ -364,7 +364,7 @@ class RowSearch:
         reranked = 0  # candidates checked when the order was last made
         for n, size in enumerate([vocab] if t == 0 else self._sizes()):
             if out is not None and out.count and bool(done.all()):  # every token ran: the screened-out in full now
-                order, out.radius = out.take(), math.inf
+                order = out.take()
                 done[order] = False
             batch = order[~done[order]][:size]
             done[batch] = True
@@ -386,7 +386,7 @@ class RowSearch:
             if decision.unfitted and out is not None:  # nothing fits: the screened-out that may be nearer, in full
                 nearer = out.take(float(dists.min()) if len(dists) else math.inf)
                 if len(nearer):
-                    order, out.radius, done[nearer] = nearer, math.inf, False
+                    order, done[nearer] = nearer, False
                     continue
             if decision.final:
                 if learning is not None:
