@@ -188,9 +188,14 @@ def advance_from(probe, prefix: Prefix, token_ids: Sequence[int], new: NewKeys) 
     if len(new.layers) != prefix.layer.top_block:
         raise ValueError(f"keys and values of {prefix.layer.top_block} blocks needed, got {len(new.layers)}")
     cache = cache_of(probe, prefix)
+    _put(cache, new)
+    return Prefix(rows, prefix.layer, cache)
+
+
+def _put(cache, new: NewKeys) -> None:
+    """``new``'s keys and values into ``cache``, block by block from the first."""
     for block, (keys, values) in enumerate(new.layers):
         cache.update(keys, values, block)
-    return Prefix(rows, prefix.layer, cache)
 
 
 def advance_above(
@@ -206,8 +211,7 @@ def advance_above(
         raise ValueError(f"keys and values of blocks 1..{int(layer)} (within the prefix's) needed")
     rows = grown_rows(prefix, token_ids)
     final = hooks.final_from(probe, states[:, None, :], layer, cache=prefix.cache)[:, -1]
-    for block, (keys, values) in enumerate(new.layers):
-        prefix.cache.update(keys, values, block)
+    _put(prefix.cache, new)
     return Prefix(rows, prefix.layer, prefix.cache), final
 
 
