@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import os
 import platform
 import statistics
@@ -31,17 +32,19 @@ from lminvert.audit.defences import DEFAULT
 from lminvert.audit.running import Running
 from lminvert.audit.search import FIRST
 
+TOKEN = 100  # the candidates run: TOKEN and the tokens after it
 ENGINE = ("none", "permute")  # the states leak's defences the engine runs, not the rows search
 
 
-def _median(run, repeats: int) -> float:
-    run()  # warm
+def _median(run, repeats: int, setup=lambda: None) -> float:
+    """The median seconds of ``run(setup())`` over ``repeats`` (``setup`` untimed; one more run first, to warm)."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        given = setup()
         start = time.perf_counter()
-        run()
+        run(given)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def _running(model, layer, prefix_ids: torch.Tensor) -> Running:
@@ -51,6 +54,20 @@ def _running(model, layer, prefix_ids: torch.Tensor) -> Running:
         running.add(token)
     running.prefix()
     return running
+
+
+def _offered(model, layer, prefix_ids: torch.Tensor) -> Running:
+    """A fresh recovered prefix whose last batch of candidates held ``TOKEN`` alone."""
+    fresh = _running(model, layer, prefix_ids)
+    fresh.candidates(torch.tensor([TOKEN]))
+    return fresh
+
+
+def _grown(fresh: Running) -> None:
+    """``TOKEN`` chosen: the blocks above the layer on its state (or one forward through all), and the prediction
+    that gives the next position's first candidates."""
+    fresh.add(TOKEN)
+    fresh.prediction()
 
 
 def main() -> int:
@@ -77,18 +94,9 @@ def main() -> int:
         for layer in probe.layers([int(x) if x.lstrip("-").isdigit() else x for x in args.layers.split(",")]):
             leak = make_leak(kind, model, layer)
             running = _running(model, leak.states_layer, prefix_ids)
-            batch, one = torch.arange(FIRST) + 100, torch.tensor([100])
-            first = _median(lambda b=batch, r=running: r.candidates(b), args.repeats)
-            single = _median(lambda b=one, r=running: r.candidates(b), args.repeats)
-            times = []
-            for _ in range(args.repeats + 1):  # the first one warms
-                fresh = _running(model, leak.states_layer, prefix_ids)
-                fresh.candidates(one)
-                start = time.perf_counter()
-                fresh.add(100)  # the blocks above the layer on the candidate's state, or one forward through all
-                fresh.prediction()  # the next position's first candidates
-                times.append(time.perf_counter() - start)
-            grow = statistics.median(times[1:])
+            first = _median(lambda _, r=running: r.candidates(torch.arange(FIRST) + TOKEN), args.repeats)
+            single = _median(lambda _, r=running: r.candidates(torch.tensor([TOKEN])), args.repeats)
+            grow = _median(_grown, args.repeats, functools.partial(_offered, model, leak.states_layer, prefix_ids))
             per_first, per_one = (first + grow) * positions * cells, (single + grow) * positions * cells
             total["first"] += per_first
             total["one"] += per_one

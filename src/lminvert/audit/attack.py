@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +29,7 @@ from ..invert.sources import Exact, Float, parse_source
 from ..invert.tables import first_position_table
 from ..models import LoadedModel
 from ..states import HiddenStates
-from .calibration import Calibration, Measured
+from .calibration import Calibration, Measured, through
 from .defences import Shipped
 from .leaks import Leak
 from .memo import StateMemo
@@ -171,8 +170,8 @@ class Attack:
         secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
         screen = Screen(self.model, lambda: self.calibration.screened(public)) if self.screen else None
         search = RowSearch(
-            self.model, layer, self._rows_of(public), source, measured, table, self.memo, reading, self.lookahead,
-            self.first, secant, self.reuse, screen,
+            self.model, layer, through(self.leak.rows_of, public), source, measured, table, self.memo, reading,
+            self.lookahead, self.first, secant, self.reuse, screen,
         )  # fmt: skip
         out = []
         for r in rows:
@@ -181,11 +180,6 @@ class Attack:
                 Recovered(found.token_ids, found.verdicts, found.seconds, found.checked, found.half_gaps, "rows")
             )
         return out
-
-    def _rows_of(self, public: Callable[[torch.Tensor], torch.Tensor] | None):
-        if public is None:
-            return self.leak.rows_of
-        return lambda states, t: public(self.leak.rows_of(states, t))
 
     @property
     def calibration(self) -> Calibration:

@@ -6,6 +6,7 @@ map of them (a projection): every leak's and map's radii come from the same stat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,11 @@ class Measured:
     rest: float  # the same at later positions
 
 
+def through(rows_of: Rows, public: Map | None) -> Rows:
+    """``rows_of`` read through the public map ``public`` (None: ``rows_of`` itself)."""
+    return rows_of if public is None else (lambda states, t: public(rows_of(states, t)))
+
+
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
 
@@ -45,16 +51,19 @@ class Calibration:
 
     def __init__(self, model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> None:
         self.model, self.layer, self.rows_of, self.capture = model, layer, rows_of, capture
-        self._prompts: list[list[int]] | None = None
         self._cached: list[Pair] | None = None  # cached forwards' states beside the plain forward's
         self._observed: list[Pair] | None = None  # the deployment's rows beside the plain forward's states
         self._screened: list[Pair] | None = None  # screened states beside the plain forward's
 
-    @property
+    @functools.cached_property
     def prompts(self) -> list[list[int]]:
-        if self._prompts is None:
-            self._prompts = calibration_prompts(self.model, n=2, length=12)
-        return self._prompts
+        return calibration_prompts(self.model, n=2, length=12)
+
+    @functools.cached_property
+    def plains(self) -> list[torch.Tensor]:
+        """Each prompt's plain forward's states ``[T, d]`` at the layer (on the CPU)."""
+        probe = self.model.probe
+        return [probe.states(torch.tensor(ids), [self.layer])[self.layer][0].cpu() for ids in self.prompts]
 
     def measured(self, public: Map | None = None) -> Measured:
         """The rounding and the deployment's disagreement, read through ``public`` (None: the rows themselves)."""
@@ -62,7 +71,7 @@ class Calibration:
             self._cached = self._kept(KIND, self._run)
         if self._observed is None:
             self._observed = self._observe()
-        rows = self._rows(public)
+        rows = through(self.rows_of, public)
         seen = public or (lambda r: r)
         rounding = max(_relative(rows(a, t), rows(b, t)) for t, a, b in self._cached)
         first = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t == 0)
@@ -74,11 +83,8 @@ class Calibration:
         them), read through ``public``."""
         if self._screened is None:
             self._screened = self._kept(SCREEN_KIND, self._screen)
-        rows = self._rows(public)
+        rows = through(self.rows_of, public)
         return max(_relative(rows(a, t), rows(b, t)) for t, a, b in self._screened)
-
-    def _rows(self, public: Map | None) -> Rows:
-        return self.rows_of if public is None else (lambda states, t: public(self.rows_of(states, t)))
 
     def _kept(self, kind: str, run: Callable[[], list[Pair]]) -> list[Pair]:
         """``run()``'s states, from the cache beside the tables where they are there (per device type)."""
@@ -90,15 +96,11 @@ class Calibration:
         dtype = self.model.probe.dtype
         return [(int(p[0, -1]), p[:1, :-1].to(dtype), p[1:, :-1].to(dtype)) for p in packed]
 
-    def _plain(self, ids: list[int]) -> torch.Tensor:
-        probe = self.model.probe
-        return probe.states(torch.tensor(ids), [self.layer])[self.layer][0].cpu()
-
     def _observe(self) -> list[Pair]:
         """The deployment's rows beside the plain forward's states."""
         out: list[Pair] = []
-        for ids in self.prompts:
-            observed, plain = self.capture(ids), self._plain(ids)
+        for ids, plain in zip(self.prompts, self.plains, strict=True):
+            observed = self.capture(ids)
             out += [(t, observed[t : t + 1], plain[t : t + 1]) for t in range(len(ids))]
         return out
 
@@ -106,8 +108,7 @@ class Calibration:
         """A screened batch's true token's states beside the plain forward's."""
         others = torch.arange(SCREEN_FROM - 1)  # the screened batch's other candidates
         probe, out = self.model.probe, []
-        for ids in self.prompts:
-            plain = self._plain(ids)
+        for ids, plain in zip(self.prompts, self.plains, strict=True):
             for t in range(1, len(ids)):
                 batch = torch.cat([torch.tensor([ids[t]]), others])
                 fast = screened_states(probe, probe.prefix(ids[:t], self.layer), batch)
@@ -121,8 +122,7 @@ class Calibration:
         the keys the prefix grows from."""
         probe, layer = self.model.probe, self.layer
         out: list[Pair] = []
-        for ids in self.prompts:
-            plain = self._plain(ids)
+        for ids, plain in zip(self.prompts, self.plains, strict=True):
             grown, kept = probe.prefix(ids[:1], layer), Running(self.model, layer)
             for t in range(len(ids)):
                 for prefix in [probe.prefix(ids[:t], layer), *([grown, kept.prefix()] if t else [])]:
