@@ -3,20 +3,21 @@ several configurations, in the same process:
 
 * ``plain``  - no memo, no reading, no lookahead, batches of 256: every defence's search runs all its candidates
   through the model, each position's first batch is the model's prediction, position 0 is the nearest first token;
-* ``memo``   - batches of 256, one :class:`lminvert.audit.memo.StateMemo` for every defence's search at the layer:
+* ``memo``   - batches of 256, one :class:`lminvert.invert.rows.memo.StateMemo` for every defence's search at the layer:
   a candidate another defence's search already verified over the same prefix is not run through the model again;
 * ``read``   - the memo, and half of each first batch from what the shipped row reads as (states leaks:
-  :class:`lminvert.audit.rankers.StateReading`);
+  :class:`lminvert.invert.rows.rankers.StateReading`);
 * ``look``   - the memo, and where several first tokens fit, the next row chooses among them (``RowSearch(lookahead)``);
 * ``wide``   - all three, every batch of candidates ``BATCH`` (256);
 * ``nosecant`` - all three, each position's first batch ``FIRST`` (32), then the rest of ``BATCH``, then ``BATCH``
   per batch, later batches from the rankers' order and the ridge fit alone;
-* ``noreuse`` - the same, the secant model's order in every later batch too (:class:`lminvert.audit.rankers.Secant`),
+* ``noreuse`` - the same, the secant model's order in every later batch too
+  (:class:`lminvert.invert.rows.rankers.Secant`),
   the recovered prefix grown by a forward through every block wherever it grows;
 * ``noscreen`` - the same, the prefix grown from the chosen candidate's own forward, only the blocks above the layer
-  running for it (``RowSearch(reuse)``, :class:`lminvert.audit.running.Running`);
+  running for it (``RowSearch(reuse)``, :class:`lminvert.invert.rows.running.Running`);
 * ``all``    - the same, later batches of 64 candidates or more screened with bfloat16 GEMMs first where that pays
-  (:mod:`lminvert.audit.screen`; the audit's default).
+  (:mod:`lminvert.invert.rows.screen`; the audit's default).
 
     python benchmarks/bench_audit.py                                   # SmolLM2, states, layers 1,15,30, 4 x 12
     python benchmarks/bench_audit.py --layers 15 --prompts 2 --length 8 --configs memo,all   # a quick look
@@ -45,9 +46,9 @@ import torch
 
 import lminvert
 from lminvert.audit import make_leak, parse_defence
-from lminvert.audit.attack import Attack
-from lminvert.audit.search import BATCH, FIRST
 from lminvert.experiments.prompts import evaluation_prompts
+from lminvert.invert.rows.attack import Attack
+from lminvert.invert.rows.search import BATCH, FIRST
 
 ALL = {"memo": True, "reading": True, "lookahead": True, "first": FIRST, "secant": True, "reuse": True, "screen": None}
 OFF = {"secant": False, "reuse": False, "screen": False}
@@ -106,11 +107,11 @@ def main() -> int:
                 shipped = [defence.apply(rows, generator) for rows in clean]
                 for attack in attacks.values():  # untimed, two positions: calibrations, table, reading map
                     memo, attack.memo = attack.memo, None
-                    attack.run([prompts[0][:2]], [replace(shipped[0], rows=shipped[0].rows[:2])], None)
+                    attack.run([replace(shipped[0], rows=shipped[0].rows[:2])])
                     attack.memo = memo
                 for name, attack in attacks.items():
                     before = attack.memo.computed if attack.memo is not None else 0
-                    results = attack.run(prompts, shipped, None)
+                    results = attack.run(shipped)
                     cell = _cell(kind, str(layer), label, name, prompts, results)
                     if attack.memo is not None:
                         cell["memo_computed_per_position"] = (attack.memo.computed - before) / cell["positions"]

@@ -1,6 +1,6 @@
 """The least a full-size audit's rows searches can cost on this machine: per position, the forward of its first batch
 of candidates (``search.FIRST``, at the layer, over the prompt's prefix), and the recovered prefix grown by the chosen
-token with the model's next prediction (:class:`lminvert.audit.running.Running`: the blocks above the layer on the
+token with the model's next prediction (:class:`lminvert.invert.rows.running.Running`: the blocks above the layer on the
 candidate's state, or where nothing can be reused, layer 0, one forward through every block), times every position of
 every cell the rows search runs (the ``states`` leak's defences but ``none`` and ``permute``, which the engine runs;
 every defence of the ``kv`` leak). A search that needs nothing beyond its first batch at any position, never
@@ -29,8 +29,8 @@ import torch
 import lminvert
 from lminvert.audit import make_leak
 from lminvert.audit.defences import DEFAULT
-from lminvert.audit.running import Running
-from lminvert.audit.search import FIRST
+from lminvert.invert.rows.running import Running
+from lminvert.invert.rows.search import FIRST
 
 TOKEN = 100  # the candidates run: TOKEN and the tokens after it
 ENGINE = ("none", "permute")  # the states leak's defences the engine runs, not the rows search

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import lminvert
 from lminvert.audit import audit, make_leak, parse_defence
-from lminvert.audit.attack import TieSort, unpermute
 from lminvert.errors import LminvertError
+from lminvert.invert.rows.attack import TieSort, unpermute
 from lminvert.invert.sources import parse_source
 from lminvert.models.kv import kv_block
 
@@ -94,8 +94,8 @@ def test_the_rows_search_allows_a_half_model_one_unit_of_rounding(dtype):
     """Calibration prompts can find a bfloat16 cached forward bit-identical to the observer's while other prompts'
     rows differ in the last bits (SmolLM2, a permuted prompt: 7 of 8 positions left uncertain): the rows search's
     rounding radius never falls below one unit of the model's precision; a float32 model's stays at the float floor."""
-    from lminvert.audit.calibration import Measured
-    from lminvert.audit.search import RowSearch
+    from lminvert.invert.rows.calibration import Measured
+    from lminvert.invert.rows.search import RowSearch
     from lminvert.invert.sources import Exact
     from lminvert.invert.tolerance import FLOOR, SAFETY
 
@@ -185,8 +185,8 @@ def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
     """The states the rows searches of one leak and layer verified are kept (audit.memo.StateMemo): a second
     defence's search over the same prompts runs far fewer candidates through the model and finds the same tokens with
     the same verdicts as a search without the memo; a memo over its limit drops the prefixes used longest ago."""
-    from lminvert.audit.attack import Attack
-    from lminvert.audit.memo import StateMemo
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.memo import StateMemo
 
     layer = tiny.probe.layer(2)
     leak = make_leak("states", tiny, layer)
@@ -198,7 +198,7 @@ def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
     for label in ("noise:0.01", "quant:int8"):
         generator = torch.Generator().manual_seed(0)
         shipped = [parse_defence(label).apply(rows, generator) for rows in clean]
-        a, b = without.run(prompts, shipped, None), kept.run(prompts, shipped, None)
+        a, b = without.run(shipped), kept.run(shipped)
         assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], label
         assert [r.token_ids for r in b] == prompts, label
         computed.append(kept.memo.computed)
@@ -227,8 +227,8 @@ def test_a_first_token_several_fit_is_chosen_by_the_next_row(tiny):
     between first tokens), the next row chooses among the nearest: here the row lies nearer another first token than
     its own, beyond the error bound of both. Without the lookahead the nearer wrong token is kept; with it the prompt
     comes back whole. Either way position 0 is a guess: every verdict ``uncertain``, none claimed."""
-    from lminvert.audit.attack import Attack
-    from lminvert.audit.search import RowSearch
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.search import RowSearch
 
     layer = tiny.probe.layer(2)
     leak = make_leak("states", tiny, layer)
@@ -259,8 +259,8 @@ def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, 
     a prefix that is not the running one is not served by it. With ``reuse``, a token that was one of the position's
     candidates grows the cache from their forward (only the blocks above the layer run: none at the last block's), so
     a forward through every block runs only where it was not."""
-    from lminvert.audit.running import Running
-    from lminvert.audit.search import RowSearch
+    from lminvert.invert.rows.running import Running
+    from lminvert.invert.rows.search import RowSearch
 
     probe = tiny.probe
     layer = probe.layer(at)
@@ -299,8 +299,8 @@ def test_a_missing_position_is_chosen_by_the_next_row(tiny):
     """A dropped position whose token the model ranks far down its prediction: the prediction's first is wrong, the
     next row (shipped whole) chooses the right one (the rest of the prompt comes back whole too); every verdict from
     the missing position on is ``uncertain``, and none is claimed wrongly."""
-    from lminvert.audit.attack import Attack
-    from lminvert.audit.search import RowSearch
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.search import RowSearch
 
     layer = tiny.probe.layer(2)
     leak = make_leak("states", tiny, layer)
@@ -329,8 +329,8 @@ def test_the_secant_model_changes_which_candidates_run_not_the_answer(tiny):
     searches with and without it recover the same tokens with the same verdicts from states and from a KV cache; a
     later batch's order is still every token once; for states the first fit is the position-1 map, for KV rows
     there is none until candidates are verified."""
-    from lminvert.audit.attack import Attack
-    from lminvert.audit.rankers import Secant
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.rankers import Secant
 
     layer = tiny.probe.layer(2)
     generator = torch.Generator().manual_seed(3)
@@ -340,7 +340,7 @@ def test_the_secant_model_changes_which_candidates_run_not_the_answer(tiny):
         shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
         # without the reading, whose first candidates hold tiny-llama's true tokens: later batches run
         plain, carried = (Attack(leak, memo=False, secant=on, reading=False) for on in (False, True))
-        a, b = plain.run(prompts, shipped, None), carried.run(prompts, shipped, None)
+        a, b = plain.run(shipped), carried.run(shipped)
         assert [r.token_ids for r in b] == prompts, name
         assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
         assert sum(sum(r.checked[1:]) for r in b) > 32 * 7 * len(prompts), name  # later batches ran
@@ -360,7 +360,7 @@ def test_growing_the_prefix_from_the_candidates_forward_changes_no_answer(tiny):
     """RowSearch(reuse): the recovered prefix grown from the chosen candidate's forward (the block above the layer run
     on its state) gives the same tokens and verdicts as one grown by a forward through every block, from states and
     from a KV cache, and the prompts are recovered whole."""
-    from lminvert.audit.attack import Attack
+    from lminvert.invert.rows.attack import Attack
 
     layer = tiny.probe.layer(1)
     generator = torch.Generator().manual_seed(5)
@@ -369,7 +369,7 @@ def test_growing_the_prefix_from_the_candidates_forward_changes_no_answer(tiny):
         leak = make_leak(name, tiny, layer if name == "states" else tiny.probe.layer(2))
         shipped = [parse_defence("noise:0.001").apply(leak.capture(ids), generator) for ids in prompts]
         grown, reused = Attack(leak, memo=False, reuse=False), Attack(leak, memo=False)
-        a, b = grown.run(prompts, shipped, None), reused.run(prompts, shipped, None)
+        a, b = grown.run(shipped), reused.run(shipped)
         assert [r.token_ids for r in b] == prompts, name
         assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
 
@@ -381,8 +381,8 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
     before the position counts as swept, so it checks every token exactly once."""
     from dataclasses import replace
 
-    from lminvert.audit.attack import Attack
-    from lminvert.audit.screen import Screened
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.screen import Screened
 
     screened_out, taken = [], []
     add, take = Screened.add, Screened.take
@@ -404,7 +404,7 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
         full, screened = (Attack(leak, memo=False, reading=False, screen=on) for on in (False, True))
         assert not full.screen and 0 < screened.calibration.screened() < 0.1
         screened_out.clear()
-        a, b = full.run(prompts, shipped, None), screened.run(prompts, shipped, None)
+        a, b = full.run(shipped), screened.run(shipped)
         assert [r.token_ids for r in b] == prompts, name
         assert [(r.token_ids, r.verdicts) for r in a] == [(r.token_ids, r.verdicts) for r in b], name
         assert sum(screened_out) > 0, name
@@ -413,7 +413,7 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
     rows[5] = torch.randn(rows.shape[1], generator=generator) * rows[5].norm() / rows.shape[1] ** 0.5
     broken = replace(parse_defence("noise:0.001").apply(rows, generator), rows=rows)
     taken.clear()
-    found, plain = (Attack(leak, memo=False, screen=on).run([prompts[0]], [broken], None)[0] for on in (True, False))
+    found, plain = (Attack(leak, memo=False, screen=on).run([broken])[0] for on in (True, False))
     assert found.checked[5] == tiny.probe.vocab_size and found.verdicts[5] == "uncertain"
     # where nothing fits (position 5, and the positions after it, given a guess) the nearest is the same token
     assert (found.token_ids, found.verdicts) == (plain.token_ids, plain.verdicts)
@@ -425,7 +425,7 @@ def test_the_calibration_runs_its_forwards_once_for_every_leak_map_and_later_run
     """audit.calibration: the cached and screened forwards' states of one layer are computed once, kept beside the
     tables bit for bit, and serve a states leak and a KV leak reading that layer, and a projection of either; a new
     process (the model's memo emptied) reads them from disk without a forward of a candidate."""
-    from lminvert.audit.calibration import KIND, SCREEN_KIND, Calibration
+    from lminvert.invert.rows.calibration import KIND, SCREEN_KIND, Calibration
 
     def forget() -> None:  # as in a new process: the loaded model keeps none of them
         for key in [k for k in tiny.memo if isinstance(k, tuple) and k[0] in (KIND, SCREEN_KIND)]:

@@ -1,9 +1,10 @@
 """``lminvert audit``: what leaks from a deployment (states, a KV cache, an embedding) at each layer, under each
 defence, and what each defence costs; on the shared runner (:mod:`lminvert.experiments.runner`), resumable.
 
-Parts: :mod:`.leaks` (what an attacker holds), :mod:`.defences` (one small class each), :mod:`.attack` (the strongest
-attack lminvert has on each), :mod:`.search` (inversion in a shipped rows' space), :mod:`.experiment` (units and rows),
-:mod:`.summary` (the leak matrices and verdict sentences).
+Parts: :mod:`.leaks` (what an attacker holds: the inversion's views, and what a defended leak costs the model's
+output), :mod:`.defences` (one small class each), :mod:`.experiment` (units and rows: each cell's leak attacked by
+:mod:`lminvert.invert.rows.attack`, the attack ``lminvert invert`` runs), :mod:`.summary` (the leak matrices and
+verdict sentences).
 """
 
 from __future__ import annotations

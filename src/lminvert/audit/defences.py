@@ -214,3 +214,14 @@ def parse_defence(spec: str) -> Defence:
     if value:
         raise LminvertError(f"defence '{spec}': {name} takes no parameter")
     return DEFENCES[name]()
+
+
+def perturbation(clean: torch.Tensor, shipped: Shipped) -> list[float | None]:
+    """Per position, the norm of what the defence changed in the rows (None where a position is missing; the change in
+    the public map's space where there is one; 0 for a permutation, which an attacker who undoes it sees no change
+    of)."""
+    reference = clean.float() if shipped.public is None else shipped.public(clean)
+    if shipped.permuted:
+        return [0.0] * len(clean)
+    out = (shipped.rows.float() - reference).norm(dim=1).tolist()
+    return [None if math.isnan(x) else x for x in out]

@@ -18,10 +18,10 @@ from ..errors import LminvertError
 from ..experiments.base import Context, Experiment, Row, Unit
 from ..experiments.prompts import evaluation_prompts
 from ..forward import encode
+from ..invert.rows.attack import Attack, Recovered
 from ..models import LoadedModel
-from .attack import Attack, Recovered, perturbation
-from .defences import DEFAULT, parse_defence
-from .leaks import Leak, make_leak
+from .defences import DEFAULT, parse_defence, perturbation
+from .leaks import Leak, make_leak, outputs
 from .summary import summarise
 
 CLAIMED = ("certified", "confident")
@@ -50,7 +50,7 @@ def utility(
 ) -> dict[str, float | None]:
     """Top-1 agreement with the undefended model (its outputs ``before``, from the ``clean`` rows) and the change in
     next-token loss (where the prompt holds the next token), the deployment computing with ``kept``."""
-    after = before if torch.equal(kept, clean) else leak.outputs(token_ids, kept)
+    after = before if torch.equal(kept, clean) else outputs(leak, token_ids, kept)
     top1 = float((after.argmax(-1) == before.argmax(-1)).double().mean())
     if leak.name == "last" or len(token_ids) < 2:
         return {"top1": top1, "dloss": None}
@@ -142,7 +142,7 @@ class Audit(Experiment):
                 other.memo.clear()
         clean = ctx.once(("rows", p["model"], p["leak"], str(layer)), lambda: [leak.capture(ids) for ids in prompts])
         before = ctx.once(
-            ("outputs", p["model"], p["leak"], str(layer)), lambda: [leak.outputs(x, None) for x in prompts]
+            ("outputs", p["model"], p["leak"], str(layer)), lambda: [outputs(leak, x, None) for x in prompts]
         )
         defence = parse_defence(p["defence"])
         generator = torch.Generator().manual_seed(ctx.seed * 7919 + sum(map(ord, unit.key)))
@@ -150,7 +150,7 @@ class Audit(Experiment):
         states = None
         if p["leak"] == "states":
             states = ctx.once(("encode", p["model"], str(layer)), lambda: encode(model, prompts, layer))
-        found = attack.run(prompts, shipped, states)
+        found = attack.run(shipped, states)
         rows = []
         for i, (ids, rows_i, s, f, out) in enumerate(zip(prompts, clean, shipped, found, before, strict=True)):
             row = {"model": p["model"], "leak": p["leak"], "layer": str(layer), "defence": p["defence"], "prompt": i}

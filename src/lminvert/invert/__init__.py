@@ -24,8 +24,10 @@ from .engine import InvertConfig, invert_prompt, invert_prompts
 from .layerfit import resolve_layer
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
+from .rows.route import invert_rows
 from .sources import SOURCES, ErrorModel, Exact, Float, Noise, parse_source
 from .tolerance import add_noise
+from .views import VIEWS, make_view
 
 METHODS = ("sipit", "bruteforce")
 
@@ -54,6 +56,7 @@ def invert(
     screen: bool | None = None,
     source: str | ErrorModel | None = None,
     check: bool = True,
+    leak: str = "states",
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
@@ -88,6 +91,14 @@ def invert(
     beats, or states that fit no layer of the model, raise a one-line error naming the closest layer instead of a
     long search (``check=False``: search the given layer anyway).
 
+    ``leak``: what the rows are (:mod:`lminvert.invert.views`): ``"states"`` (default: every position's state at
+    ``layer``), ``"kv"`` (block ``layer``'s KV cache, ``[T, 2 * kv_heads * head_dim]`` per prompt: every head's keys
+    after the rotary embedding, then its values, as :func:`lminvert.kv_captures.read_kv` reads a saved cache; block
+    ``b`` is transformers' ``cache.layers[b - 1]``) or ``"last"`` (the last position's state alone: a guess of the last
+    token). A KV cache, one vector, and states whose source is ``noise:S`` or ``quant:B`` are searched in the rows' own
+    space with the leak's error model (:mod:`lminvert.invert.rows`: the first token and missing or ambiguous positions
+    chosen by the next rows; the audit's attack); lminvert's own and foreign float states by the engine.
+
     ``max_seconds``: a bound on the search, counted from this call: once it has passed, every position stops after its
     first batch of candidates and keeps the closest one verified; the acceptor gives such positions their verdict as
     for any budget (``max_candidates`` bounds candidates instead), and the results' notes count them.
@@ -98,12 +109,15 @@ def invert(
     the model carries forward hooks that edit what its weights compute (as the lab's constructions do).
     """
     check_options(method, policy, noise, max_seconds, together, batch_scale, tolerance_scale, max_candidates, source)
+    check_leak(leak, method, policy, noise, max_seconds, max_candidates, certify, executor, tolerance_scale)
     deadline = None if max_seconds is None else time.time() + max_seconds
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
     _check_screen(model, screen)
     error_model = _source(states, source, noise)
+    if leak != "states" or error_model.name in DEFENDED:
+        return _invert_rows(model, states, layer, leak, error_model, check, screen)
     resolved, found = _layer(model, states, layer, error_model, check)
     config = InvertConfig(
         method=method,
@@ -244,6 +258,76 @@ def check_options(
             parse_source(source)  # a bad name fails here
 
 
+DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (the engine's bound is too loose there)
+
+
+def check_leak(
+    leak: str = "states",
+    method: str = "sipit",
+    policy: str = "linear",
+    noise: float = 0.0,
+    max_seconds: float | None = None,
+    max_candidates: int | None = None,
+    certify: bool | None = None,
+    executor: str | Executor | None = None,
+    tolerance_scale: float = 1.0,
+) -> None:
+    """One-line errors for a ``leak`` :func:`invert` does not know, and for the engine's options given with a leak
+    that the rows search inverts (``kv``, ``last``), which it does not take."""
+    if leak not in VIEWS:
+        raise LminvertError(f"unknown leak '{leak}': use one of {', '.join(VIEWS)}")
+    if leak == "states":
+        return
+    given = {
+        "--method": method != "sipit", "--policy": policy != "linear", "--noise": noise > 0,
+        "--max-seconds": max_seconds is not None, "--max-candidates": max_candidates is not None,
+        "--certify": bool(certify), "--ray": executor is not None, "--tolerance-scale": tolerance_scale != 1.0,
+    }  # fmt: skip
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        raise LminvertError(f"--leak {leak} is searched in the rows' own space, which takes no {', '.join(refused)}")
+
+
+def _invert_rows(
+    model: LoadedModel,
+    states: HiddenStates,
+    layer: LayerSpec | None,
+    leak: str,
+    source: ErrorModel,
+    check: bool,
+    screen: bool | None,
+) -> list[InversionResult]:
+    """A leak searched in its rows' space (:mod:`lminvert.invert.rows`): the view at the layer asked for or found."""
+    if leak == "states":
+        resolved, notes = _layer(model, states, layer, source, check)
+    else:
+        resolved, notes = _view_layer(model, states, layer, leak), states.notes
+    view = make_view(leak, model, resolved)
+    if states.hidden_size != view.width:
+        raise LminvertError(
+            f"these rows hold {states.hidden_size} numbers each, but {leak} at layer {resolved.name} of "
+            f"{model.name} has {view.width}: check --leak and --layer"
+        )
+    if states.dtype is not None and states.dtype != model.dtype:
+        raise LminvertError(
+            f"these rows were computed in {states.dtype} but '{model.name}' runs in {model.dtype}: load the model "
+            f"with --dtype {states.dtype} (dtype='{states.dtype}')"
+        )
+    rows = list(states.states)
+    if leak == "last":
+        rows = [r[-1:] for r in rows]
+    return invert_rows(model, rows, view, source, notes, screen)
+
+
+def _view_layer(model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, leak: str) -> Layer:
+    """The layer (a KV cache's block) of a ``kv`` or ``last`` leak: given, else recorded; a one-line error else."""
+    spec = layer if layer is not None else states.layer
+    if spec is None:
+        what = "block B (transformers' cache.layers[B - 1])" if leak == "kv" else "the layer"
+        raise LminvertError(f"the rows do not say which layer they come from: pass --layer with {what}")
+    return model.probe.layer(spec)
+
+
 def _layer(
     model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, source: ErrorModel, check: bool
 ) -> tuple[Layer, tuple[str, ...]]:
@@ -306,6 +390,7 @@ __all__ = [
     "PositionResult",
     "RandomPolicy",
     "SweepPolicy",
+    "check_leak",
     "check_options",
     "invert",
     "invert_prompt",

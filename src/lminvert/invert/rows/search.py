@@ -31,24 +31,24 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-from ..invert import acceptor
-from ..invert.acceptor import Evidence, Radii
-from ..invert.proposal import merge
-from ..invert.sources import ErrorModel
-from ..invert.tables import first_position_table
-from ..invert.tolerance import FLOOR, SAFETY, norm
-from ..models import LoadedModel, Prefix
-from ..models.ties import tied_token_groups
+from ...models import LoadedModel, Prefix
+from ...models.ties import tied_token_groups
+from .. import acceptor
+from ..acceptor import Evidence, Radii
+from ..proposal import merge
+from ..sources import ErrorModel
+from ..tables import first_position_table
+from ..tolerance import FLOOR, SAFETY, norm
 from .calibration import Measured, Rows
 from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
 from .running import Running
 from .screen import Screen, Screened
-from .verified import Verified, half_gap
+from .verified import Found, Measure, Verified, measure
 
 BATCH = 256  # candidates verified per forward, at most
 FIRST = 32  # the first batch at a position after the first (then the rest of BATCH, then BATCH per batch): the rankers
@@ -61,15 +61,6 @@ RERANK = 2  # the rankers' order at a position is remade once its candidates gre
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
 # position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
-
-
-@dataclass(frozen=True)
-class Found:
-    token_ids: list[int]
-    verdicts: list[str]
-    checked: list[int]  # candidates checked per position (verified in full or screened out)
-    half_gaps: list[float | None]  # half the distance from the chosen row to the nearest other verified row
-    seconds: float
 
 
 class RowSearch:
@@ -122,10 +113,8 @@ class RowSearch:
     def run(self, shipped: torch.Tensor) -> Found:
         """Invert one prompt's rows ``[T, k]`` (rows of NaN: missing positions)."""
         start = time.perf_counter()
-        ids: list[int] = []
-        verdicts: list[str] = []
-        checked: list[int] = []
-        gaps: list[float | None] = []
+        trail = Found()
+        ids = trail.token_ids
         after_guess = fitted = broken = False
         reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
         running = Running(self.model, self.layer, self.reuse)
@@ -139,25 +128,24 @@ class RowSearch:
             budget = BROKEN if after_guess and broken else None
             if torch.isnan(row).any():
                 decision, count, fit = self._missing(ids, after, following, running, broken)
-                gap, broken = None, not fit
+                chosen, broken = Measure(), not fit
             else:
-                decision, count, gap = self._position(ids, row, t, fitted, reads[t], running, budget, self.secant)
+                decision, count, chosen = self._position(ids, row, t, fitted, reads[t], running, budget, self.secant)
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
-                nearest = (self.table.double() - row.double()).norm(dim=1).argsort()
-                token, looked, _ = self._by_next([], nearest, after, following)
+                dists = (self.table.double() - row.double()).norm(dim=1)
+                token, looked, _ = self._by_next([], dists.argsort(), after, following)
                 decision, count = acceptor.chosen_by_next(token), count + looked
+                chosen = measure(torch.arange(len(dists)), self.table, dists, token)
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
             after_guess = after_guess or decision.guess
             # after a guess, later positions fit only if it was right: they are not searched through the vocabulary
             fitted = (fitted and not decision.guess) or verdict != acceptor.UNCERTAIN
-            ids.append(decision.token)
+            tolerance = math.nan if torch.isnan(row).any() else self.radii(row, t).cached
+            trail.add(decision.token, verdict, count, chosen, tolerance, decision.reason)
             running.add(decision.token)
-            verdicts.append(verdict)
-            checked.append(count)
-            gaps.append(gap)
-        return Found(ids, verdicts, checked, gaps, time.perf_counter() - start)
+        return replace(trail, seconds=time.perf_counter() - start)
 
     def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
         """Every token, most likely next first (the model's own prediction from the recovered prefix; from
@@ -341,11 +329,11 @@ class RowSearch:
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
         running: Running | None = None, budget: int | None = None, secant: Secant | None = None,
-    ) -> tuple[acceptor.Decision, int, float | None]:  # fmt: skip
+    ) -> tuple[acceptor.Decision, int, Measure]:  # fmt: skip
         """The decision at position ``t`` after ``prefix_ids`` (``running``: the search's recovered prefix, whose
         caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many; ``secant``:
-        the prompt's secant model, which learns from this position), the candidates verified, half the gap to the
-        nearest other."""
+        the prompt's secant model, which learns from this position), the candidates verified, the chosen token's
+        :class:`.verified.Measure`."""
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
@@ -391,7 +379,7 @@ class RowSearch:
             if decision.final:
                 if learning is not None:
                     learning.end()
-                return decision, checked, half_gap(ids, rows, decision.token)
+                return decision, checked, measure(ids, rows, dists, decision.token)
             if checked >= RERANK * reranked:
                 order, reranked = (
                     self._reranked(*known, target, base, None if learning is None else learning.order()),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import LoadedModel, NewKeys, Prefix
+from ...models import LoadedModel, NewKeys, Prefix
 
 OFFERED = 1024  # candidates of a position whose keys and values are kept (the latest batches'), at most
 

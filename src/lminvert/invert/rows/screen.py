@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..invert.acceptor import SLACK
-from ..invert.tolerance import FLOOR, SAFETY, norm
-from ..invert.verification import SCREEN_FROM
-from ..models import LayerProbe, LoadedModel, Prefix
+from ...models import LayerProbe, LoadedModel, Prefix
+from ..acceptor import SLACK
+from ..tolerance import FLOOR, SAFETY, norm
+from ..verification import SCREEN_FROM
 
 
 class Screen:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..invert.tables import cached
-from ..invert.tolerance import calibration_prompts
-from ..models import LoadedModel
+from ...models import LoadedModel
+from ..tables import cached
+from ..tolerance import calibration_prompts
 from .running import Running
 from .screen import SCREEN_FROM, screened_states
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ..invert.context import PositionContext
-from ..invert.rankers import SecantRanker
-from ..invert.reader import reading_for
-from ..invert.reading import nearest_inputs, read
-from ..models import LoadedModel
+from ...models import LoadedModel
+from ..context import PositionContext
+from ..rankers import SecantRanker
+from ..reader import reading_for
+from ..reading import nearest_inputs, read
 
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors

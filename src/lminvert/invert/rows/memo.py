@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..models import LoadedModel
+from ...models import LoadedModel
 
 MEMO_BYTES = 1 << 30  # states a StateMemo keeps, at most (the prefixes used longest ago are dropped first)
 

@@ -1,16 +1,17 @@
-"""The strongest attack lminvert has on one leak under one defence, for a batch of prompts.
+"""The strongest attack lminvert has on one leak, for a batch of prompts: what :func:`lminvert.invert` runs for a KV
+cache, defended states and one vector, and what ``lminvert audit`` runs on the leaks its defences make.
 
-* lminvert's own states shipped whole (no defence, or a secret permutation once undone): :func:`lminvert.invert`, whose
-  verdicts certify them (``exact``).
+* lminvert's own states shipped whole (no defence, or a secret permutation once undone): the engine
+  (:mod:`lminvert.invert.engine`), whose verdicts certify them (``exact``).
 * A secret permutation of the dimensions is undone first (:func:`unpermute`): position 0's row depends on the first
   token alone, so its sorted values match those of exactly one token's row in the first-position table; aligning the
   two sorted rows gives the permutation, which every other position shares ("Hidden No More", ICML 2025, matches
   such permutation-invariant statistics). Where position 0's values tie (frequent in bfloat16) the tied dimensions
   cannot be told apart: the rows are then compared through :class:`TieSort`, which sorts values within such groups.
 * Anything else (a KV cache, a public projection, positions missing, noise, quantisation): :class:`.search.RowSearch`,
-  the comparison made in the shipped rows' space with the defence's error model (``noise:S``, ``quant:B``). On noisy or
-  quantised states it recovers more than the engine (SmolLM2 layer 15, ``quant:int8``, two 8-token prompts: 14 of 16
-  tokens against the engine's 5: docs/audit.md).
+  the comparison made in the shipped rows' space with the leak's error model (``noise:S``, ``quant:B``, ``float``).
+  On noisy or quantised states it recovers more than the engine (SmolLM2 layer 15, ``quant:int8``, two 8-token
+  prompts: 14 of 16 tokens against the engine's 5: docs/audit.md).
 * The last position alone: the first-position table's nearest row, as a guess (no error model bounds how far the last
   position's state lies from a token's state alone: the verdict is ``uncertain``). Exact recovery of a prompt from one
   position is not expected beyond a few tokens.
@@ -20,27 +21,54 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
-from ..invert import acceptor, invert
-from ..invert.acceptor import Evidence, Radii
-from ..invert.sources import Exact, Float, parse_source
-from ..invert.tables import first_position_table
-from ..models import LoadedModel
-from ..states import HiddenStates
-from .calibration import Calibration, Measured, through
-from .defences import Shipped
-from .leaks import Leak
+from ...models import LoadedModel
+from ...states import HiddenStates
+from .. import acceptor
+from ..acceptor import Evidence, Radii
+from ..sources import ErrorModel, Exact, Float, parse_source
+from ..tables import first_position_table
+from ..views import View
+from .calibration import Calibration, Map, Measured, through
 from .memo import StateMemo
 from .rankers import Secant, StateReading
 from .screen import Screen
 from .search import FIRST, RowSearch
 
 
+class Shipped(Protocol):
+    """What an attacker holds of one prompt (an audit's defence makes one; :class:`Observed` is a plain one)."""
+
+    @property
+    def rows(self) -> torch.Tensor: ...  # [T, k]; rows of NaN: positions not shipped
+
+    @property
+    def source(self) -> str | ErrorModel | None: ...  # the rows' error model (None: the leak's own)
+
+    @property
+    def public(self) -> Map | None: ...  # a map the attacker knows: the view's rows -> the shipped rows
+
+    @property
+    def permuted(self) -> bool: ...  # the dimensions were permuted by a secret the attacker does not hold
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One prompt's rows as an attacker holds them (see :class:`Shipped`)."""
+
+    rows: torch.Tensor
+    source: str | ErrorModel | None = None
+    public: Map | None = None
+    permuted: bool = False
+
+
 @dataclass(frozen=True)
 class Recovered:
-    """One prompt's attack: token ids, verdicts, seconds, candidates verified."""
+    """One prompt's attack: token ids, verdicts, seconds, candidates verified; per position the chosen row's distance,
+    the nearest other's, half the gap between them, the acceptance radius and the acceptor's reason."""
 
     token_ids: list[int]
     verdicts: list[str]
@@ -48,6 +76,10 @@ class Recovered:
     checked: list[int]
     half_gaps: list[float | None]
     route: str  # which attack ran (engine, rows, last)
+    distances: list[float]
+    margins: list[float]
+    tolerances: list[float]
+    reasons: list[str]
 
 
 def unpermute(rows: torch.Tensor, table: torch.Tensor, ordered: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
@@ -92,7 +124,7 @@ class Attack:
     ``memo``, the candidates' states the rows searches verified too: :class:`.memo.StateMemo`)."""
 
     def __init__(
-        self, leak: Leak, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
+        self, leak: View, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
         secant: bool = True, reuse: bool = True, screen: bool | None = None,
     ) -> None:  # fmt: skip
         """``reading``: a states leak's rows searches take half of each position's rankers' order from what the row
@@ -135,7 +167,7 @@ class Attack:
             self._sorted = self.table.sort(dim=1).values
         return self._sorted
 
-    def run(self, prompts: list[list[int]], shipped: list[Shipped], states: HiddenStates | None) -> list[Recovered]:
+    def run(self, shipped: list[Shipped], states: HiddenStates | None = None) -> list[Recovered]:
         """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
         gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``)."""
         first = shipped[0]
@@ -160,7 +192,8 @@ class Attack:
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
         and error model; ``measured``: its radii, else measured through its map)."""
         public = first.public
-        source = Float() if first.source is None else parse_source(first.source)
+        source = first.source
+        source = Float() if source is None else source if isinstance(source, ErrorModel) else parse_source(source)
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
         measured = measured or self._measure(public)
@@ -176,8 +209,20 @@ class Attack:
         out = []
         for r in rows:
             found = search.run(r)
+            measures = found.measures
             out.append(
-                Recovered(found.token_ids, found.verdicts, found.seconds, found.checked, found.half_gaps, "rows")
+                Recovered(
+                    found.token_ids,
+                    found.verdicts,
+                    found.seconds,
+                    found.checked,
+                    found.half_gaps,
+                    "rows",
+                    [m.distance for m in measures],
+                    [m.margin for m in measures],
+                    found.tolerances,
+                    found.reasons,
+                )
             )
         return out
 
@@ -195,6 +240,8 @@ class Attack:
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:
+        from .. import invert  # the public call: this module is one of its routes
+
         given = replace(states, states=tuple(r.to(states.states[0].dtype) for r in rows))
         results = invert(self.model, given, source=Exact(), progress=False)
         out = []
@@ -202,7 +249,18 @@ class Attack:
             verdicts = [p.verdict for p in result.positions]
             gaps = [p.certified_radius for p in result.positions]
             out.append(
-                Recovered(list(result.token_ids), verdicts, result.seconds, result.candidates_checked, gaps, "engine")
+                Recovered(
+                    list(result.token_ids),
+                    verdicts,
+                    result.seconds,
+                    result.candidates_checked,
+                    gaps,
+                    "engine",
+                    result.distances,
+                    result.margins,
+                    [p.tolerance for p in result.positions],
+                    [p.reason for p in result.positions],
+                )
             )
         return out
 
@@ -217,15 +275,8 @@ class Attack:
         evidence = Evidence(ids, dists, table, target, {}, 0.0, False, exhausted=True, swept=True)
         decision = acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
         verdict = acceptor.final_verdict(decision, tied=False, after_guess=False)
-        return Recovered([decision.token], [verdict], 0.0, [len(ids)], [None], "last")
-
-
-def perturbation(clean: torch.Tensor, shipped: Shipped) -> list[float | None]:
-    """Per position, the norm of what the defence changed in the rows (None where a position is missing; the change in
-    the public map's space where there is one; 0 for a permutation, which an attacker who undoes it sees no change
-    of)."""
-    reference = clean.float() if shipped.public is None else shipped.public(clean)
-    if shipped.permuted:
-        return [0.0] * len(clean)
-    out = (shipped.rows.float() - reference).norm(dim=1).tolist()
-    return [None if math.isnan(x) else x for x in out]
+        d = float(dists[decision.token])
+        margin = float(torch.cat([dists[: decision.token], dists[decision.token + 1 :]]).min())
+        return Recovered(
+            [decision.token], [verdict], 0.0, [len(ids)], [None], "last", [d], [margin], [math.nan], [decision.reason]
+        )
