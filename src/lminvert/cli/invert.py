@@ -1,4 +1,4 @@
-"""`lminvert invert`: recover the exact prompt(s) from a hidden-states file."""
+"""`lminvert invert`: recover the exact prompt(s) from a hidden-states file or a saved KV cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
-from ..invert import METHODS, POLICIES, check_options, invert
+from ..invert import METHODS, POLICIES, check_leak, check_options, invert
+from ..invert.views import VIEWS
+from ..kv_captures import is_kv_file, read_kv
 from ..paths import atomic_file, check_output_file
 from ..runs import run_metadata
 from ..states import HiddenStates
@@ -19,6 +21,7 @@ from .common import (
     add_states_args,
     executor_from_args,
     model_for_states,
+    model_from_args,
     print_json,
 )
 
@@ -28,6 +31,8 @@ EXAMPLES = """examples:
   lminvert invert leak.safetensors --json --out result.json
   lminvert invert leak.npy --model smollm2-135m          # a capture from elsewhere: layer found, --source float
   lminvert invert leak.pt --model smollm2-135m --layer 15 --dtype bfloat16 --source noise:0.01
+  lminvert invert cache.pt --model smollm2-135m --leak kv --layer 15   # transformers' past_key_values, block 15
+  lminvert invert cache.pt --model smollm2-135m --leak kv --layer 14 --source-library hf   # cache.layers[14]
 """
 
 
@@ -43,6 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="layer (default: the one recorded in the file, else found from the states); lminvert's numbering: "
         "see --source-library",
+    )
+    parser.add_argument(
+        "--leak",
+        default=None,
+        choices=list(VIEWS),
+        help="what the file holds: states (every position's state at --layer), kv (a block's KV cache as "
+        "transformers saves it: --layer is the block, 1..L, transformers' cache.layers[B-1]), last (the last "
+        "position's state: a guess of the last token); default: kv for a file that holds keys and values, else states",
     )
     parser.add_argument(
         "--source-library",
@@ -123,18 +136,30 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
-    name = args.model or states.model
-    if not name:
-        raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
+    leak = args.leak or ("kv" if is_kv_file(args.states) else "states")
     check_options(
         args.method, args.policy, args.noise, args.max_seconds, args.together, None, args.tolerance_scale,
         args.max_candidates, args.source,
     )  # fmt: skip
+    check_leak(leak, args.method, args.policy, args.noise, args.max_seconds, args.max_candidates, args.certify,
+               executor_from_args(args), args.tolerance_scale)  # fmt: skip
     if args.out:
         check_output_file(args.out)
-    model = model_for_states(args, name, states)
-    layer = None if args.layer is None else library_layer(args.layer, args.source_library, model.probe.n_layers)
+    if leak == "kv":
+        block = None if args.layer is None else kv_block_number(args.layer, args.source_library)
+        states = read_kv(args.states, block=block, key=args.key, mask=args.mask)
+        if not args.model:
+            raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
+        name, layer = args.model, None
+        half = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}.get(str(states.rows[0].dtype))
+        model = model_from_args(args, name, dtype=args.dtype or half)
+    else:
+        states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
+        name = args.model or states.model
+        if not name:
+            raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
+        model = model_for_states(args, name, states)
+        layer = None if args.layer is None else library_layer(args.layer, args.source_library, model.probe.n_layers)
     results = invert(
         model,
         states,
@@ -151,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         screen=args.screen,
         source=args.source,
         check=args.check,
+        leak=leak,
         progress=not args.json,
         executor=executor_from_args(args),
     )
@@ -209,3 +235,15 @@ def _reader_hint(model, name: str, result) -> None:
             "minutes, for every dtype, and makes inversion at this layer faster",
             file=sys.stderr,
         )
+
+
+def kv_block_number(index: str, library: str) -> int:
+    """lminvert's block number (1..L) of a KV cache index as ``library`` numbers it: lminvert's own, or transformers'
+    ``cache.layers[i]`` (``hf``: block ``i + 1``)."""
+    if library not in ("lminvert", "hf"):
+        raise LminvertError(f"--leak kv numbers blocks as lminvert (1..L) or hf (cache.layers[i]), not {library}")
+    try:
+        i = int(index)
+    except ValueError:
+        raise LminvertError(f"--layer {index} for a KV cache: give the block's integer number") from None
+    return i + 1 if library == "hf" else i

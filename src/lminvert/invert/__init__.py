@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from ..errors import LminvertError
 from ..executors import Executor, ModelSetup, get_executor
+from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_compatible
 from ..models.loading import require_loaded
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def invert(
     model: LoadedModel,
-    states: HiddenStates | torch.Tensor,
+    states: HiddenStates | torch.Tensor | KVCapture,
     layer: LayerSpec | None = None,
     *,
     method: str = "sipit",
@@ -111,13 +112,16 @@ def invert(
     check_options(method, policy, noise, max_seconds, together, batch_scale, tolerance_scale, max_candidates, source)
     check_leak(leak, method, policy, noise, max_seconds, max_candidates, certify, executor, tolerance_scale)
     deadline = None if max_seconds is None else time.time() + max_seconds
+    offsets = None
+    if isinstance(states, KVCapture):
+        states, layer, leak, offsets = _kv_states(states, layer, leak)
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
     _check_screen(model, screen)
     error_model = _source(states, source, noise)
     if leak != "states" or error_model.name in DEFENDED:
-        return _invert_rows(model, states, layer, leak, error_model, check, screen)
+        return _invert_rows(model, states, layer, leak, error_model, check, screen, offsets)
     resolved, found = _layer(model, states, layer, error_model, check)
     config = InvertConfig(
         method=method,
@@ -281,7 +285,7 @@ def check_leak(
     given = {
         "--method": method != "sipit", "--policy": policy != "linear", "--noise": noise > 0,
         "--max-seconds": max_seconds is not None, "--max-candidates": max_candidates is not None,
-        "--certify": bool(certify), "--ray": executor is not None, "--tolerance-scale": tolerance_scale != 1.0,
+        "--certify": bool(certify), "--ray": executor not in (None, "inprocess"), "--tolerance-scale": tolerance_scale != 1.0,
     }  # fmt: skip
     refused = [name for name, on in given.items() if on]
     if refused:
@@ -296,6 +300,7 @@ def _invert_rows(
     source: ErrorModel,
     check: bool,
     screen: bool | None,
+    offsets: list[int] | None = None,
 ) -> list[InversionResult]:
     """A leak searched in its rows' space (:mod:`lminvert.invert.rows`): the view at the layer asked for or found."""
     if leak == "states":
@@ -316,7 +321,20 @@ def _invert_rows(
     rows = list(states.states)
     if leak == "last":
         rows = [r[-1:] for r in rows]
-    return invert_rows(model, rows, view, source, notes, screen)
+    return invert_rows(model, rows, view, source, notes, screen, offsets)
+
+
+def _kv_states(
+    capture: KVCapture, layer: LayerSpec | None, leak: str
+) -> tuple[HiddenStates, LayerSpec | None, str, list[int]]:
+    """A KV cache read from a file (:func:`lminvert.kv_captures.read_kv`) as rows, its block and left padding."""
+    if leak not in ("states", "kv"):
+        raise LminvertError(f"a KV cache is the kv leak, not {leak}: drop --leak {leak}")
+    if layer is not None and capture.block is not None and int(layer) != capture.block:
+        raise LminvertError(f"the file holds block {capture.block}'s cache, not block {layer}: drop --layer")
+    half = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(capture.rows[0].dtype)
+    states = HiddenStates(states=capture.rows, dtype=half or "float32", notes=capture.notes)
+    return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
 
 
 def _view_layer(model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, leak: str) -> Layer:

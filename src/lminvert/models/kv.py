@@ -84,6 +84,15 @@ class KVBlock:
         keys = keys * cos + sign * _rotate_half(keys) * sin
         return torch.cat([keys.flatten(1), rows[:, split:].float()], dim=-1)
 
+    def moved(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """Rows ``[T, D]`` whose keys were rotated at positions ``offset .. offset + T - 1`` (a left-padded batch run
+        with positions counted from its pads) with every key rotated at ``0 .. T - 1`` instead, as a forward of the
+        prompt alone rotates them (values unchanged). The rotation is orthogonal: nothing else changes."""
+        if offset == 0:
+            return rows.float()
+        positions = torch.arange(len(rows))
+        return self._turn(self._turn(rows, positions + offset, -1.0), positions, 1.0)
+
     def cached(self, token_ids: list[int]) -> torch.Tensor:
         """The block's cache entries ``[T, D]`` (keys rotated) after a plain forward of ``token_ids``, as transformers
         stores them."""

@@ -10,7 +10,7 @@ from ...models import LoadedModel
 from ..acceptor import UNCERTAIN
 from ..results import InversionResult, PositionResult
 from ..sources import ErrorModel
-from ..views import View
+from ..views import KVView, View
 from .attack import Attack, Observed, Recovered
 
 POLICY = "rows"  # the rows search's rankers (:mod:`.search`), as results name a policy
@@ -29,14 +29,38 @@ def invert_rows(
     source: ErrorModel,
     notes: tuple[str, ...] = (),
     screen: bool | None = None,
+    offsets: list[int] | None = None,
 ) -> list[InversionResult]:
     """Every prompt's rows ``[T, k]`` (``view``'s, under ``source``) inverted by :class:`.attack.Attack`; ``notes``:
-    what every result carries first (how the rows were read); ``screen``: as :func:`lminvert.invert`'s."""
+    what every result carries first (how the rows were read); ``screen``: as :func:`lminvert.invert`'s; ``offsets``:
+    a KV cache's left padding per prompt (:func:`aligned`)."""
     attack = Attack(view, screen=screen)
-    found = attack.run([Observed(r.float().cpu(), source) for r in rows])
+    offsets = offsets or [0] * len(rows)
+    moved = [aligned(attack, r.float().cpu(), o) for r, o in zip(rows, offsets, strict=True)]
+    found = attack.run([Observed(r, source) for r, _ in moved])
     below = view.states_layer.name
     route = f"searched in the space of {DESCRIBED[view.name].format(layer=view.layer.name, below=below)}"
-    return [_result(model, view, f, source, (*notes, route)) for f in found]
+    return [
+        _result(model, view, f, source, (*notes, *([] if m is None else [m]), route))
+        for f, (_, m) in zip(found, moved, strict=True)
+    ]
+
+
+def aligned(attack: Attack, rows: torch.Tensor, offset: int) -> tuple[torch.Tensor, str | None]:
+    """A KV cache's rows of a prompt that was left-padded by ``offset`` rows in its batch: its keys rotated at the
+    positions it would have alone. A batch run with positions counted from its pads (a plain ``model(**batch)``)
+    rotated them ``offset`` further; one run with positions from its attention mask (``generate``) did not. The one
+    whose position-0 row lies nearer some token's first-position row is taken, and a note says which."""
+    if offset == 0:
+        return rows, None
+    view = attack.leak
+    assert isinstance(view, KVView)
+    moved = view.block.moved(rows, offset)
+    table = attack.table.double()
+    near = [float((table - r[0].double()).norm(dim=1).min()) for r in (rows.float(), moved)]
+    if near[1] < near[0]:
+        return moved, f"left padding of {offset} rows: keys rotated back by {offset} positions (counted from the pads)"
+    return rows, f"left padding of {offset} rows: keys already rotated from position 0 (positions from the mask)"
 
 
 def _result(

@@ -1,0 +1,481 @@
+"""KV caches as people save them: one block's keys and values, read as one ``[T, 2*H*hd]`` row tensor per prompt.
+
+A row holds one position's keys of every KV head, flattened head-major, then its values the same way (the layout of
+:meth:`lminvert.models.kv.KVBlock.cached`; keys are rotated by RoPE, as transformers stores them). Block ``b``
+(1-based) is transformers' ``cache.layers[b-1]``, i.e. ``past_key_values[b-1]``.
+
+Accepted (``.pt``/``.pth`` are read with ``torch.load(weights_only=True)``; of the pickled classes only
+transformers' cache classes :data:`CACHE_CLASSES` are allowed, which are rebuilt without running their code):
+
+* ``torch.save(out.past_key_values, path)``: a transformers ``DynamicCache`` (or ``StaticCache``, whose unused
+  positions are cut off), or any cache whose ``layers`` hold ``keys``/``values`` tensors;
+* a list or tuple of ``(keys, values)`` pairs, one per block (``cache.to_legacy_cache()``, or
+  ``[(l.keys, l.values) for l in cache.layers]``), also as a dict entry ``past_key_values`` beside an
+  ``attention_mask``;
+* one block's tensors in a dict: ``keys``/``values``, ``key``/``value``, ``k``/``v``, ``key_cache``/``value_cache``
+  (any case), with an optional ``attention_mask`` or ``mask``;
+* ``.safetensors`` with any key names: key and value tensors are paired by the block index in their names
+  (``past_key_values.3.key``, ``layers.3.keys``, ``k_3``/``v_3``, ``key_cache.3``, ``past_key_values.3.0``/``.1``),
+  0-based where an index 0 exists (index ``i`` is block ``i + 1``), else 1-based; ``attention_mask`` beside them.
+
+Each block's tensors are transformers' ``[B, H, T, hd]`` or one prompt's ``[H, T, hd]``. ``key`` picks an entry of a
+dict, or the entries whose names start with it. With an attention mask ``[B, T]`` (saved beside the cache, or a
+``mask`` file) each prompt keeps the rows its mask marks 1, which must be contiguous (left or right padding); its
+offset is the index of its first kept row in the saved sequence. Without a mask every row is kept: a cache holds no
+sign of which positions were pads.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from .captures import MASK_KEYS, _is_states, _natural, _read_mask
+from .errors import LminvertError
+
+CACHE_CLASSES = (  # transformers.cache_utils classes a saved cache may pickle: plain attribute holders
+    "DynamicCache",
+    "DynamicLayer",
+    "DynamicSlidingWindowLayer",
+    "StaticCache",
+    "StaticLayer",
+    "StaticSlidingWindowLayer",
+)
+CACHE_ENTRY = "past_key_values"
+KEY_WORDS = frozenset({"k", "key", "keys"})
+VALUE_WORDS = frozenset({"v", "value", "values"})
+SAVE_HINT = "torch.save([(l.keys, l.values) for l in cache.layers], path)"
+LAYER_HINT = "lminvert numbering: block B is transformers' cache.layers[B-1]"
+_TOKEN = re.compile(r"[a-z]+|\d+")
+_PAIR_TAIL = re.compile(r"(\d+)[._/-]([01])$")  # past_key_values.3.0 / .3.1: a (keys, values) pair flattened
+
+
+@dataclass(frozen=True)
+class KVCapture:
+    """One block's cache rows as read from a file (see the module docstring)."""
+
+    rows: tuple[torch.Tensor, ...]  # one [T_i, 2*H*hd] tensor per prompt, pad positions dropped, dtype as saved
+    block: int | None  # lminvert's block number 1..L where the file says it (an index in a whole cache), else None
+    blocks: int | None  # how many blocks the file holds (None: one block's tensors only)
+    heads: int
+    head_dim: int
+    offsets: tuple[int, ...]  # per prompt: the index in the saved sequence of its first kept row
+    notes: tuple[str, ...]  # what was read and dropped, one short sentence each
+
+
+@dataclass
+class _Found:
+    """The blocks a file holds: keyed by lminvert's block number (None: one block's tensors, unnumbered); each a
+    ``(keys, values)`` pair or a cache layer."""
+
+    entries: dict[int | None, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def read_kv(
+    path: str | Path, block: int | None = None, key: str | None = None, mask: str | Path | None = None
+) -> KVCapture:
+    """Block ``block``'s cache rows saved in ``path`` (see the module docstring), pads dropped by the attention mask
+    saved beside them or given as the ``mask`` file."""
+    path = Path(path)
+    loaded = _load(path)
+    saved_mask = _pop_mask(loaded)
+    given_mask = _read_mask(Path(mask)) if mask is not None else None
+    found = _find(path, loaded, key)
+    number, entry = _choose(path, found, block)
+    keys, values = _shaped(path, number, *_tensors(number, entry))
+    rows = torch.cat([keys.transpose(1, 2).flatten(2), values.transpose(1, 2).flatten(2)], dim=-1)
+    mask_tensor = given_mask if given_mask is not None else saved_mask
+    prompts, offsets, dropped = _prompts(rows, keys.shape, mask_tensor)
+    numbered = None not in found.entries
+    return KVCapture(
+        rows=tuple(prompts),
+        block=number,
+        blocks=len(found.entries) if numbered else None,
+        heads=keys.shape[1],
+        head_dim=keys.shape[3],
+        offsets=offsets,
+        notes=(*found.notes, *dropped),
+    )
+
+
+def is_kv_file(path: str | Path) -> bool:
+    """Whether ``path`` looks like a saved KV cache rather than states (names and structure only; nothing checked)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return _has_pair(list(f.keys()))
+        except (SafetensorError, OSError):
+            return False
+    if path.suffix.lower() == ".npy":
+        return False
+    try:
+        try:
+            loaded = _torch_load(path, mmap=True)  # tensors mapped, not read
+        except RuntimeError:  # a file torch.save wrote in its legacy format cannot be mapped
+            loaded = _torch_load(path, mmap=False)
+    except Exception:  # refused by the safe unpickler: a cache of another class still says so in its globals
+        return any("cache_utils" in name for name in _unsafe_globals(path))
+    return _looks_kv(loaded)
+
+
+def _safe_classes() -> list[type]:
+    from transformers import cache_utils
+
+    return [cls for name in CACHE_CLASSES if (cls := getattr(cache_utils, name, None)) is not None]
+
+
+def _torch_load(path: Path, mmap: bool) -> Any:
+    with torch.serialization.safe_globals(_safe_classes()):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    try:
+        listed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip checkpoint: nothing to list
+        return []
+    allowed = {f"transformers.cache_utils.{name}" for name in CACHE_CLASSES}
+    return [name for name in listed if name not in allowed]
+
+
+def _load(path: Path) -> Any:
+    if not path.is_file():
+        raise LminvertError(f"KV cache file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            return dict(load_file(str(path)))
+        if suffix == ".npy":
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        return _torch_load(path, mmap=False)
+    except pickle.UnpicklingError as exc:
+        refused = ", ".join(_unsafe_globals(path)[:4])
+        if not refused:  # not a checkpoint torch can list the classes of: a damaged or foreign file
+            raise _unreadable(path, exc) from exc
+        raise LminvertError(
+            f"cannot load {path.name} safely: it pickles {refused}, and torch.load(weights_only=True) allows only "
+            f"tensors and transformers' cache classes; save plain tensors instead: {SAVE_HINT}"
+        ) from exc
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as exc:
+        raise _unreadable(path, exc) from exc
+    except Exception as exc:  # the safe unpickler's other refusals (a class rebuilt from a mismatched state, ...)
+        raise LminvertError(
+            f"cannot load {path.name} with torch.load(weights_only=True) ({type(exc).__name__}): save plain tensors "
+            f"instead: {SAVE_HINT}"
+        ) from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> LminvertError:
+    return LminvertError(
+        f"cannot read {path.name} ({type(exc).__name__}): save the cache with torch.save(out.past_key_values, path) "
+        f"or {SAVE_HINT}"
+    )
+
+
+def _pop_mask(loaded: Any) -> torch.Tensor | None:
+    """The attention mask saved beside the cache (removed from ``loaded``), if any."""
+    if not isinstance(loaded, dict):
+        return None
+    for name in list(loaded):
+        if str(name).lower() in MASK_KEYS and isinstance(loaded[name], torch.Tensor):
+            return loaded.pop(name)
+    return None
+
+
+def _is_cache(value: Any) -> bool:
+    layers = getattr(value, "layers", None)
+    if isinstance(layers, (list, tuple)):
+        return bool(layers) and all(
+            not isinstance(layer, dict) and hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers
+        )
+    return isinstance(getattr(value, "key_cache", None), list) and isinstance(getattr(value, "value_cache", None), list)
+
+
+def _is_pairs(value: Any) -> bool:
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    return all(
+        isinstance(p, (list, tuple)) and len(p) >= 2 and all(isinstance(t, torch.Tensor) for t in p[:2]) for p in value
+    )
+
+
+def _looks_kv(loaded: Any) -> bool:
+    if _is_cache(loaded) or _is_pairs(loaded):
+        return True
+    if not isinstance(loaded, dict):
+        return False
+    if any(_is_cache(v) or _is_pairs(v) for v in loaded.values()):
+        return True
+    return _has_pair([str(k) for k, v in loaded.items() if isinstance(v, torch.Tensor)])
+
+
+def _find(path: Path, loaded: Any, key: str | None) -> _Found:
+    """The blocks ``loaded`` holds, with a note saying how they were read and numbered."""
+    if key is not None:
+        if not isinstance(loaded, dict):
+            raise LminvertError(
+                f"--key names an entry of a dict or safetensors file, but {path.name} holds a {type(loaded).__name__}"
+            )
+        loaded = _keyed(path, loaded, key)
+    if _is_cache(loaded):
+        return _from_cache(loaded)
+    if _is_pairs(loaded):
+        return _Found(
+            dict(enumerate(loaded, start=1)),
+            [f"read a list of {len(loaded)} (keys, values) pairs: block B is entry B-1"],
+        )
+    if isinstance(loaded, dict):
+        return _from_dict(path, loaded)
+    raise _not_kv(path, loaded)
+
+
+def _keyed(path: Path, loaded: dict, key: str) -> Any:
+    """Entry ``key`` of ``loaded``, or the entries whose names start with it."""
+    if key in loaded and not isinstance(loaded[key], torch.Tensor):
+        return loaded[key]
+    prefix = key.lower()
+    picked = {
+        name: value
+        for name, value in loaded.items()
+        if str(name).lower() == prefix or (str(name).lower().startswith(prefix) and not str(name)[len(key)].isalnum())
+    }
+    if not picked:
+        listed = ", ".join(sorted(map(str, loaded), key=_natural)[:12]) or "none"
+        raise LminvertError(
+            f"{path.name} has no entry '{key}' (nor entries starting with it): its entries are {listed}"
+        )
+    return picked
+
+
+def _from_cache(cache: Any) -> _Found:
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, (list, tuple)):
+        layers = list(zip(cache.key_cache, cache.value_cache, strict=True))
+    name = type(cache).__name__
+    return _Found(
+        dict(enumerate(layers, start=1)), [f"read a {name} of {len(layers)} blocks: block B is its cache.layers[B-1]"]
+    )
+
+
+def _from_dict(path: Path, loaded: dict) -> _Found:
+    nested = {str(k): v for k, v in loaded.items() if _is_cache(v) or _is_pairs(v)}
+    cache_name = next((k for k in nested if k.lower() == CACHE_ENTRY), None)
+    if cache_name is None and len(nested) > 1:
+        listed = ", ".join(sorted(nested, key=_natural))
+        raise LminvertError(f"{path.name} holds {len(nested)} caches ({listed}): pick one with --key NAME")
+    if cache_name is not None or nested:
+        name = cache_name or next(iter(nested))
+        found = _find(path, nested[name], None)
+        found.notes.insert(0, f"read entry '{name}' of {path.name}")
+        return found
+    tensors = {str(k): v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    if not _groups(list(tensors)):
+        raise _not_kv(path, loaded)
+    return _from_names(path, tensors)
+
+
+def _role(name: str) -> tuple[str, int | None] | None:
+    """Whether entry ``name`` holds keys (``"k"``) or values (``"v"``), and the block index in its name."""
+    lower = name.lower()
+    tokens = _TOKEN.findall(lower)
+    roles = [i for i, t in enumerate(tokens) if t in KEY_WORDS | VALUE_WORDS]
+    if not roles:
+        return None
+    tail = _PAIR_TAIL.search(lower)
+    if tail and sum(t.isdigit() for t in tokens[roles[-1] + 1 :]) >= 2:
+        return ("k" if tail[2] == "0" else "v"), int(tail[1])
+    numbers = [int(t) for t in tokens if t.isdigit()]
+    return ("k" if tokens[roles[-1]] in KEY_WORDS else "v"), (numbers[-1] if numbers else None)
+
+
+def _groups(names: list[str]) -> dict[int | None, dict[str, list[str]]]:
+    groups: dict[int | None, dict[str, list[str]]] = {}
+    for name in sorted(names, key=_natural):
+        found = _role(name)
+        if found is not None:
+            role, index = found
+            groups.setdefault(index, {}).setdefault(role, []).append(name)
+    return groups
+
+
+def _has_pair(names: list[str]) -> bool:
+    return any(len(group) == 2 for group in _groups(names).values())
+
+
+def _check_groups(path: Path, groups: dict[int | None, dict[str, list[str]]]) -> None:
+    """One keys entry and one values entry per index, else a one-line error."""
+    word = {"k": "keys", "v": "values"}
+    for index, group in groups.items():
+        where = "the unnumbered entries" if index is None else f"index {index}"
+        for role, names in group.items():
+            if len(names) > 1:
+                raise LminvertError(
+                    f"{path.name}: {', '.join(names)} all read as the {word[role]} of {where}: pick one set with "
+                    "--key PREFIX"
+                )
+        if len(group) == 1:
+            ((role, (name,)),) = group.items()
+            other = word["v" if role == "k" else "k"]
+            raise LminvertError(
+                f"{path.name}: entry '{name}' holds {word[role]} with no matching {other} at {where}: save both, "
+                "named alike (e.g. k_3 and v_3)"
+            )
+
+
+def _from_names(path: Path, tensors: dict[str, torch.Tensor]) -> _Found:
+    """Key and value tensors paired by the block index in their names."""
+    groups = _groups(list(tensors))
+    _check_groups(path, groups)
+    if None in groups and len(groups) > 1:
+        raise LminvertError(
+            f"{path.name} holds unnumbered keys and values beside numbered ones: pick with --key PREFIX"
+        )
+    pairs = {i: (tensors[g["k"][0]], tensors[g["v"][0]]) for i, g in groups.items()}
+    used = sum(len(g) for g in groups.values())
+    notes = [f"ignored {len(tensors) - used} entries that are neither keys nor values"] if len(tensors) > used else []
+    if None in pairs:
+        return _Found(
+            pairs, [f"read one block's keys and values from {path.name}: it does not say which block", *notes]
+        )
+    start = 0 if 0 in pairs else 1
+    shift = 1 - start
+    first = min(pairs)
+    convention = "0-based (an index 0 exists)" if start == 0 else "1-based (no index 0)"
+    notes.insert(
+        0,
+        f"numbered the {len(pairs)} block(s) by the index in the entry names, {convention}: "
+        f"'{groups[first]['k'][0]}' is block {first + shift}",
+    )
+    return _Found({i + shift: p for i, p in pairs.items()}, notes)
+
+
+def _not_kv(path: Path, loaded: Any) -> LminvertError:
+    values = loaded.values() if isinstance(loaded, dict) else [loaded]
+    if any(_is_states(v) for v in values):
+        return LminvertError(
+            f"{path.name} holds no keys and values: this looks like hidden states ([T, d] or [N, T, d]): drop --leak kv"
+        )
+    return LminvertError(
+        f"{path.name} holds no KV cache: save torch.save(out.past_key_values, path), {SAVE_HINT}, or a dict of "
+        "'keys' and 'values' tensors"
+    )
+
+
+def _choose(path: Path, found: _Found, block: int | None) -> tuple[int | None, Any]:
+    """The block ``block`` names (lminvert numbering), or the only one."""
+    entries = found.entries
+    if None in entries:  # one block's tensors: the caller's block is the one they came from
+        return None, entries[None]
+    numbers = sorted(entries)
+    span = f"{numbers[0]}..{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else str(numbers)
+    if block is None:
+        if len(numbers) == 1:
+            return numbers[0], entries[numbers[0]]
+        raise LminvertError(
+            f"{path.name} holds {len(numbers)} blocks ({span}): pass --layer B to pick one ({LAYER_HINT})"
+        )
+    if block not in entries:
+        raise LminvertError(
+            f"{path.name} holds blocks {span}, not block {block}: pass --layer B among them ({LAYER_HINT})"
+        )
+    return block, entries[block]
+
+
+def _tensors(number: int | None, entry: Any) -> tuple[Any, Any]:
+    """A block's keys and values: a pair's first two entries, or a cache layer's tensors (a static layer's unused
+    positions cut off)."""
+    if isinstance(entry, (list, tuple)):
+        return entry[0], entry[1]
+    keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() < 2:
+        raise LminvertError(f"block {number} of the cache is empty (no forward filled it): pick another with --layer B")
+    seen = getattr(entry, "cumulative_length_int", getattr(entry, "cumulative_length", None))
+    seen = keys.shape[-2] if seen is None else int(seen)
+    if seen > keys.shape[-2]:
+        raise LminvertError(
+            f"block {number} is a sliding-window layer that kept only the last {keys.shape[-2]} of {seen} positions: "
+            "pick a full-attention block with --layer B"
+        )
+    return keys[..., :seen, :], values[..., :seen, :]
+
+
+def _shaped(path: Path, number: int | None, keys: Any, values: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as ``[B, H, T, hd]``, checked."""
+    where = f"{path.name}" + (f" block {number}" if number is not None else "")
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise LminvertError(f"{where}: keys and values must be tensors, got {type(keys).__name__}")
+    if keys.dim() == 3 and values.dim() == 3:  # one prompt's [H, T, hd]
+        keys, values = keys[None], values[None]
+    shapes = f"keys {list(keys.shape)} and values {list(values.shape)}"
+    if keys.dim() != 4 or values.dim() != 4:
+        raise LminvertError(f"{where}: {shapes}: give transformers' [B, H, T, hd] (or one prompt's [H, T, hd])")
+    if keys.shape != values.shape:
+        raise LminvertError(f"{where}: {shapes} disagree: save the keys and values of the same block")
+    if not keys.is_floating_point() or not values.is_floating_point():
+        raise LminvertError(f"{where}: keys and values must be floating point, got {keys.dtype} and {values.dtype}")
+    if keys.shape[2] == 0:
+        raise LminvertError(f"{where} holds no positions (T = 0): save the cache after a forward of the prompts")
+    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+        raise LminvertError(
+            f"{where}: the keys or values hold NaN or inf: save the cache of a forward that did not fail"
+        )
+    return keys.detach(), values.detach()
+
+
+def _prompts(
+    rows: torch.Tensor, shape: torch.Size, mask: torch.Tensor | None
+) -> tuple[list[torch.Tensor], tuple[int, ...], list[str]]:
+    """Each prompt's rows, the index of its first one, and notes: the rows ``mask`` marks 1 (all rows without it)."""
+    batch, length = rows.shape[:2]
+    if mask is None:
+        notes = (
+            [
+                f"kept all {length} rows of each of the {batch} prompts: pads cannot be told apart in a KV cache "
+                "without the attention mask (pass --mask)"
+            ]
+            if batch > 1
+            else []
+        )
+        return list(rows), (0,) * batch, notes
+    mask = mask.reshape(1, -1) if mask.dim() == 1 else mask
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, length):
+        layout = " (are they [B, T, H, hd]? transpose them to [B, H, T, hd])" if mask.shape[-1] == shape[1] else ""
+        raise LminvertError(
+            f"the mask has shape {list(mask.shape)} but the cache holds {batch} prompt(s) of {length} positions"
+            f"{layout}: give the batch's attention mask, [B, T] (a cache after generate() also holds the new tokens)"
+        )
+    if not ((mask == 0) | (mask == 1)).all():
+        raise LminvertError("the mask must hold only 0 and 1: give the batch's attention mask")
+    prompts, offsets = [], []
+    for i, keep in enumerate(mask.bool()):
+        kept = keep.nonzero().flatten()
+        if len(kept) == 0:
+            raise LminvertError(f"the mask keeps no row of prompt {i}: is it the attention mask of this cache?")
+        start, stop = int(kept[0]), int(kept[-1]) + 1
+        if stop - start != len(kept):
+            raise LminvertError(f"the mask of prompt {i} has holes: give an attention mask with left or right padding")
+        prompts.append(rows[i, start:stop])
+        offsets.append(start)
+    return prompts, tuple(offsets), _mask_notes(batch * length - int(mask.bool().sum()), offsets)
+
+
+def _mask_notes(dropped: int, offsets: list[int]) -> list[str]:
+    notes = [f"dropped {dropped} row(s) the attention mask marks as padding"] if dropped else []
+    if any(offsets):
+        notes.append(
+            "left padding: each prompt's rows start at its offset in the padded sequence, where a plain forward "
+            "rotated its keys (generate() counts positions from the prompt's first token instead)"
+        )
+    return notes

@@ -1,0 +1,129 @@
+"""`lminvert invert` on leaks other than lminvert's own states: a KV cache saved from transformers (whole, as pairs,
+one block, a left-padded batch with its mask), and states under noise or quantisation, through the rows search; and
+the one-line refusals of what that route does not take."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lminvert
+from lminvert.audit.defences import quantise
+from lminvert.errors import LminvertError
+from lminvert.invert.tolerance import add_noise
+from lminvert.kv_captures import read_kv
+from lminvert.states import HiddenStates
+
+from ..conftest import run_cli
+
+CLAIMED = ("certified", "confident")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return lminvert.load_model("tiny-llama")
+
+
+def _prompts(model, n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.probe.vocab_size, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def _cache(model, prompts: list[list[int]], left: bool = True):
+    """A padded batch's forward with ``use_cache`` (pad id 0, as a tokenizer's padding gives): the cache and mask."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        span = slice(width - len(p), width) if left else slice(0, len(p))
+        ids[i, span], mask[i, span] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = model.model(input_ids=ids, attention_mask=mask, use_cache=True)
+    return out.past_key_values, mask
+
+
+def _check(results, prompts) -> None:
+    """Every token right, and nothing wrong claimed (the second holds whatever the first does)."""
+    for result, ids in zip(results, prompts, strict=True):
+        for token, truth, verdict in zip(result.token_ids, ids, result.verdicts, strict=True):
+            assert token == truth or verdict not in CLAIMED, (result.token_ids, ids, result.verdicts)
+        assert result.token_ids == ids, (result.token_ids, ids, result.verdicts)
+
+
+def test_a_kv_cache_saved_whole_inverts_through_the_api_and_the_command(tiny, tmp_path):
+    prompts = _prompts(tiny, 1, 6, 0)
+    cache, _ = _cache(tiny, prompts)
+    path = tmp_path / "cache.pt"
+    torch.save(cache, path)
+    block = tiny.probe.n_layers
+    results = lminvert.invert(tiny, read_kv(path, block=block), leak="kv")
+    _check(results, prompts)
+    assert results[0].policy == "rows" and results[0].layer == str(block)
+    assert any("KV cache" in n for n in results[0].notes)
+    done = run_cli("invert", str(path), "--model", "tiny-llama", "--layer", str(block), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["token_ids"] == prompts[0]
+    hf = run_cli("invert", str(path), "--model", "tiny-llama", "--layer", str(block - 1), "--source-library", "hf",
+                 "--json")  # fmt: skip
+    assert json.loads(hf.stdout)[0]["token_ids"] == prompts[0], hf.stderr
+
+
+def test_a_left_padded_batch_inverts_as_its_prompts_alone(tiny, tmp_path):
+    """Keys of a left-padded prompt were rotated at its padded positions (a plain forward counts them from the pads):
+    moved back, its rows are the prompt's own, and every token is recovered; nothing is claimed wrongly."""
+    prompts = [*_prompts(tiny, 1, 7, 1), *_prompts(tiny, 1, 4, 2)]
+    cache, mask = _cache(tiny, prompts, left=True)
+    path = tmp_path / "pairs.pt"
+    torch.save({"past_key_values": [(x.keys, x.values) for x in cache.layers], "attention_mask": mask}, path)
+    capture = read_kv(path, block=2)
+    assert capture.offsets == (0, 3)
+    results = lminvert.invert(tiny, capture)
+    _check(results, prompts)
+    assert any("rotated back by 3" in n for n in results[1].notes)
+
+
+def test_kv_without_a_block_or_model_and_engine_options_are_refused_in_one_line(tiny, tmp_path):
+    cache, _ = _cache(tiny, _prompts(tiny, 1, 4, 3))
+    path = tmp_path / "cache.pt"
+    torch.save(cache, path)
+    for args, says in [
+        (["--model", "tiny-llama"], "--layer"),
+        (["--layer", "1"], "--model"),
+        (["--model", "tiny-llama", "--layer", "1", "--max-seconds", "5"], "--max-seconds"),
+        (["--model", "tiny-llama", "--layer", "1", "--method", "bruteforce"], "--method"),
+        (["--model", "tiny-llama", "--layer", "1", "--source-library", "tl"], "hf"),
+    ]:
+        done = run_cli("invert", str(path), *args)
+        assert done.returncode != 0 and says in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    states = tmp_path / "states.pt"
+    torch.save(torch.randn(4, tiny.probe.hidden_size), states)
+    done = run_cli("invert", str(states), "--model", "tiny-llama", "--leak", "kv", "--layer", "1")
+    assert done.returncode != 0 and "drop --leak kv" in done.stderr
+    with pytest.raises(LminvertError, match="unknown leak"):
+        lminvert.invert(tiny, torch.randn(4, tiny.probe.hidden_size), 1, leak="pooled")
+    with pytest.raises(LminvertError, match="numbers each"):  # a states array given as a KV cache
+        lminvert.invert(tiny, torch.randn(4, tiny.probe.hidden_size + 2), 1, leak="kv")
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["quant:int8", "quant:int4", "noise:0.01", "noise:0.05"]))
+def test_defended_states_take_the_rows_search_and_claim_nothing_wrong(tiny, seed, kind):
+    """States under a defence go through the rows search (``policy == "rows"``); whatever it recovers, no position
+    is certified or confident with a wrong token."""
+    layer = tiny.probe.n_layers
+    prompts = _prompts(tiny, 1, 5, seed)
+    clean = tiny.probe.states(torch.tensor(prompts[0]), [layer])[tiny.probe.layer(layer)][0].float()
+    name, value = kind.split(":")
+    if name == "quant":
+        rows = quantise(clean, value)
+    else:
+        rows = add_noise(clean, float(value), torch.Generator().manual_seed(seed))
+    result = lminvert.invert(tiny, HiddenStates.from_array(rows), layer, source=kind)[0]
+    assert result.policy == "rows" and result.source.startswith(name)
+    for token, truth, verdict in zip(result.token_ids, prompts[0], result.verdicts, strict=True):
+        assert token == truth or verdict not in CLAIMED, (result.token_ids, prompts[0], result.verdicts)
