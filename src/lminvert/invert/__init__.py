@@ -285,7 +285,8 @@ def check_leak(
     given = {
         "--method": method != "sipit", "--policy": policy != "linear", "--noise": noise > 0,
         "--max-seconds": max_seconds is not None, "--max-candidates": max_candidates is not None,
-        "--certify": bool(certify), "--ray": executor not in (None, "inprocess"), "--tolerance-scale": tolerance_scale != 1.0,
+        "--certify": bool(certify), "--ray": executor not in (None, "inprocess"),
+        "--tolerance-scale": tolerance_scale != 1.0,
     }  # fmt: skip
     refused = [name for name, on in given.items() if on]
     if refused:
