@@ -25,7 +25,7 @@ import time
 import torch
 
 import lminvert
-from lminvert.audit.defences import quantise
+from lminvert.invert.sources import Quant
 from lminvert.invert.tolerance import add_noise
 from lminvert.states import HiddenStates
 
@@ -101,7 +101,7 @@ def _capture(model, ids: list[int], leak: str, layer: int, source: str | None, s
     kind, value = source.split(":")
     if kind == "noise":
         return add_noise(states.float(), float(value), torch.Generator().manual_seed(seed + sum(ids)))
-    return quantise(states.float(), value)
+    return Quant(kind=value).quantise(states.float())
 
 
 def _run(model, rows: torch.Tensor, leak: str, layer: int, source: str | None):

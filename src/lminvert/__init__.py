@@ -7,10 +7,11 @@ from .collisions import exhaustive_test, find_collisions, pairwise_min
 from .errors import LminvertError
 from .forward import encode
 from .invert import InversionResult, invert
+from .kv_captures import KVCapture, read_kv
 from .models import DEFAULT_MODEL, Layer, LayerProbe, LoadedModel, load_model
 from .report import render
 from .states import HiddenStates
 
 __all__ = ["DEFAULT_MODEL", "Layer", "LayerProbe", "LminvertError", "LoadedModel", "__version__", "load_model"]
 __all__ += ["exhaustive_test", "find_collisions", "pairwise_min", "render"]
-__all__ += ["HiddenStates", "InversionResult", "encode", "invert"]
+__all__ += ["HiddenStates", "InversionResult", "KVCapture", "encode", "invert", "read_kv"]

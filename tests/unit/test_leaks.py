@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lminvert
-from lminvert.audit.defences import quantise
 from lminvert.errors import LminvertError
+from lminvert.invert.sources import Quant
 from lminvert.invert.tolerance import add_noise
 from lminvert.kv_captures import read_kv
 from lminvert.states import HiddenStates
@@ -120,7 +120,7 @@ def test_defended_states_take_the_rows_search_and_claim_nothing_wrong(tiny, seed
     clean = tiny.probe.states(torch.tensor(prompts[0]), [layer])[tiny.probe.layer(layer)][0].float()
     name, value = kind.split(":")
     if name == "quant":
-        rows = quantise(clean, value)
+        rows = Quant(kind=value).quantise(clean)
     else:
         rows = add_noise(clean, float(value), torch.Generator().manual_seed(seed))
     result = lminvert.invert(tiny, HiddenStates.from_array(rows), layer, source=kind)[0]

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import LminvertError
+from ..invert.sources import Quant
 from ..invert.tolerance import add_noise
 
 
@@ -76,21 +77,6 @@ class GaussianNoise(Defence):
         return Shipped(noisy, noisy, source=self.label)
 
 
-def quantise(rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-row quantisation, as stored: ``bf16`` (a cast), ``fp8`` (e4m3, each row scaled so that its absmax maps to
-    448), ``int8``/``int4`` (symmetric absmax per row); returned in float32."""
-    x = rows.float()
-    if kind == "bf16":
-        return x.to(torch.bfloat16).float()
-    absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    if kind == "fp8":
-        scale = 448.0 / absmax
-        return (x * scale).to(torch.float8_e4m3fn).float() / scale
-    levels = 2 ** (int(kind.removeprefix("int")) - 1) - 1
-    step = absmax / levels
-    return (x / step).round().clamp(-levels, levels) * step
-
-
 @dataclass(frozen=True)
 class Quantise(Defence):
     kind: str = "int8"
@@ -102,7 +88,7 @@ class Quantise(Defence):
         return f"quant:{self.kind}"
 
     def apply(self, rows: torch.Tensor, generator: torch.Generator) -> Shipped:
-        stored = quantise(rows, self.kind)
+        stored = Quant(kind=self.kind).quantise(rows)
         return Shipped(stored, stored, source=self.label)
 
 

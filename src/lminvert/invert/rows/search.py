@@ -134,7 +134,7 @@ class RowSearch:
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
                 dists = (self.table.double() - row.double()).norm(dim=1)
-                token, looked, _ = self._by_next([], dists.argsort(), after, following)
+                token, looked, _ = self._by_next([], self.source.order(self.table, row), after, following)
                 decision, count = acceptor.chosen_by_next(token), count + looked
                 chosen = measure(torch.arange(len(dists)), self.table, dists, token)
             assert decision.token is not None
