@@ -86,6 +86,24 @@ def test_a_left_padded_batch_inverts_as_its_prompts_alone(tiny, tmp_path):
     assert any("rotated back by 3" in n for n in results[1].notes)
 
 
+def test_inspect_says_what_a_kv_cache_holds_and_the_command(tiny, tmp_path):
+    cache, mask = _cache(tiny, _prompts(tiny, 2, 4, 5) + _prompts(tiny, 1, 2, 6))
+    path = tmp_path / "pairs.pt"
+    torch.save({"past_key_values": [(x.keys, x.values) for x in cache.layers], "attention_mask": mask}, path)
+    whole = run_cli("inspect", str(path))
+    assert whole.returncode == 0 and "--layer" in whole.stdout, whole.stderr
+    done = run_cli("inspect", str(path), "--model", "tiny-llama", "--layer", "2", "--json")
+    doc = json.loads(done.stdout)
+    assert (doc["leak"], doc["block"], doc["rows"], doc["offsets"], doc["fits_model"]) == (
+        "kv",
+        2,
+        [4, 4, 2],
+        [0, 0, 2],
+        True,
+    )
+    assert doc["command"].endswith("--model tiny-llama --layer 2")
+
+
 def test_kv_without_a_block_or_model_and_engine_options_are_refused_in_one_line(tiny, tmp_path):
     cache, _ = _cache(tiny, _prompts(tiny, 1, 4, 3))
     path = tmp_path / "cache.pt"
@@ -127,3 +145,12 @@ def test_defended_states_take_the_rows_search_and_claim_nothing_wrong(tiny, seed
     assert result.policy == "rows" and result.source.startswith(name)
     for token, truth, verdict in zip(result.token_ids, prompts[0], result.verdicts, strict=True):
         assert token == truth or verdict not in CLAIMED, (result.token_ids, prompts[0], result.verdicts)
+
+
+def test_one_vector_is_a_guess_of_the_last_token(tiny):
+    """``leak="last"`` reads the last row alone: one token, the first-position table's nearest, never claimed."""
+    layer = 1
+    ids = _prompts(tiny, 1, 3, 7)[0]
+    states = tiny.probe.states(torch.tensor(ids), [layer])[tiny.probe.layer(layer)][0].float()
+    (result,) = lminvert.invert(tiny, HiddenStates.from_array(states), layer, leak="last")
+    assert len(result.token_ids) == 1 and result.verdicts == ["uncertain"]

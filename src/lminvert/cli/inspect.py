@@ -1,4 +1,5 @@
-"""`lminvert inspect`: what a states file holds, which layer of which model, and the command that inverts it."""
+"""`lminvert inspect`: what a states file or a saved KV cache holds, which layer of which model, and the command that
+inverts it."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import shlex
 
 import torch
 
+from ..errors import LminvertError
 from ..invert.layerfit import fit_layers
+from ..kv_captures import is_kv_file, read_kv
 from ..models.compat import check_compatible
+from ..models.kv import kv_block
 from ..states import HiddenStates
-from .common import add_command, add_states_args, model_for_states, print_json
+from .common import add_command, add_states_args, model_for_states, model_from_args, print_json
 
 EXAMPLES = """examples:
   lminvert inspect leak.safetensors                       # a file from `lminvert encode`: what it records
   lminvert inspect leak.npy --model smollm2-135m          # a capture: the layer found, pads, BOS, the command
   lminvert inspect cache.pt --key hidden_states.15 --model smollm2-135m --json
+  lminvert inspect kv.pt --model smollm2-135m --layer 15  # a KV cache: blocks, heads, pads, the command
 """
 
 BOS_MATCH = 1e-3  # position 0 within this relative distance of the BOS token's own state is called BOS: a token's
@@ -29,11 +34,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         model_help="model to score the states against (default: the file's)",
         dtype_help="precision (default: the file's, else float32)",
     )
+    parser.add_argument(
+        "--layer", default=None, help="a KV cache's block (1..L: transformers' cache.layers[B-1]) in a whole cache"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_kv_file(args.states):
+        return _kv(args)
     states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
     doc: dict = {
         "file": args.states,
@@ -107,3 +117,49 @@ def _print(doc: dict) -> None:
         print(f"  position 0 is the BOS token (id {doc['bos']['token_id']}) in {sum(flags)} of {len(flags)} prompt(s)")
     if layer["fits"]:
         print(f"  invert with: {doc['command']}")
+
+
+def _kv(args: argparse.Namespace) -> int:
+    """A saved KV cache: what it holds, checked against the model's block where one is given, and the command."""
+    block = None if args.layer is None else int(args.layer)
+    try:
+        capture = read_kv(args.states, block=block, key=args.key, mask=args.mask)
+    except LminvertError as err:
+        if block is not None or "--layer" not in str(err):
+            raise
+        capture = None  # a whole cache: say how many blocks it holds, and ask for one
+        note = str(err)
+    doc: dict = {"file": args.states, "leak": "kv"}
+    if capture is None:
+        doc["notes"] = [note]
+    else:
+        doc |= {
+            "block": capture.block, "blocks": capture.blocks, "kv_heads": capture.heads, "head_dim": capture.head_dim,
+            "prompts": len(capture.rows), "rows": [len(r) for r in capture.rows], "offsets": list(capture.offsets),
+            "array_dtype": str(capture.rows[0].dtype).replace("torch.", ""), "notes": list(capture.notes),
+        }  # fmt: skip
+        if args.model and capture.block is not None:
+            half = {"bfloat16", "float16"} & {doc["array_dtype"]}
+            model = model_from_args(args, args.model, dtype=args.dtype or next(iter(half), None))
+            width = kv_block(model, capture.block).width
+            doc["fits_model"] = width == capture.rows[0].shape[1]
+            command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(capture.block)]
+            command += [f"--{k}={v}" for k, v in (("key", args.key), ("mask", args.mask)) if v]
+            doc["command"] = shlex.join(command)
+    if args.json:
+        print_json(doc)
+        return 0
+    if capture is None:
+        print(f"{doc['file']}: a KV cache")
+    else:
+        of = f" of {doc['blocks']}" if doc["blocks"] else ""
+        print(
+            f"{doc['file']}: a KV cache, block {doc['block'] or '?'}{of}, {doc['kv_heads']} KV heads x "
+            f"{doc['head_dim']}, {doc['prompts']} prompt(s), rows {doc['rows']}, {doc['array_dtype']}"
+        )
+    for line in doc["notes"]:
+        print(f"  note: {line}")
+    if "fits_model" in doc:
+        print(f"  {'fits' if doc['fits_model'] else 'does NOT fit'} {args.model}'s block {doc['block']}")
+        print(f"  invert with: {doc['command']}")
+    return 0
