@@ -230,7 +230,8 @@ class Attack:
     def calibration(self) -> Calibration:
         """The calibration prompts' forwards, run once for every defence and public map (:mod:`.calibration`)."""
         if self._calibration is None:
-            self._calibration = Calibration(self.model, self.leak.states_layer, self.leak.rows_of, self.leak.capture)
+            leak = self.leak
+            self._calibration = Calibration(self.model, leak.states_layer, leak.rows_of, leak.capture, leak.name)
         return self._calibration
 
     def _measure(self, public) -> Measured:

@@ -22,6 +22,7 @@ Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a positio
 Map = Callable[[torch.Tensor], torch.Tensor]  # a public map of the rows (rows [n, k] -> [n, m])
 Pair = tuple[int, torch.Tensor, torch.Tensor]  # a position, what was compared there [1, *], the plain states [1, d]
 KIND, SCREEN_KIND = "audit-calibration1", "audit-screen1"  # the cache's names: new ones whenever what is run changes
+OBSERVED_KIND = "rows-observed1"  # a named view's deployment rows of the calibration prompts (with the view's name)
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,13 @@ class Calibration:
     type alone: they are computed once (the screened ones when first asked for: a search that screens no batch never
     runs them) and kept beside the tables; the deployment's rows are captured anew for every leak."""
 
-    def __init__(self, model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor]) -> None:
-        self.model, self.layer, self.rows_of, self.capture = model, layer, rows_of, capture
+    def __init__(
+        self, model: LoadedModel, layer, rows_of: Rows, capture: Callable[[list[int]], torch.Tensor],
+        name: str | None = None,
+    ) -> None:  # fmt: skip
+        """``name``: the view's (``states``, ``kv``, ...), where ``capture`` is that view's own: its rows of the
+        calibration prompts are then kept beside the tables too (None: captured anew for every calibration)."""
+        self.model, self.layer, self.rows_of, self.capture, self.name = model, layer, rows_of, capture, name
         self._cached: list[Pair] | None = None  # cached forwards' states beside the plain forward's
         self._observed: list[Pair] | None = None  # the deployment's rows beside the plain forward's states
         self._screened: list[Pair] | None = None  # screened states beside the plain forward's
@@ -99,10 +105,19 @@ class Calibration:
     def _observe(self) -> list[Pair]:
         """The deployment's rows beside the plain forward's states."""
         out: list[Pair] = []
-        for ids, plain in zip(self.prompts, self.plains, strict=True):
-            observed = self.capture(ids)
+        captured = [self.capture(ids) for ids in self.prompts] if self.name is None else self._captured()
+        for ids, plain, observed in zip(self.prompts, self.plains, captured, strict=True):
             out += [(t, observed[t : t + 1], plain[t : t + 1]) for t in range(len(ids))]
         return out
+
+    def _captured(self) -> list[torch.Tensor]:
+        """The named view's rows of every calibration prompt (all of one length), from the cache where they are."""
+
+        def build() -> torch.Tensor:
+            return torch.stack([self.capture(ids).double() for ids in self.prompts])
+
+        kept = cached(self.model, self.layer, f"{OBSERVED_KIND}-{self.name}", build, per_device=True).cpu()
+        return [rows.float() for rows in kept]
 
     def _screen(self) -> list[Pair]:
         """A screened batch's true token's states beside the plain forward's."""
