@@ -96,9 +96,11 @@ def invert(
     ``layer``), ``"kv"`` (block ``layer``'s KV cache, ``[T, 2 * kv_heads * head_dim]`` per prompt: every head's keys
     after the rotary embedding, then its values, as :func:`lminvert.kv_captures.read_kv` reads a saved cache; block
     ``b`` is transformers' ``cache.layers[b - 1]``) or ``"last"`` (the last position's state alone: a guess of the last
-    token). A KV cache, one vector, and states whose source is ``noise:S`` or ``quant:B`` are searched in the rows' own
-    space with the leak's error model (:mod:`lminvert.invert.rows`: the first token and missing or ambiguous positions
-    chosen by the next rows; the audit's attack); lminvert's own and foreign float states by the engine.
+    token). A KV cache, one vector, and states whose ``source`` is ``noise:S`` or ``quant:B`` (not ``noise``, added here
+    for robustness studies of the engine) are searched in the rows' own space with the leak's error model
+    (:mod:`lminvert.invert.rows`: the first token and missing or ambiguous positions chosen by the next rows; the
+    audit's attack); lminvert's own and foreign float states by the engine. A :class:`lminvert.KVCapture` is a ``kv``
+    leak whose block, where it records one, is ``layer``.
 
     ``max_seconds``: a bound on the search, counted from this call: once it has passed, every position stops after its
     first batch of candidates and keeps the closest one verified; the acceptor gives such positions their verdict as
@@ -120,7 +122,7 @@ def invert(
     model = require_loaded(model, "invert")
     _check_screen(model, screen)
     error_model = _source(states, source, noise)
-    if leak != "states" or error_model.name in DEFENDED:
+    if leak != "states" or (noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's study
         return _invert_rows(model, states, layer, leak, error_model, check, screen, offsets)
     resolved, found = _layer(model, states, layer, error_model, check)
     config = InvertConfig(

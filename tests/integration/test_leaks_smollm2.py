@@ -1,0 +1,55 @@
+"""The real default model's leaks as a user holds them, through `lminvert invert`: a KV cache saved from a
+transformers forward (a left-padded batch with its mask: every token of both prompts, positions sure), and states
+quantised to int8 (every token; the first token tried in the quantised order). Nothing wrong is ever claimed."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import lminvert
+from lminvert.invert.sources import Quant
+from lminvert.states import HiddenStates
+
+from ..conftest import run_cli
+
+TEXTS = ["Contact Jane Doe at jane.doe@example.com", "Our staging password is Tr0ub4dor&3"]
+CLAIMED = ("certified", "confident")
+
+
+def _no_wrong_claim(recovered: list[int], truth: list[int], verdicts: list[str]) -> None:
+    for token, right, verdict in zip(recovered, truth, verdicts, strict=True):
+        assert token == right or verdict not in CLAIMED, (recovered, truth, verdicts)
+
+
+def test_a_left_padded_transformers_kv_cache_inverts_every_token(smollm2, tmp_path):
+    tok = smollm2.tokenizer
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        batch = tok(TEXTS, return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = side
+    with torch.no_grad():
+        cache = smollm2.model(**batch, use_cache=True).past_key_values
+    path = tmp_path / "cache.pt"
+    pairs = [(x.keys, x.values) for x in cache.layers]
+    torch.save({"past_key_values": pairs, "attention_mask": batch["attention_mask"]}, path)
+    done = run_cli("invert", str(path), "--model", "smollm2-135m", "--layer", "15", "--json")
+    assert done.returncode == 0, done.stderr
+    for doc, text in zip(json.loads(done.stdout), TEXTS, strict=True):
+        truth = list(smollm2.tokenize(text))
+        _no_wrong_claim(doc["token_ids"], truth, doc["verdicts"])
+        assert doc["token_ids"] == truth
+        assert sum(v in CLAIMED for v in doc["verdicts"]) >= 0.9 * len(truth), doc["verdicts"]
+
+
+def test_int8_states_invert_every_token_and_claim_nothing_wrong(smollm2):
+    ids = list(smollm2.tokenize(TEXTS[1]))
+    with torch.no_grad():
+        hidden = smollm2.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[15][0]
+    (result,) = lminvert.invert(smollm2, HiddenStates.from_array(Quant(kind="int8").quantise(hidden)), 15,
+                                source="quant:int8")  # fmt: skip
+    assert result.policy == "rows"
+    _no_wrong_claim(result.token_ids, ids, result.verdicts)
+    assert result.token_ids == ids
