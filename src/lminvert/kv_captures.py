@@ -5,7 +5,7 @@ A row holds one position's keys of every KV head, flattened head-major, then its
 (1-based) is transformers' ``cache.layers[b-1]``, i.e. ``past_key_values[b-1]``.
 
 Accepted (``.pt``/``.pth`` are read with ``torch.load(weights_only=True)``; of the pickled classes only
-transformers' cache classes :data:`CACHE_CLASSES` are allowed, which are rebuilt without running their code):
+transformers' cache classes :data:`.kv_files.CACHE_CLASSES` are allowed, which are rebuilt without running their code):
 
 * ``torch.save(out.past_key_values, path)``: a transformers ``DynamicCache`` (or ``StaticCache``, whose unused
   positions are cut off), or any cache whose ``layers`` hold ``keys``/``values`` tensors;
@@ -27,35 +27,27 @@ sign of which positions were pads.
 
 from __future__ import annotations
 
-import pickle
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from .captures import MASK_KEYS, _is_states, _natural, _read_mask
 from .errors import LminvertError
-
-CACHE_CLASSES = (  # transformers.cache_utils classes a saved cache may pickle: plain attribute holders
-    "DynamicCache",
-    "DynamicLayer",
-    "DynamicSlidingWindowLayer",
-    "StaticCache",
-    "StaticLayer",
-    "StaticSlidingWindowLayer",
+from .kv_files import (
+    SAVE_HINT,
+    _check_groups,
+    _groups,
+    _has_pair,
+    _load,
+    _torch_load,
+    _unsafe_globals,
 )
+
 CACHE_ENTRY = "past_key_values"
-KEY_WORDS = frozenset({"k", "key", "keys"})
-VALUE_WORDS = frozenset({"v", "value", "values"})
-SAVE_HINT = "torch.save([(l.keys, l.values) for l in cache.layers], path)"
 LAYER_HINT = "lminvert numbering: block B is transformers' cache.layers[B-1]"
-_TOKEN = re.compile(r"[a-z]+|\d+")
-_PAIR_TAIL = re.compile(r"(\d+)[._/-]([01])$")  # past_key_values.3.0 / .3.1: a (keys, values) pair flattened
 
 
 @dataclass(frozen=True)
@@ -128,60 +120,6 @@ def is_kv_file(path: str | Path) -> bool:
     except Exception:  # refused by the safe unpickler: a cache of another class still says so in its globals
         return any("cache_utils" in name for name in _unsafe_globals(path))
     return _looks_kv(loaded)
-
-
-def _safe_classes() -> list[type]:
-    from transformers import cache_utils
-
-    return [cls for name in CACHE_CLASSES if (cls := getattr(cache_utils, name, None)) is not None]
-
-
-def _torch_load(path: Path, mmap: bool) -> Any:
-    with torch.serialization.safe_globals(_safe_classes()):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def _unsafe_globals(path: Path) -> list[str]:
-    try:
-        listed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # not a zip checkpoint: nothing to list
-        return []
-    allowed = {f"transformers.cache_utils.{name}" for name in CACHE_CLASSES}
-    return [name for name in listed if name not in allowed]
-
-
-def _load(path: Path) -> Any:
-    if not path.is_file():
-        raise LminvertError(f"KV cache file not found: {path}")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".safetensors":
-            return dict(load_file(str(path)))
-        if suffix == ".npy":
-            return torch.from_numpy(np.load(path, allow_pickle=False))
-        return _torch_load(path, mmap=False)
-    except pickle.UnpicklingError as exc:
-        refused = ", ".join(_unsafe_globals(path)[:4])
-        if not refused:  # not a checkpoint torch can list the classes of: a damaged or foreign file
-            raise _unreadable(path, exc) from exc
-        raise LminvertError(
-            f"cannot load {path.name} safely: it pickles {refused}, and torch.load(weights_only=True) allows only "
-            f"tensors and transformers' cache classes; save plain tensors instead: {SAVE_HINT}"
-        ) from exc
-    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as exc:
-        raise _unreadable(path, exc) from exc
-    except Exception as exc:  # the safe unpickler's other refusals (a class rebuilt from a mismatched state, ...)
-        raise LminvertError(
-            f"cannot load {path.name} with torch.load(weights_only=True) ({type(exc).__name__}): save plain tensors "
-            f"instead: {SAVE_HINT}"
-        ) from exc
-
-
-def _unreadable(path: Path, exc: Exception) -> LminvertError:
-    return LminvertError(
-        f"cannot read {path.name} ({type(exc).__name__}): save the cache with torch.save(out.past_key_values, path) "
-        f"or {SAVE_HINT}"
-    )
 
 
 def _pop_mask(loaded: Any) -> torch.Tensor | None:
@@ -284,54 +222,6 @@ def _from_dict(path: Path, loaded: dict) -> _Found:
     if not _groups(list(tensors)):
         raise _not_kv(path, loaded)
     return _from_names(path, tensors)
-
-
-def _role(name: str) -> tuple[str, int | None] | None:
-    """Whether entry ``name`` holds keys (``"k"``) or values (``"v"``), and the block index in its name."""
-    lower = name.lower()
-    tokens = _TOKEN.findall(lower)
-    roles = [i for i, t in enumerate(tokens) if t in KEY_WORDS | VALUE_WORDS]
-    if not roles:
-        return None
-    tail = _PAIR_TAIL.search(lower)
-    if tail and sum(t.isdigit() for t in tokens[roles[-1] + 1 :]) >= 2:
-        return ("k" if tail[2] == "0" else "v"), int(tail[1])
-    numbers = [int(t) for t in tokens if t.isdigit()]
-    return ("k" if tokens[roles[-1]] in KEY_WORDS else "v"), (numbers[-1] if numbers else None)
-
-
-def _groups(names: list[str]) -> dict[int | None, dict[str, list[str]]]:
-    groups: dict[int | None, dict[str, list[str]]] = {}
-    for name in sorted(names, key=_natural):
-        found = _role(name)
-        if found is not None:
-            role, index = found
-            groups.setdefault(index, {}).setdefault(role, []).append(name)
-    return groups
-
-
-def _has_pair(names: list[str]) -> bool:
-    return any(len(group) == 2 for group in _groups(names).values())
-
-
-def _check_groups(path: Path, groups: dict[int | None, dict[str, list[str]]]) -> None:
-    """One keys entry and one values entry per index, else a one-line error."""
-    word = {"k": "keys", "v": "values"}
-    for index, group in groups.items():
-        where = "the unnumbered entries" if index is None else f"index {index}"
-        for role, names in group.items():
-            if len(names) > 1:
-                raise LminvertError(
-                    f"{path.name}: {', '.join(names)} all read as the {word[role]} of {where}: pick one set with "
-                    "--key PREFIX"
-                )
-        if len(group) == 1:
-            ((role, (name,)),) = group.items()
-            other = word["v" if role == "k" else "k"]
-            raise LminvertError(
-                f"{path.name}: entry '{name}' holds {word[role]} with no matching {other} at {where}: save both, "
-                "named alike (e.g. k_3 and v_3)"
-            )
 
 
 def _from_names(path: Path, tensors: dict[str, torch.Tensor]) -> _Found:

@@ -43,35 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         model_help="model (default: the one recorded in the file)",
         dtype_help="precision (default: the one recorded in the file, else float32); must match the file's",
     )
-    parser.add_argument(
-        "--layer",
-        default=None,
-        help="layer (default: the one recorded in the file, else found from the states); lminvert's numbering: "
-        "see --source-library",
-    )
-    parser.add_argument(
-        "--leak",
-        default=None,
-        choices=list(VIEWS),
-        help="what the file holds: states (every position's state at --layer), kv (a block's KV cache as "
-        "transformers saves it: --layer is the block, 1..L, transformers' cache.layers[B-1]), last (the last "
-        "position's state: a guess of the last token); default: kv for a file that holds keys and values, else states",
-    )
-    parser.add_argument(
-        "--source-library",
-        default="lminvert",
-        choices=LIBRARIES,
-        help="whose numbering --layer uses: hf (output_hidden_states index; the last is after the final norm), "
-        "nnsight (model.model.layers[i]), tl (blocks.i.hook_resid_post), vllm (eagle_aux_hidden_state_layer_ids), "
-        "lminvert (block outputs 0..L, final)",
-    )
-    parser.add_argument(
-        "--check",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="score a bare array against every layer first and refuse a --layer it decisively does not match, or "
-        "states that fit no layer of the model (--no-check: search the given layer anyway)",
-    )
+    _add_leak_args(parser)
     parser.add_argument(
         "--method",
         default="sipit",
@@ -115,6 +87,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _add_leak_args(parser: argparse.ArgumentParser) -> None:
+    """Where the rows come from: the layer (a KV cache's block), what the file holds, whose numbering --layer uses,
+    and whether the layer is checked against the states."""
+    parser.add_argument(
+        "--layer",
+        default=None,
+        help="layer (default: the one recorded in the file, else found from the states); lminvert's numbering: "
+        "see --source-library",
+    )
+    parser.add_argument(
+        "--leak",
+        default=None,
+        choices=list(VIEWS),
+        help="what the file holds: states (every position's state at --layer), kv (a block's KV cache as "
+        "transformers saves it: --layer is the block, 1..L, transformers' cache.layers[B-1]), last (the last "
+        "position's state: a guess of the last token); default: kv for a file that holds keys and values, else states",
+    )
+    parser.add_argument(
+        "--source-library",
+        default="lminvert",
+        choices=LIBRARIES,
+        help="whose numbering --layer uses: hf (output_hidden_states index; the last is after the final norm), "
+        "nnsight (model.model.layers[i]), tl (blocks.i.hook_resid_post), vllm (eagle_aux_hidden_state_layer_ids), "
+        "lminvert (block outputs 0..L, final)",
+    )
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score a bare array against every layer first and refuse a --layer it decisively does not match, or "
+        "states that fit no layer of the model (--no-check: search the given layer anyway)",
+    )
+
+
 def _add_search_args(parser: argparse.ArgumentParser) -> None:
     """Options that change how far the search goes, never what it accepts."""
     parser.add_argument(
@@ -145,21 +151,7 @@ def run(args: argparse.Namespace) -> int:
                executor_from_args(args), args.tolerance_scale)  # fmt: skip
     if args.out:
         check_output_file(args.out)
-    if leak == "kv":
-        block = None if args.layer is None else kv_block_number(args.layer, args.source_library)
-        states = read_kv(args.states, block=block, key=args.key, mask=args.mask)
-        if not args.model:
-            raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
-        name, layer = args.model, None
-        half = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}.get(str(states.rows[0].dtype))
-        model = model_from_args(args, name, dtype=args.dtype or half)
-    else:
-        states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
-        name = args.model or states.model
-        if not name:
-            raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
-        model = model_for_states(args, name, states)
-        layer = None if args.layer is None else library_layer(args.layer, args.source_library, model.probe.n_layers)
+    model, name, states, layer = _read(args, leak)
     results = invert(
         model,
         states,
@@ -201,6 +193,26 @@ def run(args: argparse.Namespace) -> int:
     _summary(results)
     _reader_hint(model, name, results[0])
     return 0
+
+
+def _read(args: argparse.Namespace, leak: str):
+    """The model, its name, what the file holds (states or a KV cache) and the layer asked for (None: the file's)."""
+    if leak == "kv":
+        block = None if args.layer is None else kv_block_number(args.layer, args.source_library)
+        states = read_kv(args.states, block=block, key=args.key, mask=args.mask)
+        if not args.model:
+            raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
+        name, layer = args.model, None
+        half = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}.get(str(states.rows[0].dtype))
+        model = model_from_args(args, name, dtype=args.dtype or half)
+    else:
+        states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
+        name = args.model or states.model
+        if not name:
+            raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
+        model = model_for_states(args, name, states)
+        layer = None if args.layer is None else library_layer(args.layer, args.source_library, model.probe.n_layers)
+    return model, name, states, layer
 
 
 def _summary(results) -> None:

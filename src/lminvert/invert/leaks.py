@@ -1,0 +1,99 @@
+"""What :func:`lminvert.invert` does with a leak other than lminvert's own or foreign float states (a KV cache, one
+vector, states under a ``noise:``/``quant:`` source): the checks of its options, its layer (a KV cache's block), and the
+rows search on its view (:mod:`.rows.route`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import LminvertError
+from ..executors import Executor
+from ..kv_captures import KVCapture
+from ..models import Layer, LayerSpec, LoadedModel
+from ..states import HiddenStates
+from .results import InversionResult
+from .rows.route import invert_rows
+from .sources import ErrorModel
+from .views import VIEWS, make_view
+
+DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (the engine's bound is too loose there)
+
+
+def check_leak(
+    leak: str = "states",
+    method: str = "sipit",
+    policy: str = "linear",
+    noise: float = 0.0,
+    max_seconds: float | None = None,
+    max_candidates: int | None = None,
+    certify: bool | None = None,
+    executor: str | Executor | None = None,
+    tolerance_scale: float = 1.0,
+) -> None:
+    """One-line errors for a ``leak`` :func:`invert` does not know, and for the engine's options given with a leak
+    that the rows search inverts (``kv``, ``last``), which it does not take."""
+    if leak not in VIEWS:
+        raise LminvertError(f"unknown leak '{leak}': use one of {', '.join(VIEWS)}")
+    if leak == "states":
+        return
+    given = {
+        "--method": method != "sipit", "--policy": policy != "linear", "--noise": noise > 0,
+        "--max-seconds": max_seconds is not None, "--max-candidates": max_candidates is not None,
+        "--certify": bool(certify), "--ray": executor not in (None, "inprocess"),
+        "--tolerance-scale": tolerance_scale != 1.0,
+    }  # fmt: skip
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        raise LminvertError(f"--leak {leak} is searched in the rows' own space, which takes no {', '.join(refused)}")
+
+
+def invert_leak(
+    model: LoadedModel,
+    states: HiddenStates,
+    resolved: Layer,
+    notes: tuple[str, ...],
+    leak: str,
+    source: ErrorModel,
+    screen: bool | None,
+    offsets: list[int] | None = None,
+) -> list[InversionResult]:
+    """``states``' rows as leak ``leak`` at layer ``resolved`` (a KV cache's block), searched in their own space
+    (:mod:`lminvert.invert.rows`); ``notes``: what every result carries first; one-line errors for rows of another
+    width or dtype than the view's."""
+    view = make_view(leak, model, resolved)
+    if states.hidden_size != view.width:
+        raise LminvertError(
+            f"these rows hold {states.hidden_size} numbers each, but {leak} at layer {resolved.name} of "
+            f"{model.name} has {view.width}: check --leak and --layer"
+        )
+    if states.dtype is not None and states.dtype != model.dtype:
+        raise LminvertError(
+            f"these rows were computed in {states.dtype} but '{model.name}' runs in {model.dtype}: load the model "
+            f"with --dtype {states.dtype} (dtype='{states.dtype}')"
+        )
+    rows = list(states.states)
+    if leak == "last":
+        rows = [r[-1:] for r in rows]
+    return invert_rows(model, rows, view, source, notes, screen, offsets)
+
+
+def kv_states(
+    capture: KVCapture, layer: LayerSpec | None, leak: str
+) -> tuple[HiddenStates, LayerSpec | None, str, list[int]]:
+    """A KV cache read from a file (:func:`lminvert.kv_captures.read_kv`) as rows, its block and left padding."""
+    if leak not in ("states", "kv"):
+        raise LminvertError(f"a KV cache is the kv leak, not {leak}: drop --leak {leak}")
+    if layer is not None and capture.block is not None and int(layer) != capture.block:
+        raise LminvertError(f"the file holds block {capture.block}'s cache, not block {layer}: drop --layer")
+    half = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(capture.rows[0].dtype)
+    states = HiddenStates(states=capture.rows, dtype=half or "float32", notes=capture.notes)
+    return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
+
+
+def view_layer(model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, leak: str) -> Layer:
+    """The layer (a KV cache's block) of a ``kv`` or ``last`` leak: given, else recorded; a one-line error else."""
+    spec = layer if layer is not None else states.layer
+    if spec is None:
+        what = "block B (transformers' cache.layers[B - 1])" if leak == "kv" else "the layer"
+        raise LminvertError(f"the rows do not say which layer they come from: pass --layer with {what}")
+    return model.probe.layer(spec)
