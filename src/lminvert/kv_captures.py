@@ -62,6 +62,12 @@ class KVCapture:
     offsets: tuple[int, ...]  # per prompt: the index in the saved sequence of its first kept row
     notes: tuple[str, ...]  # what was read and dropped, one short sentence each
 
+    @property
+    def dtype(self) -> str:
+        """The precision a model ran in to compute these rows: ``bfloat16``/``float16`` for half-precision rows, else
+        ``float32``."""
+        return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(self.rows[0].dtype, "float32")
+
 
 @dataclass
 class _Found:

@@ -139,8 +139,7 @@ def _kv(args: argparse.Namespace) -> int:
             "array_dtype": str(capture.rows[0].dtype).replace("torch.", ""), "notes": list(capture.notes),
         }  # fmt: skip
         if args.model and capture.block is not None:
-            half = {"bfloat16", "float16"} & {doc["array_dtype"]}
-            model = model_from_args(args, args.model, dtype=args.dtype or next(iter(half), None))
+            model = model_from_args(args, args.model, dtype=args.dtype or capture.dtype)
             width = kv_block(model, capture.block).width
             doc["fits_model"] = width == capture.rows[0].shape[1]
             command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(capture.block)]

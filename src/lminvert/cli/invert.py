@@ -203,8 +203,7 @@ def _read(args: argparse.Namespace, leak: str):
         if not args.model:
             raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
         name, layer = args.model, None
-        half = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}.get(str(states.rows[0].dtype))
-        model = model_from_args(args, name, dtype=args.dtype or half)
+        model = model_from_args(args, name, dtype=args.dtype or states.dtype)
     else:
         states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
         name = args.model or states.model

@@ -4,12 +4,11 @@ rows search on its view (:mod:`.rows.route`)."""
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import LminvertError
 from ..executors import Executor
 from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
+from ..models.compat import check_dtype
 from ..states import HiddenStates
 from .results import InversionResult
 from .rows.route import invert_rows
@@ -66,11 +65,7 @@ def invert_leak(
             f"these rows hold {states.hidden_size} numbers each, but {leak} at layer {resolved.name} of "
             f"{model.name} has {view.width}: check --leak and --layer"
         )
-    if states.dtype is not None and states.dtype != model.dtype:
-        raise LminvertError(
-            f"these rows were computed in {states.dtype} but '{model.name}' runs in {model.dtype}: load the model "
-            f"with --dtype {states.dtype} (dtype='{states.dtype}')"
-        )
+    check_dtype(states.dtype, model, "rows")
     rows = list(states.states)
     if leak == "last":
         rows = [r[-1:] for r in rows]
@@ -85,8 +80,7 @@ def kv_states(
         raise LminvertError(f"a KV cache is the kv leak, not {leak}: drop --leak {leak}")
     if layer is not None and capture.block is not None and int(layer) != capture.block:
         raise LminvertError(f"the file holds block {capture.block}'s cache, not block {layer}: drop --layer")
-    half = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(capture.rows[0].dtype)
-    states = HiddenStates(states=capture.rows, dtype=half or "float32", notes=capture.notes)
+    states = HiddenStates(states=capture.rows, dtype=capture.dtype, notes=capture.notes)
     return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
 
 

@@ -8,6 +8,16 @@ from .layers import Layer, LayerSpec
 from .loading import LoadedModel
 
 
+def check_dtype(dtype: str | None, model: LoadedModel, what: str = "states") -> None:
+    """A one-line error where ``what`` (states, a KV cache's rows) were computed in ``dtype`` and ``model`` runs in
+    another (None: not recorded, nothing to check)."""
+    if dtype is not None and dtype != model.dtype:
+        raise LminvertError(
+            f"these {what} were computed in {dtype} but '{model.name}' runs in {model.dtype}: "
+            f"load the model with --dtype {dtype} (dtype='{dtype}'), or leave --dtype out to take the file's"
+        )
+
+
 def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec | None) -> Layer | None:
     """Check that ``states`` can come from ``model``; return the resolved layer (from the file if not given; None
     where neither says: the caller finds it from the states)."""
@@ -17,12 +27,7 @@ def check_compatible(states: HiddenStates, model: LoadedModel, layer: LayerSpec 
             f"these states were made by a model with weights hash {states.weights_hash} ('{states.model}'), "
             f"not by '{model.name}' ({model.weights_hash}); pass the model that produced them with --model"
         )
-    if states.dtype is not None and states.dtype != model.dtype:
-        raise LminvertError(
-            f"these states were computed in {states.dtype} but '{model.name}' runs in {model.dtype}: "
-            f"load the model with --dtype {states.dtype} (dtype='{states.dtype}'), or leave --dtype out "
-            "to take the file's"
-        )
+    check_dtype(states.dtype, model)
     if states.hidden_size != probe.hidden_size:
         raise LminvertError(
             f"states have hidden size {states.hidden_size} but '{model.name}' has {probe.hidden_size}; "
