@@ -182,7 +182,7 @@ def test_the_command_refuses_bad_input_before_any_work(tmp_path):
 
 
 def test_the_state_memo_runs_a_candidate_once_and_changes_no_answer(tiny):
-    """The states the rows searches of one leak and layer verified are kept (audit.memo.StateMemo): a second
+    """The states the rows searches of one leak and layer verified are kept (invert.rows.memo.StateMemo): a second
     defence's search over the same prompts runs far fewer candidates through the model and finds the same tokens with
     the same verdicts as a search without the memo; a memo over its limit drops the prefixes used longest ago."""
     from lminvert.invert.rows.attack import Attack
@@ -254,7 +254,7 @@ def test_a_first_token_several_fit_is_chosen_by_the_next_row(tiny):
 @pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("at", [1, 2, "final"])
 def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, at, reuse, monkeypatch):
-    """audit.running.Running: the prediction after the recovered prefix and the probe's prefix at the layer, grown a
+    """rows.running.Running: the prediction after the recovered prefix and the probe's prefix at the layer, grown a
     token at a time, are those computed over the whole prefix (the same order; states within float32 rounding), and
     a prefix that is not the running one is not served by it. With ``reuse``, a token that was one of the position's
     candidates grows the cache from their forward (only the blocks above the layer run: none at the last block's), so
@@ -325,7 +325,7 @@ def test_a_missing_position_is_chosen_by_the_next_row(tiny):
 
 
 def test_the_secant_model_changes_which_candidates_run_not_the_answer(tiny):
-    """audit.rankers.Secant (the engine's secant model, carried from position to position) only orders candidates:
+    """invert.rows.rankers.Secant (the engine's secant model, carried from position to position) only orders candidates:
     searches with and without it recover the same tokens with the same verdicts from states and from a KV cache; a
     later batch's order is still every token once; for states the first fit is the position-1 map, for KV rows
     there is none until candidates are verified."""
@@ -375,7 +375,7 @@ def test_growing_the_prefix_from_the_candidates_forward_changes_no_answer(tiny):
 
 
 def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, monkeypatch):
-    """audit.screen: with large later batches screened with bfloat16 GEMMs first, the searches recover the same tokens
+    """rows.screen: with large later batches screened with bfloat16 GEMMs first, the searches recover the same tokens
     with the same verdicts from states and from a KV cache, and candidates were screened out; where a position's row
     fits nothing after fitted ones (searched through the vocabulary), the screened-out candidates are verified in full
     before the position counts as swept, so it checks every token exactly once."""
@@ -422,7 +422,7 @@ def test_screening_changes_which_candidates_run_in_full_not_the_answer(tiny, mon
 
 
 def test_the_calibration_runs_its_forwards_once_for_every_leak_map_and_later_run(tiny, isolated_cache, monkeypatch):
-    """audit.calibration: the cached and screened forwards' states of one layer are computed once, kept beside the
+    """invert.rows.calibration: the cached and screened forwards' states of one layer are computed once, kept beside the
     tables bit for bit, and serve a states leak and a KV leak reading that layer, and a projection of either; a new
     process (the model's memo emptied) reads them from disk without a forward of a candidate."""
     from lminvert.invert.rows.calibration import KIND, SCREEN_KIND, Calibration
