@@ -1,6 +1,7 @@
 """The real default model's leaks as a user holds them, through `lminvert invert`: a KV cache saved from a
-transformers forward (a left-padded batch with its mask: every token of both prompts, positions sure), and states
-quantised to int8 (every token; the first token tried in the quantised order). Nothing wrong is ever claimed."""
+transformers forward (a left-padded batch with its mask: every token of both prompts, positions sure), states
+quantised to int8 (every token, positions sure: distances beyond the quantisation's box) and states under 1% noise
+(every token, positions sure: the first chosen by the next row). Nothing wrong is ever claimed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 import lminvert
 from lminvert.invert.sources import Quant
+from lminvert.invert.tolerance import add_noise
 from lminvert.states import HiddenStates
 
 from ..conftest import run_cli
@@ -53,3 +55,17 @@ def test_int8_states_invert_every_token_and_claim_nothing_wrong(smollm2):
     assert result.policy == "rows"
     _no_wrong_claim(result.token_ids, ids, result.verdicts)
     assert result.token_ids == ids
+    assert sum(v in CLAIMED for v in result.verdicts) >= 0.9 * len(ids), result.verdicts  # the box: rows that fit
+
+
+def test_states_under_one_percent_noise_invert_every_token_and_most_positions_are_confident(smollm2):
+    """Position 0 (an attention sink: noise covers the gaps between first tokens there) is chosen by the next row,
+    and confident where that rule's evidence holds; later positions are judged on their own rows."""
+    ids = list(smollm2.tokenize(TEXTS[1]))
+    with torch.no_grad():
+        hidden = smollm2.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[15][0]
+    noisy = add_noise(hidden.float(), 0.01, torch.Generator().manual_seed(3))
+    (result,) = lminvert.invert(smollm2, HiddenStates.from_array(noisy), 15, source="noise:0.01")
+    _no_wrong_claim(result.token_ids, ids, result.verdicts)
+    assert result.token_ids == ids
+    assert sum(v in CLAIMED for v in result.verdicts) >= 0.9 * len(ids), result.verdicts

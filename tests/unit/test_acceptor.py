@@ -23,6 +23,7 @@ from lminvert.invert.acceptor import (
     margin,
 )
 from lminvert.invert.sources import Exact, Float, Noise, Quant, parse_source
+from lminvert.invert.tolerance import FLOOR
 
 D = 8
 
@@ -198,3 +199,66 @@ def test_quantisation_bounds_hold_on_random_states(seed, kind, scale):
         q = (h / step).round().clamp(-levels, levels) * step
     bound = Quant(kind=kind).bound(q.float(), position=1)
     assert float((q - h).norm()) <= bound * (1 + 1e-5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["int8", "int4", "bf16", "fp8"]),
+    scale=st.floats(min_value=1e-3, max_value=1e4),
+)
+def test_a_quantised_row_keeps_its_true_row_inside_the_box_and_distances_are_lipschitz(seed, kind, scale):
+    """The true row lies inside the box around its quantised row (to float32's rounding of the quantisation itself),
+    and the box distance moves no more than the row does (what lets rounding radii add to it)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, 64, generator=gen) * scale
+    h[:, int(torch.randint(0, 64, (1,), generator=gen))] *= 30
+    quant = Quant(kind=kind)
+    q = quant.quantise(h[:1])[0]
+    assert float(quant.distances(h[:1], q)[0]) <= 4 * FLOOR * float(q.norm())
+    d = quant.distances(h, q)
+    moved = (h[1:].double() - h[0].double()).norm(dim=1)
+    assert bool(((d[1:] - d[0]).abs() <= moved * (1 + 1e-9) + 1e-9 * scale).all())
+    assert quant.boxed and not Noise(sigma=0.01).boxed
+
+
+def test_inside_a_box_a_zero_distance_is_a_fit_not_a_reproduction():
+    """Beyond a quantisation's box the true row's distance is 0: neither a certificate nor a collision, and two rows
+    inside the box are two candidates that fit."""
+    radii = _radii(cached=0.5, plain=0.5)
+    alone = _evidence([0.0, 3.0, 4.0, *[5.0] * (POPULATION - 3)], plain={0: 0.0}, reproducible=False, boxed=True)
+    decision = _run(alone, radii)
+    assert (decision.token, decision.verdict) == (0, CONFIDENT)
+    assert margin(0.0, radii, reproducible=False, boxed=True) == pytest.approx(2 * 0.5)
+    both = _evidence([0.0, 0.0, *[5.0] * (POPULATION - 2)], reproducible=False, boxed=True, exhausted=True)
+    decision = _run(both, radii)
+    assert decision.verdict == UNCERTAIN and decision.guess
+    assert "collision" not in decision.reason
+
+
+def _next_row(**changed) -> acceptor.NextRow:
+    sure = acceptor.Decision(7, CONFIDENT)
+    fields = {"choice": sure, "following": acceptor.Decision(3, CONFIDENT), "covered": True, "rival_fits": False,
+              "calibration": (6, 0)}  # fmt: skip
+    return acceptor.NextRow(**{**fields, **changed})
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"choice": acceptor.Decision(7, UNCERTAIN, guess=True)},
+        {"choice": acceptor.Decision(8, CONFIDENT)},
+        {"following": acceptor.Decision(3, UNCERTAIN)},
+        {"covered": False},
+        {"rival_fits": True},
+        {"calibration": None},
+        {"calibration": (0, 0)},
+        {"calibration": (6, 1)},
+    ],
+)
+def test_the_next_row_makes_position_0_confident_only_on_all_its_evidence(changed):
+    """Each piece of evidence the rule needs, missing alone, leaves position 0 a guess."""
+    assert acceptor.chosen_by_next(7, _next_row()).verdict == CONFIDENT
+    decision = acceptor.chosen_by_next(7, _next_row(**changed))
+    assert decision.verdict == UNCERTAIN and decision.guess
+    assert acceptor.chosen_by_next(7).verdict == UNCERTAIN

@@ -19,7 +19,9 @@ Verdicts, never better than the evidence:
   every other verified candidate beyond a margin (:func:`margin`: ``SEPARATION`` times farther, or outside the error
   bound with slack); a wrong state does not come that much nearer to
   the observation than the right one's error (the rate at which this rule was wrong is measured on calibration prompts
-  under the same error model: ``benchmarks/bench_foreign.py``);
+  under the same error model: ``benchmarks/bench_foreign.py``); or a first token that its own row does not choose
+  (several fit), where the next row fits under it alone (:func:`chosen_by_next` on :class:`NextRow` evidence, with the
+  rule's false-confident rate measured at 0 on calibration prompts under the same error model);
 * ``uncertain`` - anything else: several candidates fit, none fits within the budget, the token has a tied twin
   (bit-identical input vector: no state separates them), or an earlier position was such a guess (several fit, or
   none: every later position was found given a token that may be wrong).
@@ -114,6 +116,9 @@ class Evidence:
     fitted: bool = False
     reproduced: bool = False  # an earlier position of the prompt was reproduced bit for bit
     twins: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens with identical input vectors
+    # distances are measured beyond a box the error model allows coordinate by coordinate (a quantisation's): a
+    # distance of 0 reproduces nothing, it only says the row fits
+    boxed: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,10 +171,10 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
         proven = evidence.reproducible or (evidence.swept and _alone(evidence, radii, token))
         verdict = CERTIFIED if proven else CONFIDENT
         return Decision(token, verdict, reason="the only match in a ball narrower than the gaps")
-    collided = _collision(evidence, radii, found)
+    collided = None if evidence.boxed else _collision(evidence, radii, found)
     if collided is not None:
         return collided
-    exact = [i for i, _ in found if evidence.plain.get(i, math.inf) <= radii.resolution]
+    exact = [] if evidence.boxed else [i for i, _ in found if evidence.plain.get(i, math.inf) <= radii.resolution]
     if exact and not evidence.exhaustive:
         return Decision(exact[0], CERTIFIED, reason="the plain forward reproduces the observation")
     return _separated(evidence, radii, found)
@@ -205,7 +210,7 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     elif not measured:
         return Decision(confirm=(found[0][0],))
     best = min(measured, key=plain.__getitem__)
-    bound = margin(plain[best], radii, evidence.reproducible)
+    bound = margin(plain[best], radii, evidence.reproducible, evidence.boxed)
     twins = {best, *evidence.twins.get(best, ())}
     # every other verified candidate, by its plain distance or the least its cached one allows
     unsure = _unsure(evidence, radii, bound, twins)
@@ -221,11 +226,14 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     return _verdict(evidence, radii, best)
 
 
-def margin(distance: float, radii: Radii, reproducible: bool) -> float:
+def margin(distance: float, radii: Radii, reproducible: bool, boxed: bool = False) -> float:
     """How near to the observation another verified candidate may come for the one at ``distance`` to be separated
     from it: ``SEPARATION`` times farther, or (a source that cannot be reproduced) outside the error bound with
-    ``SLACK``, whichever is less."""
+    ``SLACK``, whichever is less; beyond a box (``boxed``: the true row's distance is 0 but for where it was computed,
+    so no ratio of it separates anything) outside the error bound with ``SLACK`` alone."""
     ratio = SEPARATION * distance + radii.resolution
+    if boxed:
+        return distance + SLACK * radii.plain
     return ratio if reproducible else min(ratio, distance + SLACK * radii.plain)
 
 
@@ -285,10 +293,47 @@ def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False)
     return Decision(token, verdict, guess=guess, reason=reason)
 
 
-def chosen_by_next(token: int) -> Decision:
+@dataclass(frozen=True)
+class NextRow:
+    """What the next position's row says of the first token, where several fit position 0's own row (an attention
+    sink's norm lets noise or quantisation cover the gaps between first tokens there)."""
+
+    # the choice among first tokens by the next row, the next token held fixed: every first token verified under it
+    choice: Decision
+    following: Decision  # the next position's own decision under the chosen first token
+    covered: bool  # every first token within position 0's own error bound was among those verified under it
+    # the first token nearest to fitting after the chosen one, given its own search at the next position (a budget
+    # of the rankers' first candidates): whether any next token fitted the row under it
+    rival_fits: bool
+    # the rule (confident where the other fields say so) claimed this many calibration prompts under the same error
+    # model, and this many wrongly (None: not measured)
+    calibration: tuple[int, int] | None = None
+
+
+def chosen_by_next(token: int, evidence: NextRow | None = None) -> Decision:
     """A position several tokens fit (or none did, or whose row is missing), ``token`` chosen by how well the next
-    position's row fits under it: a guess all the same (the next position's token was itself found given another),
-    ``uncertain``, and so is every later position."""
+    position's row fits under it. ``confident`` where ``evidence`` shows that one first token alone lets the next row
+    fit: the next row separated it (``confident`` or ``certified``) from every first token its own row allows, the
+    next position's own search under it was separated too, the runner-up's own search found no next token that fits,
+    and the rule claimed no calibration prompt wrongly (it was measured, and claimed some). Else a guess, ``uncertain``,
+    and so is every later position (the next token was found given another first token)."""
+    sure = (CERTIFIED, CONFIDENT)
+    if (
+        evidence is not None
+        and evidence.choice.token == token
+        and evidence.choice.verdict in sure
+        and evidence.following.verdict in sure
+        and evidence.covered
+        and not evidence.rival_fits
+        and evidence.calibration is not None
+        and evidence.calibration[0] > 0
+        and evidence.calibration[1] == 0
+    ):
+        claims = evidence.calibration[0]
+        return Decision(
+            token, CONFIDENT, reason=f"the only first token under which the next row fits (rule right on {claims} of "
+            f"{claims} calibration prompts)",
+        )  # fmt: skip
     return Decision(token, UNCERTAIN, guess=True, reason="its own row did not choose; the next position's row chose")
 
 

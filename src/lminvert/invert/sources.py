@@ -52,6 +52,29 @@ class ErrorModel:
     def bound(self, target: torch.Tensor, position: int) -> float:
         return self.computed(target, position)
 
+    def distances(self, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """How far each candidate row ``[n, k]`` lies from the observed ``target`` ``[k]`` beyond what the error model
+        allows coordinate by coordinate (float64 ``[n]``): L2 here. Every such distance is 1-Lipschitz in the candidate
+        row (a row within ``e`` in L2 of another lies within ``e`` of its distance), so rounding radii add to it."""
+        return (rows.double() - target.double()).norm(dim=-1)
+
+    def distance_bound(self, target: torch.Tensor, position: int) -> float:
+        """The bound on the true row's :meth:`distances` at ``position``: :meth:`bound` where they are L2."""
+        return self.bound(target, position)
+
+    def simulate(self, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """``rows`` ``[T, k]`` (a plain forward's) as this source may ship them, for measuring a rule on calibration
+        prompts: relative Gaussian noise at the measured disagreement where the states were computed (``first`` at
+        position 0, ``rest`` later; nothing for ``exact``)."""
+        rel = torch.tensor([self.first] + [self.rest] * (len(rows) - 1), dtype=torch.float64)[:, None]
+        return _perturbed(rows, rel, generator)
+
+    @property
+    def boxed(self) -> bool:
+        """:meth:`distances` are measured beyond a box the model allows per coordinate (a distance of 0 then says the
+        row fits, not that it reproduces the observation)."""
+        return False
+
     def order(self, table: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """Every candidate row of ``table`` ``[V, k]``, the likeliest to have given the observed ``row`` first (an
         order to try them in, never a verdict): nearest in L2."""
@@ -102,6 +125,9 @@ class Noise(ErrorModel):
     def label(self) -> str:
         return f"noise:{self.sigma:g}"
 
+    def simulate(self, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return _perturbed(super().simulate(rows, generator), torch.tensor(self.sigma), generator)
+
 
 @dataclass(frozen=True)
 class Quant(ErrorModel):
@@ -131,6 +157,9 @@ class Quant(ErrorModel):
     def label(self) -> str:
         return f"quant:{self.kind}"
 
+    def simulate(self, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.quantise(super().simulate(rows, generator))
+
     def quantise(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-row quantisation, as stored: ``bf16`` (a cast), ``fp8`` (e4m3, each row scaled so that its absmax maps
         to 448), ``int8``/``int4`` (symmetric absmax per row); returned in float32."""
@@ -145,12 +174,51 @@ class Quant(ErrorModel):
         step = absmax / levels
         return (x / step).round().clamp(-levels, levels) * step
 
+    def half_widths(self, target: torch.Tensor) -> torch.Tensor:
+        """Per coordinate, how far the value before quantisation may lie from the observed ``target`` (float64
+        ``[k]``): half the absmax step (``int8``/``int4``: the observed absmax is the true one, exactly), or half a
+        unit in the last place of the rounded value (``bf16``/``fp8``, fp8's subnormal step beside it)."""
+        x = target.detach().double()
+        if self.kind in MANTISSA:
+            rel = 2.0 ** -(MANTISSA[self.kind] + 1)
+            half = rel / (1 - rel) * x.abs()
+            if self.kind == "fp8":
+                half = half + FP8_SUBNORMAL * float(x.abs().max()) / (1 - rel)
+            return half
+        levels = 2 ** (int(self.kind.removeprefix("int")) - 1) - 1
+        return torch.full_like(x, float(x.abs().max()) / levels / 2)
+
+    def distances(self, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """L2 beyond the quantisation's box (:meth:`half_widths`): ``||max(|row - target| - half, 0)||``. The true row
+        lies inside the box but for where it was computed (``float``'s part), while a wrong row, even one nearer in L2
+        than the quantisation error's norm, leaves it in many coordinates (SmolLM2 layer 15, int8: the L2 ball of
+        position 0 holds 31,000 first tokens)."""
+        gap = (rows.double() - target.double()).abs() - self.half_widths(target)
+        return gap.clamp_min(0).norm(dim=-1)
+
+    def distance_bound(self, target: torch.Tensor, position: int) -> float:
+        """Only where the row was computed (``float``'s part) moves the true row out of the box."""
+        return self.computed(target, position)
+
+    @property
+    def boxed(self) -> bool:
+        return True
+
     def order(self, table: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """Nearest first once each candidate row is quantised as the observed one was: the true token's row then
-        quantises to the observation but for values on a rounding boundary, while in plain L2 the quantisation error
-        of an attention sink's huge values can hide it among hundreds (SmolLM2 layer 15, int8: the first token at
-        418th nearest, 0th once quantised)."""
-        return (self.quantise(table).double() - row.double()).norm(dim=1).argsort()
+        """Nearest first by :meth:`distances` (in plain L2 the quantisation error of an attention sink's huge values
+        can hide the true token among hundreds: SmolLM2 layer 15, int8, the first token 418th nearest); ties (rows
+        inside the box) broken by the distance once quantised as the observed row was."""
+        inside = self.distances(table, row)
+        quantised = (self.quantise(table).double() - row.double()).norm(dim=1)
+        order = quantised.argsort(stable=True)
+        return order[inside[order].argsort(stable=True)]
+
+
+def _perturbed(rows: torch.Tensor, relative: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``rows + relative * ||row|| * g / sqrt(k)`` per row, ``g`` standard Gaussian (float32)."""
+    x = rows.double()
+    g = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    return (x + relative * x.norm(dim=-1, keepdim=True) * g / math.sqrt(x.shape[-1])).float()
 
 
 SOURCES = ("exact", "float", "noise:SIGMA", "quant:int8|int4|bf16|fp8")

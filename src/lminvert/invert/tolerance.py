@@ -33,6 +33,7 @@ ball is the token; where it is wider (half precision), acceptance rests on confi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -311,10 +312,17 @@ def padded_states(probe, layer: Layer, prompts: list[list[int]], side: str) -> l
     return [states[i][mask[i].bool()] for i in range(len(prompts))]
 
 
-def foreign_calibration(model: LoadedModel, layer: Layer) -> tuple[float, float]:
+def foreign_calibration(
+    model: LoadedModel,
+    layer: Layer,
+    rows_of: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    name: str | None = None,
+) -> tuple[float, float]:
     """The largest relative disagreement ``||foreign - h|| / ||h||`` of states computed in another layout
     (:func:`_layouts`) with each prompt's plain forward alone, at position 0 and at later positions (cached beside
-    the tables, per device type). What the ``float`` error model (:mod:`.sources`) scales into its bound."""
+    the tables, per device type). What the ``float`` error model (:mod:`.sources`) scales into its bound. With
+    ``rows_of`` (states ``[n, d]`` at a position -> a leak's rows, e.g. a KV cache's) and that view's ``name``, the
+    disagreement of the rows the layouts' states give, measured through the view."""
 
     def build() -> torch.Tensor:
         prompts = calibration_prompts(model)
@@ -323,11 +331,16 @@ def foreign_calibration(model: LoadedModel, layer: Layer) -> tuple[float, float]
         first, rest = 0.0, 0.0
         for layout in _layouts(model, layer, prompts):
             for ref, got in zip(reference, layout, strict=True):
-                h = ref[: len(got)].double()
+                h, got = ref[: len(got)], got
+                if rows_of is not None:
+                    h = torch.cat([rows_of(h[t : t + 1], t) for t in range(len(h))])
+                    got = torch.cat([rows_of(got[t : t + 1], t) for t in range(len(got))])
+                h = h.double()
                 norms = h.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
                 rel = (got.double() - h).norm(dim=1) / norms
                 first, rest = max(first, float(rel[0])), max(rest, float(rel[1:].max()) if len(rel) > 1 else 0.0)
         return torch.tensor([first, rest], dtype=torch.float64)
 
-    values = cached(model, layer, FOREIGN_KIND, build, per_device=True).tolist()
+    kind = FOREIGN_KIND if rows_of is None else f"{FOREIGN_KIND}-{name}"
+    values = cached(model, layer, kind, build, per_device=True).tolist()
     return float(values[0]), float(values[1])

@@ -19,6 +19,7 @@ cache, defended states and one vector, and what ``lminvert audit`` runs on the l
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -30,13 +31,15 @@ from ...states import HiddenStates
 from .. import acceptor
 from ..acceptor import Evidence, Radii
 from ..sources import ErrorModel, Exact, Float, parse_source
-from ..tables import first_position_table
+from ..tables import cached, first_position_table
 from ..views import View
 from .calibration import Calibration, Map, Measured, through
 from .memo import StateMemo
 from .rankers import Secant, StateReading
 from .screen import Screen
 from .search import FIRST, RowSearch
+
+NEXT_KIND = "rows-next2"  # the cache's name for the lookahead rule's measurement (with the view's and source's)
 
 
 class Shipped(Protocol):
@@ -202,9 +205,13 @@ class Attack:
             reading = StateReading(self.model, layer, self.model.probe.vocab_size)
         secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
         screen = Screen(self.model, lambda: self.calibration.screened(public)) if self.screen else None
+        capture = kept = None
+        if public is None:  # the lookahead's rule at position 0 measured on the view's own rows (kept per source)
+            kind = f"{NEXT_KIND}-{self.leak.name}-{source.label.replace(':', '-')}"
+            capture, kept = self.leak.capture, functools.partial(cached, self.model, layer, kind, per_device=True)
         search = RowSearch(
             self.model, layer, through(self.leak.rows_of, public), source, measured, table, self.memo, reading,
-            self.lookahead, self.first, secant, self.reuse, screen,
+            self.lookahead, self.first, secant, self.reuse, screen, capture, kept,
         )  # fmt: skip
         out = []
         for r in rows:

@@ -14,7 +14,7 @@ import torch
 
 from ...models import LoadedModel
 from ..tables import cached
-from ..tolerance import calibration_prompts
+from ..tolerance import calibration_prompts, foreign_calibration
 from .running import Running
 from .screen import SCREEN_FROM, screened_states
 
@@ -30,7 +30,9 @@ class Measured:
     """Relative disagreements in the rows' space (see the module docstring)."""
 
     rounding: float  # cached forward vs plain forward
-    first: float  # the deployment's rows vs the plain forward's, at position 0
+    # the deployment's rows vs the plain forward's, at position 0 (a named view's: and the rows that other layouts'
+    # states give, :func:`lminvert.invert.tolerance.foreign_calibration` through the view)
+    first: float
     rest: float  # the same at later positions
 
 
@@ -82,6 +84,9 @@ class Calibration:
         rounding = max(_relative(rows(a, t), rows(b, t)) for t, a, b in self._cached)
         first = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t == 0)
         rest = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t > 0)
+        if public is None and self.name is not None:  # and as other layouts compute the states (padded batches, ...)
+            elsewhere = foreign_calibration(self.model, self.layer, self.rows_of, self.name)
+            first, rest = max(first, elsewhere[0]), max(rest, elsewhere[1])
         return Measured(rounding, first, rest)
 
     def screened(self, public: Map | None = None) -> float:

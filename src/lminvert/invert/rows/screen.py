@@ -27,6 +27,7 @@ from ...models import LayerProbe, LoadedModel, Prefix
 from ..acceptor import SLACK
 from ..tolerance import FLOOR, SAFETY, norm
 from ..verification import SCREEN_FROM
+from .verified import Distances, euclidean
 
 
 class Screen:
@@ -59,13 +60,15 @@ class Screen:
     def split(
         self, batch: torch.Tensor, tried: torch.Tensor, prefix: Prefix,
         rows_of: Callable[[torch.Tensor], torch.Tensor], target: torch.Tensor, out: Screened,
+        distances: Distances = euclidean,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Screen candidates ``batch[tried]`` over ``prefix`` (``rows_of``: their states -> rows): those whose screened
-        row lies beyond ``out.radius`` of ``target`` join ``out``. Returned: which of ``batch`` are to be verified in
+        row lies beyond ``out.radius`` of ``target`` (by ``distances``, 1-Lipschitz in the row as the error model's
+        are, so the screening's error adds to them) join ``out``. Returned: which of ``batch`` are to be verified in
         full ``[B]`` (bool), and ``[B, k]`` rows holding the screened-out ones' screened rows (the others' to be
         filled)."""
         screened = rows_of(screened_states(self.probe, prefix, batch[tried]))
-        dists = (screened.double() - target.double()).norm(dim=1)
+        dists = distances(screened, target)
         beyond = dists > out.radius
         far = tried[beyond]
         out.add(batch[far], dists[beyond])

@@ -44,6 +44,7 @@ from ..sources import ErrorModel
 from ..tables import first_position_table
 from ..tolerance import FLOOR, SAFETY, norm
 from .calibration import Measured, Rows
+from .lookahead import Lookahead
 from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
 from .running import Running
@@ -59,18 +60,19 @@ FIRST = 32  # the first batch at a position after the first (then the rest of BA
 BROKEN = 2 * BATCH
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
-LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
-# position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
 
 
 class RowSearch:
     """One prompt's inversion from rows (see the module docstring)."""
 
+    ridge_from = BATCH  # verified candidates from which a ridge fit joins the order at a position
+
     def __init__(
         self, model: LoadedModel, layer, rows_of: Rows, source: ErrorModel, measured: Measured,
         table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
         lookahead: bool = True, first: int = FIRST, secant: Secant | None = None, reuse: bool = True,
-        screen: Screen | None = None,
+        screen: Screen | None = None, capture: Callable[[list[int]], torch.Tensor] | None = None,
+        kept: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
@@ -82,7 +84,9 @@ class RowSearch:
         the rankers' order alone until ``BATCH`` candidates are verified, then the ridge fit's beside it); ``reuse``:
         the recovered prefix grows from the chosen candidate's forward, only the blocks above the layer running for
         it, which gives the next prediction too (:class:`.running.Running`; False: a forward through every block);
-        ``screen``: large later batches are screened with bfloat16 GEMMs first (:mod:`.screen`; None: not)."""
+        ``screen``: large later batches are screened with bfloat16 GEMMs first (:mod:`.screen`; None: not);
+        ``capture`` and ``kept``: the view's own rows of a prompt and where to keep what they measure, for
+        :class:`.lookahead.Lookahead`'s rule at position 0 (None: a choice there by the next row is a guess)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
@@ -92,6 +96,7 @@ class RowSearch:
         self.first = first
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
+        self.boxed = self.source.boxed
         probe = model.probe
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
@@ -101,11 +106,12 @@ class RowSearch:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
         self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
+        self.ahead = Lookahead(self, capture, kept)
 
     def radii(self, shipped: torch.Tensor, t: int) -> Radii:
         """Every distance here is a cached forward's, so (as in :mod:`lminvert.invert.reference`, whose distances are
         all plain) the plain radius is the cached one: the error bound plus the cached forward's rounding."""
-        bound = self.source.bound(shipped, t)
+        bound = self.source.distance_bound(shipped, t)
         size = norm(shipped)
         rounding = SAFETY * max(self.rounding, self.floor) * size
         return Radii(bound + rounding, bound + rounding, bound, rounding, 0.0, FLOOR * size)
@@ -116,6 +122,7 @@ class RowSearch:
         trail = Found()
         ids = trail.token_ids
         after_guess = fitted = broken = False
+        lead = None  # the next token position 0 was chosen under (by the next row), verified first at position 1
         reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
         running = Running(self.model, self.layer, self.reuse)
         if self.secant is not None:
@@ -130,13 +137,15 @@ class RowSearch:
                 decision, count, fit = self._missing(ids, after, following, running, broken)
                 chosen, broken = Measure(), not fit
             else:
-                decision, count, chosen = self._position(ids, row, t, fitted, reads[t], running, budget, self.secant)
+                decision, count, chosen = self._position(
+                    ids, row, t, fitted, reads[t], running, budget, self.secant, lead if t == 1 else None
+                )
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
-                dists = (self.table.double() - row.double()).norm(dim=1)
-                token, looked, _ = self._by_next([], self.source.order(self.table, row), after, following)
-                decision, count = acceptor.chosen_by_next(token), count + looked
-                chosen = measure(torch.arange(len(dists)), self.table, dists, token)
+                decision, looked, lead = self.ahead.first(row, after, following)
+                count += looked
+                dists = self.source.distances(self.table, row)
+                chosen = measure(torch.arange(len(dists)), self.table, dists, decision.token)
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
             after_guess = after_guess or decision.guess
@@ -174,71 +183,6 @@ class RowSearch:
         if reading is None:
             return predicted
         return merge(torch.stack([reading, predicted]))
-
-    def _by_next(
-        self, prefix_ids: list[int], order: torch.Tensor, after: torch.Tensor, reading, running: Running | None = None
-    ) -> tuple[int, int, bool]:
-        """The token at position ``t = len(prefix_ids)`` chosen by the next row ``after``, where several fit its own
-        row (position 0: an attention sink's huge norm lets noise or quantisation cover the gaps between first
-        tokens), none does, or the row is missing; and the candidates this ran. Given each of the first tokens of
-        ``order`` in turn (``LOOK`` at most), the next token is found, then tokens at ``t`` are tried under it
-        (:meth:`_under`) until the acceptor finds any under which the next row's state fits (several may: another next
-        token would not separate them either); else the first try's choice. A guess all the same (the next token was
-        found given another one at ``t``). Returned: the token, the candidates run, whether the next row fitted. A
-        next token already tried is not tried again."""
-        t = len(prefix_ids)
-        ran, picks, tried, guessed = 0, [], set(), set()
-        queue = order[:LOOK].tolist()
-        while queue and len(guessed) < LOOK:
-            guess = queue.pop(0)
-            if guess in guessed:
-                continue
-            guessed.add(guess)
-            following, count, _ = self._position([*prefix_ids, guess], after, t + 1, False, reading)
-            ran += count
-            assert following.token is not None
-            if following.token in tried:
-                continue
-            tried.add(following.token)
-            pick, under = self._under(prefix_ids, following.token, order, after, running)
-            ran += under
-            picks.append(pick)
-            if not pick.unfitted:
-                break
-            assert pick.token is not None
-            queue.insert(0, pick.token)  # the nearest under that next token is the next try
-        token = (picks[0] if picks[-1].unfitted else picks[-1]).token
-        assert token is not None
-        return token, ran, not picks[-1].unfitted
-
-    def _under(
-        self, prefix_ids: list[int], following: int, order: torch.Tensor, after: torch.Tensor, running: Running | None
-    ) -> tuple[acceptor.Decision, int]:
-        """The acceptor's choice of the token at ``t = len(prefix_ids)`` by the next row, the next token being
-        ``following``: tokens in ``order``, then by a ridge fit of the next row on their input vectors, a batch of
-        two-token continuations of the prefix at a time (:meth:`LayerProbe.chains`; batches as :meth:`_sizes`); and
-        the tokens tried."""
-        t, probe = len(prefix_ids), self.model.probe
-        radii = self.radii(after, t + 1)
-        prefix = self._prefix(prefix_ids, running)()
-        done = torch.zeros(len(order), dtype=torch.bool)
-        seen = Verified(after)
-        for size in self._sizes():
-            batch = order[~done[order]][:size]
-            done[batch] = True
-            pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
-            rows = self.rows_of(probe.chains(prefix, pairs)[0][:, 1], t + 1)
-            ids, rows, dists = seen.add(batch, rows)
-            spent = bool(done.all())
-            evidence = Evidence(
-                ids, dists, rows, after, seen.measured, radii.cached, False,
-                exhausted=spent, swept=spent, checked=len(ids), twins=self.twins,
-            )  # fmt: skip
-            decision = acceptor.decide(evidence, radii)
-            if decision.final:
-                return decision, len(ids)
-            order = self.ridge.order(ids, rows, after) if len(ids) >= BATCH else order
-        raise AssertionError("unreachable: the batches never end")
 
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
         """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
@@ -280,8 +224,8 @@ class RowSearch:
         whether the next row fitted under the token (True where it was not tried)."""
         predicted = self._prediction(prefix, running)
         if after is not None and not torch.isnan(after).any() and self.lookahead and not broken:
-            token, ran, fit = self._by_next(prefix, predicted, after, reading, running)
-            return acceptor.chosen_by_next(token), ran, fit
+            looked = self.ahead.by_next(prefix, predicted, after, reading, running)
+            return acceptor.chosen_by_next(looked.token), looked.ran, looked.fit
         guess = predicted[:1]
         empty = torch.empty(0)
         evidence = Evidence(guess, torch.full((1,), math.inf), empty, empty, {}, 0.0, False, exhausted=True)
@@ -322,18 +266,21 @@ class RowSearch:
             fresh = self._verify(prefix_ids, batch, prefix, ran)
             return batch, fresh, fresh
         t = len(prefix_ids)
-        near, every = self.screen.split(batch, tried, prefix(), lambda states: self.rows_of(states, t), target, out)
+        near, every = self.screen.split(
+            batch, tried, prefix(), lambda states: self.rows_of(states, t), target, out, self.source.distances
+        )
         every[near] = fresh = self._verify(prefix_ids, batch[near], prefix, ran) if near.any() else every[:0]
         return batch[near], fresh, every
 
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
         running: Running | None = None, budget: int | None = None, secant: Secant | None = None,
+        lead: int | None = None,
     ) -> tuple[acceptor.Decision, int, Measure]:  # fmt: skip
         """The decision at position ``t`` after ``prefix_ids`` (``running``: the search's recovered prefix, whose
         caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many; ``secant``:
-        the prompt's secant model, which learns from this position), the candidates verified, the chosen token's
-        :class:`.verified.Measure`."""
+        the prompt's secant model, which learns from this position; ``lead``: a token verified first, before the
+        rankers' order), the candidates verified, the chosen token's :class:`.verified.Measure`."""
         probe = self.model.probe
         radii = self.radii(target, t)
         vocab = probe.vocab_size
@@ -341,14 +288,16 @@ class RowSearch:
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
         ran = running.candidates if running is not None and running.holds(prefix_ids) else None
         order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
+        if lead is not None:
+            order = torch.cat([torch.tensor([lead]), order[order != lead]])
         base = order
         done = torch.zeros(vocab, dtype=torch.bool)
-        seen = Verified(target)
+        seen = Verified(target, self.source.distances)
         learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
         if learning is not None:
             learning.begin(t, target)
         out = None if self.screen is None or t == 0 else self.screen.screened(target, radii.plain)
-        pool = seen if out is None else Verified(target)  # the rankers' rows: screened ones too
+        pool = seen if out is None else Verified(target, self.source.distances)  # the rankers' rows: screened ones too
         reranked = 0  # candidates checked when the order was last made
         for n, size in enumerate([vocab] if t == 0 else self._sizes()):
             if out is not None and out.count and bool(done.all()):  # every token ran: the screened-out in full now
@@ -368,7 +317,7 @@ class RowSearch:
             evidence = Evidence(
                 ids, dists, rows, target, seen.measured, radii.cached, False,
                 exhausted=spent or (budget is not None and checked >= budget), swept=spent, checked=checked,
-                fitted=fitted, twins=self.twins,
+                fitted=fitted, twins=self.twins, boxed=self.boxed,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.unfitted and out is not None:  # nothing fits: the screened-out that may be nearer, in full

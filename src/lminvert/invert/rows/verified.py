@@ -4,17 +4,26 @@ was (:func:`measure`: its distance, the nearest other's, half the gap between th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+Distances = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n, k], target [k]) -> [n] float64
+
+
+def euclidean(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """L2 distances of ``rows`` ``[n, k]`` to ``target`` ``[k]`` (float64)."""
+    return (rows.double() - target.double()).norm(dim=-1)
+
 
 class Verified:
-    """The candidates verified at one position so far: ids, rows, distances to ``target`` (every one measured with the
-    rounding inside the radii, also by id in ``measured``)."""
+    """The candidates verified at one position so far: ids, rows, distances to ``target`` (by ``distances``: the error
+    model's, :meth:`lminvert.invert.sources.ErrorModel.distances`; every one measured with the rounding inside the
+    radii, also by id in ``measured``)."""
 
-    def __init__(self, target: torch.Tensor) -> None:
-        self.target = target.double()
+    def __init__(self, target: torch.Tensor, distances: Distances = euclidean) -> None:
+        self.target, self.distances = target.double(), distances
         self.ids: list[torch.Tensor] = []
         self.rows: list[torch.Tensor] = []
         self.dists: list[torch.Tensor] = []
@@ -22,7 +31,7 @@ class Verified:
 
     def add(self, batch: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add a batch's rows; every candidate verified so far: ``(ids, rows, distances)``."""
-        dists = (rows.double() - self.target).norm(dim=1)
+        dists = self.distances(rows, self.target)
         self.measured.update(zip(batch.tolist(), dists.tolist(), strict=True))
         self.ids.append(batch)
         self.rows.append(rows)
