@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -25,9 +25,6 @@ from ..acceptor import Decision, Evidence, NextRow
 from ..tolerance import calibration_prompts
 from .running import Running
 from .verified import Verified
-
-if TYPE_CHECKING:
-    from .search import RowSearch
 
 LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
 # position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
@@ -54,12 +51,13 @@ class Looked:
 
 
 class Lookahead:
-    """The choices of one :class:`.search.RowSearch` by the next row (see the module docstring); ``capture``: the
-    view's own rows of a prompt, for measuring the rule on calibration prompts (None: not measured, and a choice at
-    position 0 stays a guess); ``kept``: where the measurement is kept (``(build) -> tensor``: the tables' cache)."""
+    """The choices of one :class:`.search.RowSearch` (``search``; not imported here: it holds this) by the next row
+    (see the module docstring); ``capture``: the view's own rows of a prompt, for measuring the rule on calibration
+    prompts (None: not measured, and a choice at position 0 stays a guess); ``kept``: where the measurement is kept
+    (``(build) -> tensor``: the tables' cache)."""
 
     def __init__(
-        self, search: RowSearch, capture: Callable[[list[int]], torch.Tensor] | None = None,
+        self, search: Any, capture: Callable[[list[int]], torch.Tensor] | None = None,
         kept: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         self.search, self.capture, self.kept = search, capture, kept

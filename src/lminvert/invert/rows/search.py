@@ -12,10 +12,12 @@ first 256, then 256 at a time. Later batches merge that order with the engine's 
 (:class:`.rankers.Secant`) and, from 256 verified, a ridge fit on this position's closest candidates
 (:class:`.rankers.Ridge`), the order remade as the position's candidates double. Where several first tokens fit
 position 0's row (an attention sink's norm lets noise cover the gaps between them) or none does, the next row chooses
-among the nearest (``lookahead``), as a guess; a missing row's token is chosen by the next row the same way, the
-prediction first (a guess: uncertain, and so is everything after it). The recovered prefix's cache grows a token at a
-time, from the chosen candidate's forward where it can (:class:`.running.Running`); later batches of 64 or more may be
-screened with bfloat16 GEMMs first (:mod:`.screen`).
+among the nearest (``lookahead``, :mod:`.lookahead`: ``confident`` where the next row fits under one first token alone,
+else a guess), and position 1 verifies the next token it was chosen under first; a missing row's token is chosen by the
+next row the same way, the prediction first (a guess: uncertain, and so is everything after it). Distances are the
+error model's (:meth:`lminvert.invert.sources.ErrorModel.distances`: L2, or L2 beyond a quantisation's box). The
+recovered prefix's cache grows a token at a time, from the chosen candidate's forward where it can
+(:class:`.running.Running`); later batches of 64 or more may be screened with bfloat16 GEMMs first (:mod:`.screen`).
 
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
 prefix, so another defence's search verifies a candidate one of them already ran without a forward.
@@ -176,6 +178,14 @@ class RowSearch:
             logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
         return logits.float().cpu().argsort(descending=True)
 
+    def _order(
+        self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, lead: int | None
+    ) -> torch.Tensor:
+        """Every token, in the order a position's candidates are verified: position 0's table by id, later ones
+        the rankers' (:meth:`_ranked`); ``lead`` first where given."""
+        order = torch.arange(self.model.probe.vocab_size) if not prefix else self._ranked(prefix, reading, running)
+        return order if lead is None else torch.cat([torch.tensor([lead]), order[order != lead]])
+
     def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
         """Every token, alternately from the row's reading and the model's prediction (the prediction alone without a
         reading)."""
@@ -287,10 +297,7 @@ class RowSearch:
         prefix = self._prefix(prefix_ids, running)
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
         ran = running.candidates if running is not None and running.holds(prefix_ids) else None
-        order = torch.arange(vocab) if t == 0 else self._ranked(prefix_ids, reading, running)
-        if lead is not None:
-            order = torch.cat([torch.tensor([lead]), order[order != lead]])
-        base = order
+        base = order = self._order(prefix_ids, reading, running, lead)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = Verified(target, self.source.distances)
         learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
