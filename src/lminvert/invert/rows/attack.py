@@ -151,7 +151,7 @@ class Attack:
         self.screen = self.model.probe.can_screen if screen is None else screen
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._calibration: Calibration | None = None
-        self._measured: dict[bool, Measured] = {}
+        self._measured: dict[tuple[bool, bool], Measured] = {}
         self._table: torch.Tensor | None = None
         self._sorted: torch.Tensor | None = None  # the table's rows sorted (for a secret permutation)
 
@@ -189,7 +189,7 @@ class Attack:
     def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort) -> Recovered:
         """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`, with the radii of
         the rows themselves (sorting within groups moves no row further from another, and keeps each row's norm)."""
-        return self._rows([tied(rows)], replace(shipped, public=tied), self._measure(None))[0]
+        return self._rows([tied(rows)], replace(shipped, public=tied), self._measure(None, False))[0]
 
     def _rows(self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None) -> list[Recovered]:
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
@@ -199,7 +199,7 @@ class Attack:
         source = Float() if source is None else source if isinstance(source, ErrorModel) else parse_source(source)
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
-        measured = measured or self._measure(public)
+        measured = measured or self._measure(public, source.boxed)
         reading = None
         if self.reading and self.leak.name == "states" and public is None:
             reading = StateReading(self.model, layer, self.model.probe.vocab_size)
@@ -241,10 +241,12 @@ class Attack:
             self._calibration = Calibration(self.model, leak.states_layer, leak.rows_of, leak.capture, leak.name)
         return self._calibration
 
-    def _measure(self, public) -> Measured:
-        key = public is not None
+    def _measure(self, public, layouts: bool) -> Measured:
+        """The radii's measurement through ``public``; ``layouts``: with other layouts' disagreement (a boxed error
+        model's only slack is where the rows were computed: :meth:`.calibration.Calibration.measured`)."""
+        key = (public is not None, layouts)
         if key not in self._measured:
-            self._measured[key] = self.calibration.measured(public)
+            self._measured[key] = self.calibration.measured(public, layouts)
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:

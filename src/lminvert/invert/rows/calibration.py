@@ -30,7 +30,7 @@ class Measured:
     """Relative disagreements in the rows' space (see the module docstring)."""
 
     rounding: float  # cached forward vs plain forward
-    # the deployment's rows vs the plain forward's, at position 0 (a named view's: and the rows that other layouts'
+    # the deployment's rows vs the plain forward's, at position 0 (with ``layouts``: and the rows that other layouts'
     # states give, :func:`lminvert.invert.tolerance.foreign_calibration` through the view)
     first: float
     rest: float  # the same at later positions
@@ -73,8 +73,9 @@ class Calibration:
         probe = self.model.probe
         return [probe.states(torch.tensor(ids), [self.layer])[self.layer][0].cpu() for ids in self.prompts]
 
-    def measured(self, public: Map | None = None) -> Measured:
-        """The rounding and the deployment's disagreement, read through ``public`` (None: the rows themselves)."""
+    def measured(self, public: Map | None = None, layouts: bool = False) -> Measured:
+        """The rounding and the deployment's disagreement, read through ``public`` (None: the rows themselves);
+        ``layouts``: and other layouts' (padded batches, one thread, eager attention: a named view's rows only)."""
         if self._cached is None:
             self._cached = self._kept(KIND, self._run)
         if self._observed is None:
@@ -84,7 +85,7 @@ class Calibration:
         rounding = max(_relative(rows(a, t), rows(b, t)) for t, a, b in self._cached)
         first = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t == 0)
         rest = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t > 0)
-        if public is None and self.name is not None:  # and as other layouts compute the states (padded batches, ...)
+        if layouts and public is None and self.name is not None:
             elsewhere = foreign_calibration(self.model, self.layer, self.rows_of, self.name)
             first, rest = max(first, elsewhere[0]), max(rest, elsewhere[1])
         return Measured(rounding, first, rest)
