@@ -241,7 +241,7 @@ class Attack:
             self._calibration = Calibration(self.model, leak.states_layer, leak.rows_of, leak.capture, leak.name)
         return self._calibration
 
-    def _measure(self, public, layouts: bool) -> Measured:
+    def _measure(self, public, layouts: bool = False) -> Measured:
         """The radii's measurement through ``public``; ``layouts``: with other layouts' disagreement (a boxed error
         model's only slack is where the rows were computed: :meth:`.calibration.Calibration.measured`)."""
         key = (public is not None, layouts)
