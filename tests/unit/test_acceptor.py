@@ -176,18 +176,27 @@ def test_sources_parse_and_refuse_in_one_line():
         assert "\n" not in str(err.value)
 
 
+QUANTISED = {  # a random state of some scale, and a quantisation
+    "seed": st.integers(0, 2**31 - 1),
+    "kind": st.sampled_from(["int8", "int4", "bf16", "fp8"]),
+    "scale": st.floats(min_value=1e-3, max_value=1e4),
+}
+
+
+def _with_outlier(seed: int, shape: tuple[int, ...], scale: float, dtype=torch.float32) -> torch.Tensor:
+    """Gaussian states of ``scale`` whose last dimension has one outlier coordinate, as attention sinks have."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(shape, generator=gen, dtype=dtype) * scale
+    h[..., int(torch.randint(0, shape[-1], (1,), generator=gen))] *= 30
+    return h
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    kind=st.sampled_from(["int8", "int4", "bf16", "fp8"]),
-    scale=st.floats(min_value=1e-3, max_value=1e4),
-)
+@given(**QUANTISED)
 def test_quantisation_bounds_hold_on_random_states(seed, kind, scale):
     """Each quantisation's declared bound covers what it does to a state (computed from the quantised state, as an
     attacker holds it)."""
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(64, generator=gen, dtype=torch.float64) * scale
-    h[int(torch.randint(0, 64, (1,), generator=gen))] *= 30  # an outlier coordinate, as attention sinks have
+    h = _with_outlier(seed, (64,), scale, torch.float64)
     if kind == "bf16":
         q = h.to(torch.bfloat16).double()
     elif kind == "fp8":  # per token, scaled so that its absmax maps to e4m3's largest value
@@ -202,17 +211,11 @@ def test_quantisation_bounds_hold_on_random_states(seed, kind, scale):
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    kind=st.sampled_from(["int8", "int4", "bf16", "fp8"]),
-    scale=st.floats(min_value=1e-3, max_value=1e4),
-)
+@given(**QUANTISED)
 def test_a_quantised_row_keeps_its_true_row_inside_the_box_and_distances_are_lipschitz(seed, kind, scale):
     """The true row lies inside the box around its quantised row (to float32's rounding of the quantisation itself),
     and the box distance moves no more than the row does (what lets rounding radii add to it)."""
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(3, 64, generator=gen) * scale
-    h[:, int(torch.randint(0, 64, (1,), generator=gen))] *= 30
+    h = _with_outlier(seed, (3, 64), scale)
     quant = Quant(kind=kind)
     q = quant.quantise(h[:1])[0]
     assert float(quant.distances(h[:1], q)[0]) <= 4 * FLOOR * float(q.norm())

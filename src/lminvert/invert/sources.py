@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import LminvertError
-from .tolerance import FLOOR, SAFETY, noise_tolerance, norm
+from .tolerance import FLOOR, SAFETY, add_noise, noise_tolerance, norm
 
 # mantissa bits of the float formats ``quant:`` names: a rounded coordinate is within 2^-(bits+1) of its value
 MANTISSA = {"bf16": 7, "fp8": 3}
@@ -67,7 +67,7 @@ class ErrorModel:
         prompts: relative Gaussian noise at the measured disagreement where the states were computed (``first`` at
         position 0, ``rest`` later; nothing for ``exact``)."""
         rel = torch.tensor([self.first] + [self.rest] * (len(rows) - 1), dtype=torch.float64)[:, None]
-        return _perturbed(rows, rel, generator)
+        return add_noise(rows.float(), rel, generator)
 
     @property
     def boxed(self) -> bool:
@@ -126,7 +126,7 @@ class Noise(ErrorModel):
         return f"noise:{self.sigma:g}"
 
     def simulate(self, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return _perturbed(super().simulate(rows, generator), torch.tensor(self.sigma), generator)
+        return add_noise(super().simulate(rows, generator), self.sigma, generator)
 
 
 @dataclass(frozen=True)
@@ -212,13 +212,6 @@ class Quant(ErrorModel):
         quantised = (self.quantise(table).double() - row.double()).norm(dim=1)
         order = quantised.argsort(stable=True)
         return order[inside[order].argsort(stable=True)]
-
-
-def _perturbed(rows: torch.Tensor, relative: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``rows + relative * ||row|| * g / sqrt(k)`` per row, ``g`` standard Gaussian (float32)."""
-    x = rows.double()
-    g = torch.randn(x.shape, generator=generator, dtype=torch.float64)
-    return (x + relative * x.norm(dim=-1, keepdim=True) * g / math.sqrt(x.shape[-1])).float()
 
 
 SOURCES = ("exact", "float", "noise:SIGMA", "quant:int8|int4|bf16|fp8")

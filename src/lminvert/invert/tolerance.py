@@ -265,9 +265,10 @@ def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
     return float(sigma * norm(target) * (1.0 + 4.0 / math.sqrt(2.0 * d)))
 
 
-def add_noise(states: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
-    """``states + sigma * ||h_t|| * g_t / sqrt(d)`` per position (relative Gaussian noise)."""
-    if sigma <= 0:
+def add_noise(states: torch.Tensor, sigma: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``states + sigma * ||h_t|| * g_t / sqrt(d)`` per position (relative Gaussian noise); ``sigma`` a level, or one
+    per position (``[T, 1]``: noise drawn for every position, even at level 0)."""
+    if not isinstance(sigma, torch.Tensor) and sigma <= 0:
         return states
     g = torch.randn(states.shape, generator=generator, dtype=torch.float64)
     scale = sigma * states.double().norm(dim=-1, keepdim=True) / math.sqrt(states.shape[-1])
@@ -331,7 +332,7 @@ def foreign_calibration(
         first, rest = 0.0, 0.0
         for layout in _layouts(model, layer, prompts):
             for ref, got in zip(reference, layout, strict=True):
-                h, got = ref[: len(got)], got
+                h = ref[: len(got)]
                 if rows_of is not None:
                     h = torch.cat([rows_of(h[t : t + 1], t) for t in range(len(h))])
                     got = torch.cat([rows_of(got[t : t + 1], t) for t in range(len(got))])

@@ -64,14 +64,15 @@ class Lookahead:
         self._calibration: tuple[int, int] | None = None
 
     def first(
-        self, row: torch.Tensor, after: torch.Tensor, reading, measuring: bool = False
+        self, row: torch.Tensor, dists: torch.Tensor, after: torch.Tensor, reading, measuring: bool = False
     ) -> tuple[Decision, int, int | None]:
-        """Position 0's token chosen by the next row ``after`` (``reading``: what it reads as), with the acceptor's
-        verdict on the evidence; the candidates this ran; and the next token it was chosen under (None: none), which
-        the next position verifies first. ``measuring``: the rule's own verdict, for :meth:`calibration`."""
+        """Position 0's token chosen by the next row ``after`` (``reading``: what it reads as; ``dists``: the error
+        model's distances of position 0's table to ``row``), with the acceptor's verdict on the evidence; the
+        candidates this ran; and the next token it was chosen under (None: none), which the next position verifies
+        first. ``measuring``: the rule's own verdict, for :meth:`calibration`."""
         search = self.search
         order = search.source.order(search.table, row)
-        inside = int((search.source.distances(search.table, row) <= search.radii(row, 0).cached).sum())
+        inside = int((dists <= search.radii(row, 0).cached).sum())
         looked = self.by_next([], order, after, reading)
         ran, evidence = looked.ran, None
         if looked.choice is not None and looked.choice.verdict != acceptor.UNCERTAIN and inside <= COVER:
@@ -127,7 +128,8 @@ class Lookahead:
             if not own.guess:
                 continue
             reads = search.reading.orders(rows) if search.reading is not None else [None, None]
-            decision, _, _ = self.first(rows[0], rows[1], reads[1], measuring=True)
+            dists = search.source.distances(search.table, rows[0])
+            decision, _, _ = self.first(rows[0], dists, rows[1], reads[1], measuring=True)
             if decision.verdict != acceptor.UNCERTAIN:
                 claims += 1
                 wrong += decision.token != ids[0]
@@ -196,7 +198,7 @@ class Lookahead:
             spent = bool(done.all())
             evidence = Evidence(
                 ids, dists, rows, after, seen.measured, radii.cached, False,
-                exhausted=spent, swept=spent, checked=len(ids), twins=search.twins, boxed=search.boxed,
+                exhausted=spent, swept=spent, checked=len(ids), twins=search.twins, boxed=search.source.boxed,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.final:

@@ -27,7 +27,7 @@ from ...models import LayerProbe, LoadedModel, Prefix
 from ..acceptor import SLACK
 from ..tolerance import FLOOR, SAFETY, norm
 from ..verification import SCREEN_FROM
-from .verified import Distances, euclidean
+from .verified import Distances
 
 
 class Screen:
@@ -59,8 +59,7 @@ class Screen:
 
     def split(
         self, batch: torch.Tensor, tried: torch.Tensor, prefix: Prefix,
-        rows_of: Callable[[torch.Tensor], torch.Tensor], target: torch.Tensor, out: Screened,
-        distances: Distances = euclidean,
+        rows_of: Callable[[torch.Tensor], torch.Tensor], target: torch.Tensor, out: Screened, distances: Distances,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Screen candidates ``batch[tried]`` over ``prefix`` (``rows_of``: their states -> rows): those whose screened
         row lies beyond ``out.radius`` of ``target`` (by ``distances``, 1-Lipschitz in the row as the error model's

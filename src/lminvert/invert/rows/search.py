@@ -98,7 +98,6 @@ class RowSearch:
         self.first = first
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
-        self.boxed = self.source.boxed
         probe = model.probe
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
@@ -144,9 +143,9 @@ class RowSearch:
                 )
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
-                decision, looked, lead = self.ahead.first(row, after, following)
-                count += looked
                 dists = self.source.distances(self.table, row)
+                decision, looked, lead = self.ahead.first(row, dists, after, following)
+                count += looked
                 chosen = measure(torch.arange(len(dists)), self.table, dists, decision.token)
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
@@ -324,7 +323,7 @@ class RowSearch:
             evidence = Evidence(
                 ids, dists, rows, target, seen.measured, radii.cached, False,
                 exhausted=spent or (budget is not None and checked >= budget), swept=spent, checked=checked,
-                fitted=fitted, twins=self.twins, boxed=self.boxed,
+                fitted=fitted, twins=self.twins, boxed=self.source.boxed,
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.unfitted and out is not None:  # nothing fits: the screened-out that may be nearer, in full

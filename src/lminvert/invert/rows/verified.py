@@ -12,17 +12,12 @@ import torch
 Distances = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n, k], target [k]) -> [n] float64
 
 
-def euclidean(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """L2 distances of ``rows`` ``[n, k]`` to ``target`` ``[k]`` (float64)."""
-    return (rows.double() - target.double()).norm(dim=-1)
-
-
 class Verified:
     """The candidates verified at one position so far: ids, rows, distances to ``target`` (by ``distances``: the error
     model's, :meth:`lminvert.invert.sources.ErrorModel.distances`; every one measured with the rounding inside the
     radii, also by id in ``measured``)."""
 
-    def __init__(self, target: torch.Tensor, distances: Distances = euclidean) -> None:
+    def __init__(self, target: torch.Tensor, distances: Distances) -> None:
         self.target, self.distances = target.double(), distances
         self.ids: list[torch.Tensor] = []
         self.rows: list[torch.Tensor] = []
