@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import lminvert
 from lminvert.errors import LminvertError
 from lminvert.forward import encode
-from lminvert.invert import invert
+from lminvert.invert import Leak, Run, Search, grouped, invert
 
 from ..conftest import TINY
 
@@ -101,6 +101,34 @@ def test_bad_arguments():
         invert(model, torch.zeros(3, 32), layer=1)
 
 
+def test_options_in_groups_or_by_name_are_the_same_call():
+    """:func:`invert`'s options: a group given whole and its fields given by name make the same groups; an unknown
+    option, one given both ways, a bad value in a group, and an engine option asked of a rows leak are one-line errors
+    raised before any work."""
+    by_name = grouped(None, None, None, max_seconds=5.0, together=2, source="float", policy="random")
+    whole = grouped(Leak(source="float"), Search(max_seconds=5.0, policy="random"), Run(together=2))
+    assert by_name == whole
+    assert grouped("kv") == (Leak(kind="kv"), Search(), Run())
+    for call, needle in [
+        (lambda: grouped(max_secs=5), "no option 'max_secs'"),
+        (lambda: grouped(search=Search(), max_seconds=5), "both by name and in search="),
+        (lambda: Search(max_candidates=0), "max_candidates"),
+        (lambda: Run(together=0), "together"),
+        (lambda: Leak(kind="logits"), "unknown leak"),
+        (lambda: grouped("kv", method="bruteforce", max_seconds=1.0), "takes no --method, --max-seconds"),
+    ]:
+        with pytest.raises(LminvertError, match=needle) as caught:
+            call()
+        assert "\n" not in str(caught.value)
+    model = lminvert.load_model("tiny-llama")
+    states = encode(model, [[5, 6, 7]], 1)
+    (grouped_call,) = invert(model, states, search=Search(first_table=False), run=Run(together=1))
+    (named_call,) = invert(model, states, first_table=False, together=1)
+    assert grouped_call.token_ids == named_call.token_ids == [5, 6, 7]
+    with pytest.raises(LminvertError, match="no option"):
+        invert(model, states, maxseconds=3)
+
+
 def test_cli_json_schema(cli, tmp):
     path = tmp / "s.safetensors"
     enc = cli(
@@ -164,7 +192,7 @@ def test_cli_errors(cli, tmp, make, extra, needle):
     ],
 )
 def test_cli_refuses_bad_options_before_loading_the_model(cli, tmp, monkeypatch, extra, needle):
-    """The command's option checks are the library's (:func:`lminvert.invert.check_options`), run before any model
+    """The command's option checks are the library's (:func:`lminvert.invert.grouped`), run before any model
     is loaded: a load here would fail the test."""
     import numpy as np
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
-from ..invert import METHODS, POLICIES, check_leak, check_options, invert
+from ..invert import METHODS, POLICIES, Leak, Run, Search, grouped, invert
 from ..invert.views import VIEWS
 from ..kv_captures import is_kv_file, read_kv
 from ..paths import atomic_file, check_output_file
@@ -43,60 +43,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         model_help="model (default: the one recorded in the file)",
         dtype_help="precision (default: the one recorded in the file, else float32); must match the file's",
     )
-    _add_leak_args(parser)
-    parser.add_argument(
-        "--method",
-        default="sipit",
-        choices=METHODS,
-        help="sipit: policy-guided; bruteforce: verify the whole vocabulary (slow oracle)",
-    )
-    parser.add_argument("--policy", default="linear", choices=list(POLICIES), help="candidate order for sipit")
-    parser.add_argument(
-        "--source",
-        default=None,
-        help="where the states come from, as an error model: exact (lminvert encode), float (computed elsewhere in "
-        "the same dtype: padded batches, other kernels or libraries), noise:SIGMA, quant:int8|int4|bf16|fp8 "
-        "(default: exact for a states file from encode, float for a bare array)",
-    )
-    parser.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
-    parser.add_argument("--max-candidates", type=int, default=None, help="budget per position (default |V|)")
-    parser.add_argument(
-        "--max-seconds",
-        type=float,
-        default=None,
-        help="bound the search: after this many seconds each position stops after its first batch and keeps the "
-        "closest candidate verified, with the acceptor's verdict on that evidence (default: no bound)",
-    )
-    parser.add_argument(
+    _add_leak_args(parser.add_argument_group("the leak (invert(..., leak=Leak(...)))"))
+    _add_search_args(parser.add_argument_group("the search (invert(..., search=Search(...)))"))
+    runs = parser.add_argument_group("where it runs (invert(..., run=Run(...)))")
+    runs.add_argument(
         "--together",
         type=int,
         default=32,
         help="prompts inverted at once: their candidates share one forward per step (1: one at a time)",
     )
-    parser.add_argument(
-        "--tolerance-scale",
-        type=float,
-        default=1.0,
-        help="multiply the measured acceptance radii (e.g. 4 for states computed on other hardware)",
-    )
-    _add_search_args(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders")
-    add_ray_arg(parser)
+    add_ray_arg(runs)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     parser.set_defaults(func=run)
 
 
-def _add_leak_args(parser: argparse.ArgumentParser) -> None:
-    """Where the rows come from: the layer (a KV cache's block), what the file holds, whose numbering --layer uses,
-    and whether the layer is checked against the states."""
-    parser.add_argument(
+def _add_leak_args(group: argparse._ArgumentGroup) -> None:
+    """What the file holds (:class:`lminvert.invert.Leak`): the layer (a KV cache's block) and whose numbering it is,
+    the kind of leak, the states' error model, noise added here, and whether the layer is checked against the
+    states."""
+    group.add_argument(
         "--layer",
         default=None,
         help="layer (default: the one recorded in the file, else found from the states); lminvert's numbering: "
         "see --source-library",
     )
-    parser.add_argument(
+    group.add_argument(
         "--leak",
         default=None,
         choices=list(VIEWS),
@@ -104,7 +76,7 @@ def _add_leak_args(parser: argparse.ArgumentParser) -> None:
         "transformers saves it: --layer is the block, 1..L, transformers' cache.layers[B-1]), last (the last "
         "position's state: a guess of the last token); default: kv for a file that holds keys and values, else states",
     )
-    parser.add_argument(
+    group.add_argument(
         "--source-library",
         default="lminvert",
         choices=LIBRARIES,
@@ -112,7 +84,15 @@ def _add_leak_args(parser: argparse.ArgumentParser) -> None:
         "nnsight (model.model.layers[i]), tl (blocks.i.hook_resid_post), vllm (eagle_aux_hidden_state_layer_ids), "
         "lminvert (block outputs 0..L, final)",
     )
-    parser.add_argument(
+    group.add_argument(
+        "--source",
+        default=None,
+        help="where the states come from, as an error model: exact (lminvert encode), float (computed elsewhere in "
+        "the same dtype: padded batches, other kernels or libraries), noise:SIGMA, quant:int8|int4|bf16|fp8 "
+        "(default: exact for a states file from encode, float for a bare array)",
+    )
+    group.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
+    group.add_argument(
         "--check",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -121,9 +101,31 @@ def _add_leak_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_search_args(parser: argparse.ArgumentParser) -> None:
-    """Options that change how far the search goes, never what it accepts."""
-    parser.add_argument(
+def _add_search_args(group: argparse._ArgumentGroup) -> None:
+    """How to search (:class:`lminvert.invert.Search`): options that change how far the search goes, never what it
+    accepts."""
+    group.add_argument(
+        "--method",
+        default="sipit",
+        choices=METHODS,
+        help="sipit: policy-guided; bruteforce: verify the whole vocabulary (slow oracle)",
+    )
+    group.add_argument("--policy", default="linear", choices=list(POLICIES), help="candidate order for sipit")
+    group.add_argument("--max-candidates", type=int, default=None, help="budget per position (default |V|)")
+    group.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="bound the search: after this many seconds each position stops after its first batch and keeps the "
+        "closest candidate verified, with the acceptor's verdict on that evidence (default: no bound)",
+    )
+    group.add_argument(
+        "--tolerance-scale",
+        type=float,
+        default=1.0,
+        help="multiply the measured acceptance radii (e.g. 4 for states computed on other hardware)",
+    )
+    group.add_argument(
         "--certify",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -131,7 +133,7 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
         "cost; default: only for a model whose computation is edited by forward hooks, where injectivity cannot "
         "be assumed)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--screen",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -139,39 +141,35 @@ def _add_search_args(parser: argparse.ArgumentParser) -> None:
         "candidates near the observed state (speed only, never the answer; default: on a CPU with native bfloat16 "
         "GEMMs)",
     )
+    group.add_argument(
+        "--speculate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="verify the next positions' first guesses in the same forward as a position's candidates (speed only)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders and of --noise")
+
+
+def options_from_args(args: argparse.Namespace, kind: str) -> tuple[Leak, Search, Run]:
+    """The three option groups of :func:`lminvert.invert` as the command's options give them, checked (one-line
+    errors before anything is loaded)."""
+    return grouped(
+        Leak(kind=kind, source=args.source, noise=args.noise, check=args.check),
+        Search(
+            method=args.method, policy=args.policy, max_candidates=args.max_candidates, max_seconds=args.max_seconds,
+            tolerance_scale=args.tolerance_scale, certify=args.certify, screen=args.screen, speculate=args.speculate,
+            seed=args.seed,
+        ),
+        Run(together=args.together, executor=executor_from_args(args), progress=not args.json),
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    leak = args.leak or ("kv" if is_kv_file(args.states) else "states")
-    check_options(
-        args.method, args.policy, args.noise, args.max_seconds, args.together, None, args.tolerance_scale,
-        args.max_candidates, args.source,
-    )  # fmt: skip
-    check_leak(leak, args.method, args.policy, args.noise, args.max_seconds, args.max_candidates, args.certify,
-               executor_from_args(args), args.tolerance_scale)  # fmt: skip
+    leak, search, runs = options_from_args(args, args.leak or ("kv" if is_kv_file(args.states) else "states"))
     if args.out:
         check_output_file(args.out)
-    model, name, states, layer = _read(args, leak)
-    results = invert(
-        model,
-        states,
-        layer,
-        method=args.method,
-        policy=args.policy,
-        noise=args.noise,
-        seed=args.seed,
-        max_candidates=args.max_candidates,
-        max_seconds=args.max_seconds,
-        together=args.together,
-        tolerance_scale=args.tolerance_scale,
-        certify=args.certify,
-        screen=args.screen,
-        source=args.source,
-        check=args.check,
-        leak=leak,
-        progress=not args.json,
-        executor=executor_from_args(args),
-    )
+    model, name, states, layer = _read(args, leak.kind)
+    results = invert(model, states, layer, leak=leak, search=search, run=runs)
     # per-token text and tolerances make the JSON self-describing for `lminvert report`; the run's versions, machine
     # (CPU features, threads) and the model's numeric path, so the result can be reproduced
     run = run_metadata(model.describe(), args.seed)

@@ -23,13 +23,12 @@ from ..states import HiddenStates
 from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .layerfit import resolve_layer
-from .leaks import DEFENDED, check_leak, invert_leak, kv_states, view_layer
+from .leaks import DEFENDED, invert_leak, kv_states, view_layer
+from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
 from .sources import SOURCES, ErrorModel, Exact, Float, Noise, parse_source
 from .tolerance import add_noise
-
-METHODS = ("sipit", "bruteforce")
 
 log = logging.getLogger(__name__)
 
@@ -39,108 +38,77 @@ def invert(
     states: HiddenStates | torch.Tensor | KVCapture,
     layer: LayerSpec | None = None,
     *,
-    method: str = "sipit",
-    policy: str = "linear",
-    noise: float = 0.0,
-    seed: int = 0,
-    max_candidates: int | None = None,
-    max_seconds: float | None = None,
-    first_table: bool = True,
-    together: int = 32,
-    tolerance_scale: float = 1.0,
-    certify: bool | None = None,
-    progress: bool = False,
-    executor: str | Executor | None = None,
-    batch_scale: int | None = None,
-    speculate: bool = True,
-    screen: bool | None = None,
-    source: str | ErrorModel | None = None,
-    check: bool = True,
-    leak: str = "states",
+    leak: Leak | str | None = None,
+    search: Search | None = None,
+    run: Run | None = None,
+    **options: Any,
 ) -> list[InversionResult]:
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
 
     ``model`` comes from :func:`lminvert.load_model`, in the dtype the states were computed in (checked against
-    the file); everything runs on the model's device. ``layer`` defaults to what the states file says (and must
-    agree with it). Up to ``together`` prompts are inverted together: their candidates share one batched forward per
-    verification step (``together=1``: one prompt at a time; the recovered ids are the same). ``noise`` adds
-    relative Gaussian noise of that level to the states first (for robustness studies) and widens the acceptance
-    tolerance to match; ``tolerance_scale`` multiplies the measured acceptance radii (e.g. for states computed on
-    other hardware, whose rounding the calibration on this one did not see). ``executor`` runs the chunks of
-    ``together`` prompts (default: in this process; ``"ray"``, ``"ray:auto"``: on Ray workers, each loading the
-    model once; see :func:`lminvert.executors.get_executor`). ``batch_scale``: candidate batches this many times
-    a CPU's (default by device and by how many prompts are inverted together: 16 on CUDA for one prompt, where a
-    verification forward costs about the same for 1 or 1,024 candidates; see
-    :func:`lminvert.invert.context.batch_scale`); it changes speed only, never the answer. ``speculate``: verify the
-    next positions' first guesses in the same forward as a position's first candidates
-    (:mod:`lminvert.invert.speculation`; never for a half-precision model on a GPU, whose kernels round chains unlike
-    the observer's forward); speed only, never the answer. ``screen``: a float32 model's large candidate
-    batches first run with bfloat16 GEMMs and only the candidates near the target are verified in float32, the rest
-    before a position would be given up (:mod:`lminvert.invert.engine`); speed only, never the answer. ``None``
-    (default): where it pays, a CPU with native bfloat16 GEMMs (:attr:`lminvert.models.LayerProbe.can_screen`).
+    the file); everything runs on the model's device. ``layer`` (``--layer``; a KV cache's block) defaults to what
+    the states file says (and must agree with it); for states that do not record it (a bare array) it is found from
+    the states (:mod:`lminvert.invert.layerfit`), and the result's notes say so.
 
-    ``source``: where the states come from, as an error model (:mod:`lminvert.invert.sources`: ``"exact"``,
-    ``"float"``, ``"noise:S"``, ``"quant:B"``); it bounds how far an observed state may lie from what this machine's
-    plain forward gives, and the acceptor (:mod:`lminvert.invert.acceptor`) gives each position its verdict with it.
-    ``None`` (default): what the states say: ``exact`` for a states file from :func:`lminvert.encode` (it records the
-    weights that made it), ``float`` for a bare array (nobody can promise its bits), ``noise:S`` with ``noise``.
+    The options come in the three groups of ``lminvert invert --help``, named as its options
+    (:mod:`lminvert.invert.options`): ``leak`` (:class:`Leak`: ``kind``, ``source``, ``noise``, ``check``; or just the
+    kind, ``leak="kv"``), ``search`` (:class:`Search`: ``method``, ``policy``, ``max_candidates``, ``max_seconds``,
+    ``tolerance_scale``, ``certify``, ``screen``, ``speculate``, ``first_table``, ``seed``) and ``run`` (:class:`Run`:
+    ``together``, ``executor``, ``batch_scale``, ``progress``). Any field may be given by name instead of its group
+    (``invert(model, states, max_seconds=30)``); each group's docstring says what its fields do.
 
-    ``layer`` may be left out for states that do not record it (a bare array): it is found from the states
-    (:mod:`lminvert.invert.layerfit`), and the result's notes say so. ``check`` (default): states that do not record
-    their layer are scored against every layer first, within seconds: a given layer that another one decisively
-    beats, or states that fit no layer of the model, raise a one-line error naming the closest layer instead of a
-    long search (``check=False``: search the given layer anyway).
+    What the leak is decides the search. lminvert's own states (source ``exact``, what :func:`lminvert.encode` writes)
+    and float states from elsewhere (``float``, a bare array's default) are searched by the engine
+    (:mod:`lminvert.invert.engine`): up to ``together`` prompts at once, one batched forward per verification step, on
+    ``executor``'s workers in chunks. A KV cache (``kind="kv"``: block ``layer``'s keys after the rotary embedding
+    then values, ``[T, 2 * kv_heads * head_dim]`` per prompt, as :func:`lminvert.kv_captures.read_kv` reads a saved
+    cache; block ``b`` is transformers' ``cache.layers[b - 1]``; a :class:`lminvert.KVCapture` is one), one vector
+    (``kind="last"``: a guess of the last token) and states whose ``source`` is ``noise:S`` or ``quant:B`` are
+    searched in the rows' own space with the leak's error model (:mod:`lminvert.invert.rows`: the first token and
+    ambiguous positions chosen by the next rows), which takes none of the engine's budgets or executors (a one-line
+    error names what it refuses). ``noise`` is added to the states here, for robustness studies of the engine.
 
-    ``leak``: what the rows are (:mod:`lminvert.invert.views`): ``"states"`` (default: every position's state at
-    ``layer``), ``"kv"`` (block ``layer``'s KV cache, ``[T, 2 * kv_heads * head_dim]`` per prompt: every head's keys
-    after the rotary embedding, then its values, as :func:`lminvert.kv_captures.read_kv` reads a saved cache; block
-    ``b`` is transformers' ``cache.layers[b - 1]``) or ``"last"`` (the last position's state alone: a guess of the last
-    token). A KV cache, one vector, and states whose ``source`` is ``noise:S`` or ``quant:B`` (not ``noise``, added here
-    for robustness studies of the engine) are searched in the rows' own space with the leak's error model
-    (:mod:`lminvert.invert.rows`: the first token and missing or ambiguous positions chosen by the next rows; the
-    audit's attack); lminvert's own and foreign float states by the engine. A :class:`lminvert.KVCapture` is a ``kv``
-    leak whose block, where it records one, is ``layer``.
-
-    ``max_seconds``: a bound on the search, counted from this call: once it has passed, every position stops after its
-    first batch of candidates and keeps the closest one verified; the acceptor gives such positions their verdict as
-    for any budget (``max_candidates`` bounds candidates instead), and the results' notes count them.
-
-    ``certify``: verify the whole vocabulary at every position (cost: brute force's), so that a colliding second
-    token is seen and its position flagged (``PositionResult.certified_exact``). SIPIT stops at the first match,
-    which is exact because the model is injective; ``None`` (default) certifies when injectivity cannot be assumed:
-    the model carries forward hooks that edit what its weights compute (as the lab's constructions do).
+    Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of
+    ``source``; no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call:
+    once it has passed, every position stops after its first batch of candidates and keeps the closest one
+    verified, and the results' notes count such positions.
     """
-    check_options(method, policy, noise, max_seconds, together, batch_scale, tolerance_scale, max_candidates, source)
-    check_leak(leak, method, policy, noise, max_seconds, max_candidates, certify, executor, tolerance_scale)
-    deadline = None if max_seconds is None else time.time() + max_seconds
-    offsets = None
+    leak, search, run = grouped(leak, search, run, **options)
+    deadline = None if search.max_seconds is None else time.time() + search.max_seconds
+    kind, offsets = leak.kind, None
     if isinstance(states, KVCapture):
-        states, layer, leak, offsets = kv_states(states, layer, leak)
+        states, layer, kind, offsets = kv_states(states, layer, kind)
+        check_rows_options(replace(leak, kind=kind), search, run)
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
-    _check_screen(model, screen)
-    error_model = _source(states, source, noise)
-    if leak != "states" or (noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's study
-        return _invert_rows(model, states, layer, leak, error_model, check, screen, offsets)
-    resolved, found = _layer(model, states, layer, error_model, check)
-    config = InvertConfig(
-        method=method,
-        certify=_certify(model, certify),
-        policy=policy,
-        first_table=first_table,
-        max_candidates=max_candidates,
-        deadline=deadline,
-        tolerance_scale=tolerance_scale,
-        source=error_model,
-        seed=seed,
-        progress=progress,
-        batch_scale=batch_scale,
-        speculate=speculate,
-        screen=screen,
-    )
-    flat = _invert_chunks(model, states, resolved, config, noise, together, executor)
+    _check_screen(model, search.screen)
+    error_model = _source(states, leak.source, leak.noise)
+    if kind != "states" or (leak.noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's
+        return _invert_rows(model, states, layer, kind, error_model, leak.check, search.screen, offsets)
+    resolved, found = _layer(model, states, layer, error_model, leak.check)
+    config = _config(model, search, run, error_model, deadline)
+    flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
     return _with_notes(model, states, found, flat)
+
+
+def _config(model: LoadedModel, search: Search, run: Run, source: ErrorModel, deadline: float | None) -> InvertConfig:
+    """The engine's configuration of a call's search and run options."""
+    return InvertConfig(
+        method=search.method,
+        certify=_certify(model, search.certify),
+        policy=search.policy,
+        first_table=search.first_table,
+        max_candidates=search.max_candidates,
+        deadline=deadline,
+        tolerance_scale=search.tolerance_scale,
+        source=source,
+        seed=search.seed,
+        progress=run.progress,
+        batch_scale=run.batch_scale,
+        speculate=search.speculate,
+        screen=search.screen,
+    )
 
 
 def _check_screen(model: LoadedModel, screen: bool | None) -> None:
@@ -224,45 +192,6 @@ def _bos_note(model: LoadedModel, result: InversionResult) -> tuple[str, ...]:
     return (f"position 0 is not the BOS token {model.decode([bos])!r} (captured without it; nothing assumed)",)
 
 
-def check_options(
-    method: str = "sipit",
-    policy: str = "linear",
-    noise: float = 0.0,
-    max_seconds: float | None = None,
-    together: int = 32,
-    batch_scale: int | None = None,
-    tolerance_scale: float = 1.0,
-    max_candidates: int | None = None,
-    source: str | ErrorModel | None = None,
-) -> None:
-    """One-line errors for :func:`invert`'s options (each named as the function and the command spell it), before
-    anything is loaded or computed; ``lminvert invert`` calls it before it loads the model."""
-    if method not in METHODS:
-        raise LminvertError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
-    if policy not in POLICIES:
-        raise LminvertError(f"unknown policy '{policy}': use one of {', '.join(POLICIES)}")
-    if noise < 0 or noise != noise:
-        raise LminvertError("noise (--noise) must be a non-negative number (a relative level, e.g. 0.001)")
-    if max_seconds is not None and not max_seconds > 0:
-        raise LminvertError("max_seconds (--max-seconds) must be a positive number of seconds")
-    if together < 1:
-        raise LminvertError("together (--together) must be at least 1 (prompts inverted at once)")
-    if batch_scale is not None and batch_scale < 1:
-        raise LminvertError("batch_scale must be at least 1 (candidate batches relative to a CPU's)")
-    if not tolerance_scale > 0:
-        raise LminvertError("tolerance_scale (--tolerance-scale) must be positive (1 = the measured radii)")
-    if max_candidates is not None and max_candidates < 1:
-        raise LminvertError("max_candidates (--max-candidates) must be at least 1")
-    if source is not None:
-        if noise > 0:
-            raise LminvertError(
-                "give either noise (--noise: added here, and modelled) or source (--source: what the states carry), "
-                "not both"
-            )
-        if isinstance(source, str):
-            parse_source(source)  # a bad name fails here
-
-
 def _invert_rows(
     model: LoadedModel,
     states: HiddenStates,
@@ -332,19 +261,22 @@ class _InvertChunk:
 
 
 __all__ = [
+    "METHODS",
     "POLICIES",
     "SOURCES",
     "ErrorModel",
     "GradientPolicy",
     "InversionResult",
     "InvertConfig",
+    "Leak",
     "LinearPolicy",
     "Policy",
     "PositionResult",
     "RandomPolicy",
+    "Run",
+    "Search",
     "SweepPolicy",
-    "check_leak",
-    "check_options",
+    "grouped",
     "invert",
     "invert_prompt",
     "invert_prompts",

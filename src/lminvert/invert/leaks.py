@@ -1,11 +1,10 @@
 """What :func:`lminvert.invert` does with a leak other than lminvert's own or foreign float states (a KV cache, one
-vector, states under a ``noise:``/``quant:`` source): the checks of its options, its layer (a KV cache's block), and the
+vector, states under a ``noise:``/``quant:`` source): its layer (a KV cache's block), and the
 rows search on its view (:mod:`.rows.route`)."""
 
 from __future__ import annotations
 
 from ..errors import LminvertError
-from ..executors import Executor
 from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
@@ -13,37 +12,9 @@ from ..states import HiddenStates
 from .results import InversionResult
 from .rows.route import invert_rows
 from .sources import ErrorModel
-from .views import VIEWS, make_view
+from .views import make_view
 
 DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (the engine's bound is too loose there)
-
-
-def check_leak(
-    leak: str = "states",
-    method: str = "sipit",
-    policy: str = "linear",
-    noise: float = 0.0,
-    max_seconds: float | None = None,
-    max_candidates: int | None = None,
-    certify: bool | None = None,
-    executor: str | Executor | None = None,
-    tolerance_scale: float = 1.0,
-) -> None:
-    """One-line errors for a ``leak`` :func:`invert` does not know, and for the engine's options given with a leak
-    that the rows search inverts (``kv``, ``last``), which it does not take."""
-    if leak not in VIEWS:
-        raise LminvertError(f"unknown leak '{leak}': use one of {', '.join(VIEWS)}")
-    if leak == "states":
-        return
-    given = {
-        "--method": method != "sipit", "--policy": policy != "linear", "--noise": noise > 0,
-        "--max-seconds": max_seconds is not None, "--max-candidates": max_candidates is not None,
-        "--certify": bool(certify), "--ray": executor not in (None, "inprocess"),
-        "--tolerance-scale": tolerance_scale != 1.0,
-    }  # fmt: skip
-    refused = [name for name, on in given.items() if on]
-    if refused:
-        raise LminvertError(f"--leak {leak} is searched in the rows' own space, which takes no {', '.join(refused)}")
 
 
 def invert_leak(
