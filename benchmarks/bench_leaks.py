@@ -25,22 +25,11 @@ import time
 import torch
 
 import lminvert
+from heldout import HELD_OUT
 from lminvert.invert.sources import Quant
 from lminvert.invert.tolerance import add_noise
 from lminvert.states import HiddenStates
 
-# Held-out texts: written for this benchmark, used by no experiment, test or tuning (prose, code, a secret, another
-# language, chat, numbers, a URL, a log line); each cut to --length tokens.
-HELD_OUT = (
-    "The ferry to the northern islands leaves twice a day in summer, but in winter only once, weather permitting.",
-    "def merge_intervals(spans):\n    spans.sort(key=lambda s: s[0])\n    out = [spans[0]]\n    for a, b in spans[1:]:",
-    "Our staging database password is Tr0ub4dor&3 and the admin account is ops-root@internal.example.net, do not share",
-    "Der Zug nach München hatte heute Morgen wieder vierzig Minuten Verspätung, und niemand wusste warum.",
-    "user: can you summarise my last three emails from Dr. Okafor about the biopsy results? assistant: Sure, here",
-    "Invoice 2024-0871: 14 units at 37.50 EUR each, net 525.00, VAT 19% 99.75, total due 624.75 by 30 June.",
-    "https://portal.example.org/reset?token=8f14e45fceea167a5a36dedd4bea2543&user=mlopez&expires=1735689600",
-    "2026-03-14T09:26:53Z WARN payment-svc retry 3/5 for order 88213: upstream timeout after 30000 ms (card ****4242)",
-)
 DEFAULT_CELLS = (
     "kv:1:float32,kv:15:float32,kv:30:float32,kv:1:bfloat16,kv:15:bfloat16,kv:30:bfloat16,"
     "states:15:float32:quant:int8,states:15:float32:noise:0.01,states:15:float32:noise:0.03,states:15:float32:quant:int4"

@@ -150,7 +150,7 @@ def test_two_processes_prepare_the_same_table_at_once(tmp_path):
 def test_two_processes_convert_the_same_model_at_once(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
-    args = ["-m", "lminvert", "models", "--prepare", "smollm2-135m", "--no-signature"]  # the conversion alone
+    args = ["-m", "lminvert", "models", "--prepare", "smollm2-135m", "--no-signature", "--no-inversion"]  # conversion
     outs = _together("", cache, extra_args=args)
     assert all("ready" in out for out in outs)
     entries = sorted(p.name for p in (cache / "models").iterdir())

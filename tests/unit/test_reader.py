@@ -9,9 +9,12 @@ import lminvert
 from lminvert.forward import encode, prompt_states
 from lminvert.invert import invert
 from lminvert.invert import proposal as proposal_module
-from lminvert.invert.reader import load_reader, train_reader
-from lminvert.invert.reading import reading_orders
+from lminvert.invert.preparation import Preparation, prepare
+from lminvert.invert.reader import QUICK_KIND, load_reader, train_reader
+from lminvert.invert.reading import reading_map, reading_orders
 from lminvert.invert.tables import table_path
+
+PREPARE = ["models", "--prepare", "tiny-llama", "--no-inversion"]  # --reader alone, not the preparation
 
 
 def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(isolated_cache, monkeypatch):
@@ -46,7 +49,7 @@ def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, iso
     proc = cli("models", "--reader", "2")
     assert proc.returncode != 0 and "--prepare" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    proc = cli("models", "--prepare", "tiny-llama", "--reader", "99", "--device", "cpu")
+    proc = cli("models", "--prepare", "tiny-llama", "--no-inversion", "--reader", "99", "--device", "cpu")
     assert proc.returncode != 0 and "layer" in proc.stderr and "Traceback" not in proc.stderr
     assert not (isolated_cache / "tables").exists() or not any((isolated_cache / "tables").glob("*reader*"))
 
@@ -68,19 +71,19 @@ def test_the_cli_skips_layers_with_a_cached_network_unless_told_to_retrain(isola
         return {layer: None for layer in layers}
 
     monkeypatch.setattr(reader, "train_readers", fake)
-    assert main(["models", "--prepare", "tiny-llama", "--reader", "1,2", "--device", "cpu"]) == 0
+    assert main([*PREPARE, "--reader", "1,2", "--device", "cpu"]) == 0
     assert trained == [2]  # layer 1's network is cached, layer 2 has none
     assert "layer 1 already cached" in capsys.readouterr().out
-    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--device", "cpu"]) == 0
+    assert main([*PREPARE, "--reader", "1", "--retrain", "--device", "cpu"]) == 0
     assert trained == [2, 1]
-    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--dtype", "float16", "--device", "cpu"]) == 0
+    assert main([*PREPARE, "--reader", "1", "--dtype", "float16", "--device", "cpu"]) == 0
     assert trained == [2, 1, 1]  # a half model's own network is not the float32 one it falls back on
     assert settings == [{}, {}, {}]  # the default softmax
-    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--negatives", "0"]) == 0
+    assert main([*PREPARE, "--reader", "1", "--retrain", "--negatives", "0"]) == 0
     assert settings[-1] == {"negatives": 0}  # the whole vocabulary
-    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--random-prompts", "40"]) == 0
+    assert main([*PREPARE, "--reader", "1", "--retrain", "--random-prompts", "40"]) == 0
     assert settings[-1] == {"random": 40}
-    assert main(["models", "--prepare", "tiny-llama", "--reader", "1", "--retrain", "--products", "float32"]) == 0
+    assert main([*PREPARE, "--reader", "1", "--retrain", "--products", "float32"]) == 0
     assert settings[-1] == {"bfloat16": False}
 
 
@@ -214,3 +217,26 @@ def test_a_half_model_reads_with_the_network_trained_in_float32_unless_its_own_i
     again = lminvert.load_model("tiny-llama", dtype="bfloat16")
     assert load_reader(again, layer)[0].out_features == 8 == own[0].out_features  # its own file first
     assert load_reader(lminvert.load_model("tiny-llama", dtype="float16"), layer)[0].out_features == 16
+
+
+def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolated_cache, monkeypatch, tmp_path):
+    """``models --prepare``'s inversion part: the reading map at every layer (from one forward: the same maps each
+    layer builds alone), a quick network at the last layer (used by inversion, second to a ``--reader`` one), and no
+    network trained again the second time."""
+    small = Preparation(deep=1, network={"text": 0, "random": 24, "length": 8, "epochs": 1, "hidden": 16})
+    model = lminvert.load_model("tiny-llama")
+    first, last = model.probe.layer(1), model.probe.layer(model.probe.n_layers)
+    made = prepare(model, small, progress=False)
+    assert [line.split(":")[0] for line in made] == ["reading maps at layers 1-2", "quick reading networks at layers 2"]
+    assert all(table_path(model, layer, "reading-map").is_file() for layer in model.probe.layers("all"))
+    assert table_path(model, last, QUICK_KIND).is_file() and not table_path(model, last, "reader").is_file()
+    fresh = lminvert.load_model("tiny-llama")
+    assert load_reader(fresh, last)[0].out_features == 16 and load_reader(fresh, first) is None
+    assert len(prepare(fresh, small, progress=False)) == 1  # the maps read back; no network trained
+    train_reader(fresh, last, text=0, random=24, length=8, epochs=1, hidden=8, progress=False)  # what --reader makes
+    assert load_reader(lminvert.load_model("tiny-llama"), last)[0].out_features == 8  # used before the quick one
+    shared = reading_map(fresh, first)
+    monkeypatch.setenv("LMINVERT_CACHE", str(tmp_path / "alone"))
+    (tmp_path / "alone" / "models").mkdir(parents=True)
+    (tmp_path / "alone" / "models" / "smollm2-135m").symlink_to(isolated_cache / "models" / "smollm2-135m")
+    assert torch.equal(reading_map(lminvert.load_model("tiny-llama"), first), shared)

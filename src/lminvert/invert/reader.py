@@ -42,6 +42,7 @@ from .tables import read_tables, squared_norms, write_tables
 log = logging.getLogger(__name__)
 
 KIND = "reader"
+QUICK_KIND = "reader-quick"  # a network the preparation trains in its time (:mod:`.preparation`); KIND's comes first
 HIDDEN = 2048
 TEXT_PROMPTS = 4000  # sampled text windows (mixed code and prose)
 RANDOM_PROMPTS = 1000  # random-id prompts beside them
@@ -85,15 +86,17 @@ def bfloat16_training(device: torch.device) -> bool:
 
 def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
     """The reading network cached for this model, dtype and layer, else the one trained in float32 for the same
-    weights (it only orders candidates, and a half model's states differ from float32's by their rounding), or None
+    weights (it only orders candidates, and a half model's states differ from float32's by their rounding): one that
+    ``--reader`` trained, else the preparation's quick one (:data:`QUICK_KIND`); or None
     (it is never trained here; a model whose forward hooks change what its weights compute reads no file: the
     weights hash cannot name what it computes)."""
     key = (KIND, int(layer), model.dtype)
     if key not in model.memo:
-        net = None
-        weights = read_tables(model, layer, KIND, strict=False)
-        if weights is None and model.dtype != "float32":
-            weights = read_tables(model, layer, KIND, dtype="float32", strict=False)
+        net = weights = None
+        for kind in (KIND, QUICK_KIND):
+            weights = weights or read_tables(model, layer, kind, strict=False)
+            if weights is None and model.dtype != "float32":
+                weights = read_tables(model, layer, kind, dtype="float32", strict=False)
         if weights is not None:
             shapes = [weights[f"{i}.weight"].shape for i in (0, 2, 4)]
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])
@@ -132,6 +135,7 @@ def train_reader(
     data: tuple[list[list[int]], Sequence[dict[Layer, torch.Tensor]]] | None = None,
     bfloat16: bool | None = None,
     cache: bool = True,
+    kind: str = KIND,
 ) -> nn.Module:
     """Train the reading network for ``layer`` on sampled text and random ids, cache it, and return it.
 
@@ -143,7 +147,7 @@ def train_reader(
     computed already (:func:`train_readers` computes them once for several layers; ``text``, ``random`` and ``length``
     are then unused). ``bfloat16``: the products in bfloat16 (None: where :func:`bfloat16_training` says they are
     fast). ``cache=False``: neither written to the cache nor used by this model's inversions (an experiment's
-    network)."""
+    network). ``kind``: the cache entry it is written to (:data:`QUICK_KIND`: the preparation's)."""
     start = time.perf_counter()
     probe = model.probe
     if data is None:
@@ -166,7 +170,7 @@ def train_reader(
             log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, loss)
     net = net.eval().requires_grad_(False)
     if cache:
-        write_tables(model, layer, KIND, net.state_dict())  # a hooked model keeps it in memory only, like the tables
+        write_tables(model, layer, kind, net.state_dict())  # a hooked model keeps it in memory only, like the tables
         model.memo[(KIND, int(layer), model.dtype)] = net
     seconds, products = time.perf_counter() - start, "bfloat16" if bfloat16 else "float32"
     log.info("trained the reading network for layer %s in %.1f s (%s products)", layer.name, seconds, products)

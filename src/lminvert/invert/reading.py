@@ -16,7 +16,7 @@ positions at layer 15 and 20 of 38 at layer 30; 4 and 1 of 38 for random token i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -81,16 +81,25 @@ def training_prompts(
 
 def reading_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
     """``W`` ``[2d + 1, d]`` (float32, on the model's device): built once per model, dtype and layer, cached."""
+    return reading_maps(model, [layer])[layer]
 
-    def build() -> torch.Tensor:
-        prompts = training_prompts(model)
-        states = prompt_states(model, prompts, [layer], progress=False)
-        x = torch.cat([features(s[layer])[1:] for s in states])  # position 0 is the first-position table's
+
+def reading_maps(model: LoadedModel, layers: Sequence[Layer]) -> dict[Layer, torch.Tensor]:
+    """:func:`reading_map` at each of ``layers``; those not cached yet are fitted on one forward of the training
+    prompts that computes all of them (what :func:`lminvert.invert.preparation.prepare` does for every layer)."""
+    shared: dict[str, list] = {}  # the training prompts and their states, made by the first layer not cached
+
+    def build(layer: Layer) -> torch.Tensor:
+        if not shared:
+            shared["prompts"] = training_prompts(model)
+            shared["states"] = prompt_states(model, shared["prompts"], layers, progress=False)
+        prompts = shared["prompts"]
+        x = torch.cat([features(s[layer])[1:] for s in shared["states"]])  # position 0 is the first-position table's
         vocab = model.probe.vocab_matrix(torch.float32).cpu().double()
         y = torch.cat([vocab[torch.tensor(p[1:])] for p in prompts])
         return fit_secant_map(x, y, ridge=RIDGE).float()
 
-    return cached(model, layer, "reading-map", build)
+    return {layer: cached(model, layer, "reading-map", lambda layer=layer: build(layer)) for layer in layers}
 
 
 def reading_orders(model: LoadedModel, weights: Reading, states: torch.Tensor, depth: int) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""Every layer at the speed of the middle: a model's one-time preparation, then held-out prompts inverted layer by
+layer as a new user runs them (``lminvert encode``, then ``lminvert invert``: :func:`lminvert.encode`,
+:func:`lminvert.invert` with the defaults).
+
+    python benchmarks/bench_deep.py --fresh                       # an empty cache: the preparation timed first
+    python benchmarks/bench_deep.py --layers 30 --prompts 8       # the cache as it is
+
+``--fresh`` points ``LMINVERT_CACHE`` at a new empty folder and times ``lminvert models --prepare MODEL`` there (the
+conversion of the model and everything the preparation makes). Per layer, printed: the first prompt's seconds (what
+the layer builds on first use that the preparation did not make is in it), then over every prompt (the first
+included): prompts exact, positions sure (``certified`` or ``confident``), tokens claimed sure that are wrong (must be
+0), median and slowest seconds, candidates verified per position (median / mean), and the layer's median over layer
+15's (or the middle layer's) in the same run. This CPU unless ``--device``; the held-out texts: ``heldout.DEEP``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from heldout import DEEP
+
+SURE = ("certified", "confident")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--layers", default="1,15,27,28,29,30")
+    parser.add_argument("--prompts", type=int, default=len(DEEP))
+    parser.add_argument("--length", type=int, default=20)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (1: one at a time)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fresh", action="store_true", help="an empty cache, and the preparation timed")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    report: dict = {"model": args.model, "dtype": args.dtype, "together": args.together}
+    if args.fresh:
+        os.environ["LMINVERT_CACHE"] = tempfile.mkdtemp(prefix="lminvert-fresh-")
+        start = time.perf_counter()
+        command = [sys.executable, "-m", "lminvert", "models", "--prepare", args.model, "--dtype", args.dtype]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        report["prepare_s"] = time.perf_counter() - start
+        print(f"lminvert models --prepare {args.model} on an empty cache: {report['prepare_s']:.1f} s", flush=True)
+
+    import lminvert  # after LMINVERT_CACHE is set
+
+    model = lminvert.load_model(args.model, dtype=args.dtype, device=args.device)
+    prompts = [list(model.tokenize(t, args.length)) for t in DEEP[: args.prompts]]
+    print(f"{'layer':>5} {'first s':>8} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7} {'c/p':>11}")
+    rows = {}
+    for spec in args.layers.split(","):
+        layer = model.probe.layer(spec)
+        rows[layer.name] = row = _layer(lminvert, model, layer, prompts, args.together)
+        print(
+            f"{layer.name:>5} {row['first']:>8.2f} {row['exact']:>3}/{len(prompts):<2} {100 * row['sure']:>5.1f}% "
+            f"{row['wrong_claimed']:>5} {row['median']:>8.2f} {row['max']:>7.2f} "
+            f"{row['cp_median']:>5.0f}/{row['cp_mean']:<5.1f}",
+            flush=True,
+        )
+    middle = rows.get("15") or rows.get(str(model.probe.n_layers // 2))
+    if middle:
+        ratios = ", ".join(f"{name}: {row['median'] / middle['median']:.2f}x" for name, row in rows.items())
+        print(f"median over the middle layer's: {ratios}")
+    print(f"device: {model.probe.device} ({model.dtype}); torch {torch.__version__}, {torch.get_num_threads()} threads")
+    report["layers"] = rows
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return 0 if all(r["wrong_claimed"] == 0 for r in rows.values()) else 1
+
+
+def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> dict:
+    """Every prompt encoded at ``layer`` and inverted, ``together`` at a time; each chunk's seconds split evenly."""
+    seconds, results = [], []
+    for first in range(0, len(prompts), together):
+        chunk = prompts[first : first + together]
+        states = lminvert.encode(model, chunk, layer)
+        start = time.perf_counter()
+        got = lminvert.invert(model, states, together=together)
+        took = time.perf_counter() - start
+        seconds += [took / len(chunk)] * len(chunk)
+        results += got
+    per_position = [c for r in results for c in r.candidates_checked]
+    hits = [[a == b for a, b in zip(r.token_ids, ids, strict=True)] for r, ids in zip(results, prompts, strict=True)]
+    pairs = [(v, h) for r, hs in zip(results, hits, strict=True) for v, h in zip(r.verdicts, hs, strict=True)]
+    return {
+        "first": seconds[0], "exact": sum(all(h) for h in hits), "sure": sum(v in SURE for v, _ in pairs) / len(pairs),
+        "wrong_claimed": sum(v in SURE and not h for v, h in pairs),
+        "median": statistics.median(seconds), "max": max(seconds), "seconds": seconds,
+        "cp_median": statistics.median(per_position), "cp_mean": statistics.mean(per_position),
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
