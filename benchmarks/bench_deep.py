@@ -41,6 +41,9 @@ def main() -> int:
     parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (1: one at a time)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fresh", action="store_true", help="an empty cache, and the preparation timed")
+    parser.add_argument(
+        "--ab", action="store_true", help="each layer also with the linear reading map alone (no network), same run"
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     report: dict = {"model": args.model, "dtype": args.dtype, "together": args.together}
@@ -53,20 +56,26 @@ def main() -> int:
         print(f"lminvert models --prepare {args.model} on an empty cache: {report['prepare_s']:.1f} s", flush=True)
 
     import lminvert  # after LMINVERT_CACHE is set
+    from lminvert.invert.reading import reading_map
 
     model = lminvert.load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [list(model.tokenize(t, args.length)) for t in DEEP[: args.prompts]]
-    print(f"{'layer':>5} {'first s':>8} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7} {'c/p':>11}")
+    print(f"{'layer':>9} {'first s':>8} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7} {'c/p':>11}")
     rows = {}
     for spec in args.layers.split(","):
         layer = model.probe.layer(spec)
         rows[layer.name] = row = _layer(lminvert, model, layer, prompts, args.together)
-        print(
-            f"{layer.name:>5} {row['first']:>8.2f} {row['exact']:>3}/{len(prompts):<2} {100 * row['sure']:>5.1f}% "
-            f"{row['wrong_claimed']:>5} {row['median']:>8.2f} {row['max']:>7.2f} "
-            f"{row['cp_median']:>5.0f}/{row['cp_mean']:<5.1f}",
-            flush=True,
-        )
+        _show(layer.name, row, len(prompts))
+        if args.ab:
+            from lminvert.invert import engine
+
+            network = engine.reading_for
+            engine.reading_for = reading_map  # the linear map alone: what a machine without any network reads with
+            try:
+                rows[f"{layer.name} map"] = plain = _layer(lminvert, model, layer, prompts, args.together)
+            finally:
+                engine.reading_for = network
+            _show(f"{layer.name} map", plain, len(prompts))
     middle = rows.get("15") or rows.get(str(model.probe.n_layers // 2))
     if middle:
         ratios = ", ".join(f"{name}: {row['median'] / middle['median']:.2f}x" for name, row in rows.items())
@@ -77,6 +86,15 @@ def main() -> int:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
     return 0 if all(r["wrong_claimed"] == 0 for r in rows.values()) else 1
+
+
+def _show(name: str, row: dict, prompts: int) -> None:
+    print(
+        f"{name:>9} {row['first']:>8.2f} {row['exact']:>3}/{prompts:<2} {100 * row['sure']:>5.1f}% "
+        f"{row['wrong_claimed']:>5} {row['median']:>8.2f} {row['max']:>7.2f} "
+        f"{row['cp_median']:>5.0f}/{row['cp_mean']:<5.1f}",
+        flush=True,
+    )
 
 
 def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> dict:

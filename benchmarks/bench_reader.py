@@ -23,7 +23,7 @@ import lminvert
 from lminvert.corpora import sample_prompts
 from lminvert.forward import prompt_states
 from lminvert.invert import reader
-from lminvert.invert.reading import input_distances, read, reading_map
+from lminvert.invert.reading import reading_map
 
 
 def options(text: str) -> dict:
@@ -55,10 +55,7 @@ def main() -> None:
     def show(name: str, weights, seconds: float) -> None:
         parts = []
         for kind, prompts in held.items():
-            ranks = []
-            for ids, states in zip(prompts, observed[kind], strict=True):
-                score = input_distances(model, read(weights, states))
-                ranks += [int((score[t] < score[t, ids[t]]).sum()) for t in range(1, len(ids))]
+            ranks = reader.held_out_ranks(model, weights, prompts, observed[kind])
             log2 = statistics.mean(math.log2(2 + r) for r in ranks)
             top1, top64 = (sum(r < k for r in ranks) / len(ranks) for k in (1, 64))
             median = statistics.median(ranks)

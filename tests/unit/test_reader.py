@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import lminvert
 from lminvert.forward import encode, prompt_states
-from lminvert.invert import invert
+from lminvert.invert import invert, preparation
 from lminvert.invert import proposal as proposal_module
 from lminvert.invert.preparation import Preparation, prepare
 from lminvert.invert.reader import QUICK_KIND, load_reader, train_reader
@@ -223,11 +225,17 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     """``models --prepare``'s inversion part: the reading map at every layer (from one forward: the same maps each
     layer builds alone), a quick network at the last layer (used by inversion, second to a ``--reader`` one), and no
     network trained again the second time."""
-    small = Preparation(deep=1, network={"text": 0, "random": 24, "length": 8, "epochs": 1, "hidden": 16})
+    small = Preparation(deep=1, network={"text": 0, "random": 24, "length": 8, "epochs": 1, "hidden": 16}, check=4)
     model = lminvert.load_model("tiny-llama")
     first, last = model.probe.layer(1), model.probe.layer(model.probe.n_layers)
+    # the network reads the held-out prompts better than the map (the gate itself: the next test)
+    monkeypatch.setattr(preparation, "held_out_ranks", lambda m, weights, p, s: [0] if callable(weights) else [9])
     made = prepare(model, small, progress=False)
-    assert [line.split(":")[0] for line in made] == ["reading maps at layers 1-2", "quick reading networks at layers 2"]
+    assert [line.split(" (")[0].split(":")[0] for line in made] == [
+        "reading maps at layers 1-2",
+        "quick reading network at layer 2 kept",
+        "quick reading networks trained and checked",
+    ]
     assert all(table_path(model, layer, "reading-map").is_file() for layer in model.probe.layers("all"))
     assert table_path(model, last, QUICK_KIND).is_file() and not table_path(model, last, "reader").is_file()
     fresh = lminvert.load_model("tiny-llama")
@@ -240,3 +248,17 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     (tmp_path / "alone" / "models").mkdir(parents=True)
     (tmp_path / "alone" / "models" / "smollm2-135m").symlink_to(isolated_cache / "models" / "smollm2-135m")
     assert torch.equal(reading_map(lminvert.load_model("tiny-llama"), first), shared)
+
+
+def test_a_quick_network_that_reads_worse_than_the_map_is_not_kept(isolated_cache):
+    """Inversion reads with a network instead of the map: the preparation keeps one only where it ranks the held-out
+    prompts' tokens better (here a network of 4 units after one epoch, which reads them worse)."""
+    model = lminvert.load_model("tiny-llama")
+    last = model.probe.layer(model.probe.n_layers)
+    weak = Preparation(maps=False, network={"text": 0, "random": 8, "length": 6, "epochs": 1, "hidden": 4}, check=8)
+    made = prepare(model, weak, progress=False)
+    assert made[0].startswith("quick reading network at layer 2 not kept (mean log2(2 + rank) ")
+    network, linear = (float(x) for x in re.findall(r"(\d+\.\d+)", made[0]))
+    assert network >= linear
+    assert not table_path(model, last, QUICK_KIND).is_file()
+    assert load_reader(lminvert.load_model("tiny-llama"), last) is None

@@ -6,7 +6,10 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
   SmolLM2's last);
 * a quick reading network (:mod:`.reader`, cached as :data:`.reader.QUICK_KIND`) at the last :attr:`Preparation.deep`
   layers, where the linear map reads the token worst: fewer training prompts and a smaller network than ``--reader``'s,
-  trained in the preparation's time; a network ``--reader`` trained is used before it.
+  trained in the preparation's time; a network ``--reader`` trained is used before it. Inversion reads with a network
+  *instead of* the linear map, so a network is kept only where it reads held-out prompts better than the map (a lower
+  mean ``log2(2 + rank)`` of the true token; prompts drawn with their own seed): a quick network trained too briefly
+  read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md).
 
 Like every reading, these only order candidates: each one is verified and the acceptor alone gives verdicts, so they
 change speed, never an answer. :func:`prepare` skips what is cached already (idempotent).
@@ -15,12 +18,16 @@ change speed, never an answer. :func:`prepare` skips what is cached already (ide
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
-from ..models import LoadedModel
-from .reader import QUICK_KIND, load_reader, train_readers
-from .reading import reading_maps
+import torch
+
+from ..forward import prompt_states
+from ..models import Layer, LoadedModel
+from .reader import QUICK_KIND, held_out_ranks, keep, load_reader, train_readers
+from .reading import reading_maps, training_prompts
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +35,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Preparation:
     """What :func:`prepare` makes: reading maps at every layer (``maps``), quick networks at the last ``deep`` layers,
-    trained with ``network``'s options of :func:`.reader.train_reader`."""
+    trained with ``network``'s options of :func:`.reader.train_reader` and checked on ``check`` held-out prompts
+    (text windows and random ids, half each)."""
 
     maps: bool = True
     deep: int = 1
-    network: dict[str, int] = field(default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 4})
+    network: dict[str, int] = field(default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 6})
+    check: int = 40
 
 
 def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress: bool = True) -> list[str]:
@@ -48,7 +57,28 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
     if wanted:
         start = time.perf_counter()
-        train_readers(model, wanted, progress=progress, kind=QUICK_KIND, **settings.network)
-        names = ", ".join(layer.name for layer in wanted)
-        done.append(f"quick reading networks at layers {names}: {time.perf_counter() - start:.1f} s")
+        trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, **settings.network)
+        done += [_kept(model, layer, net, settings.check) for layer, net in trained.items()]
+        done.append(f"quick reading networks trained and checked: {time.perf_counter() - start:.1f} s")
     return done
+
+
+CHECK_SEED = 555  # the held-out prompts' draw (the maps' training prompts: 123; the networks': 321)
+
+
+def _kept(model: LoadedModel, layer: Layer, net: torch.nn.Module, count: int) -> str:
+    """Keep ``net`` as ``layer``'s quick network where it reads ``count`` held-out prompts better than the linear map;
+    what was decided, as a line."""
+    prompts = training_prompts(model, text=count - count // 2, random=count // 2, seed=CHECK_SEED)
+    states = [s[layer] for s in prompt_states(model, prompts, [layer], progress=False)]
+    scores = {
+        name: sum(math.log2(2 + r) for r in ranks) / len(ranks)
+        for name, weights in (("network", net), ("map", reading_maps(model, [layer])[layer]))
+        for ranks in [held_out_ranks(model, weights, prompts, states)]
+    }
+    verdict = f"mean log2(2 + rank) {scores['network']:.2f} against the linear map's {scores['map']:.2f}"
+    if scores["network"] < scores["map"]:
+        keep(model, layer, net, QUICK_KIND)
+        return f"quick reading network at layer {layer.name} kept ({verdict})"
+    log.warning("the quick reading network at layer %s reads worse than the linear map: not kept", layer.name)
+    return f"quick reading network at layer {layer.name} not kept ({verdict})"

@@ -170,11 +170,27 @@ def train_reader(
             log.info("reading network, layer %s, epoch %d: loss %.3f", layer.name, epoch + 1, loss)
     net = net.eval().requires_grad_(False)
     if cache:
-        write_tables(model, layer, kind, net.state_dict())  # a hooked model keeps it in memory only, like the tables
-        model.memo[(KIND, int(layer), model.dtype)] = net
+        keep(model, layer, net, kind)
     seconds, products = time.perf_counter() - start, "bfloat16" if bfloat16 else "float32"
     log.info("trained the reading network for layer %s in %.1f s (%s products)", layer.name, seconds, products)
     return net
+
+
+def keep(model: LoadedModel, layer: Layer, net: nn.Module, kind: str = KIND) -> None:
+    """Cache ``net`` as ``layer``'s reading network under ``kind`` and use it in this model's inversions (a hooked
+    model keeps it in memory only, like the tables)."""
+    write_tables(model, layer, kind, net.state_dict())
+    model.memo[(KIND, int(layer), model.dtype)] = net
+
+
+def held_out_ranks(model: LoadedModel, weights: Reading, prompts: Sequence[Sequence[int]], states) -> list[int]:
+    """The true token's rank among the vocabulary by the proposal's distance from what ``weights`` (a map or a
+    network) reads, at positions 1 on of ``prompts`` (``states``: each prompt's ``[T, d]`` states at the layer)."""
+    ranks = []
+    for ids, observed in zip(prompts, states, strict=True):
+        score = reading.input_distances(model, reading.read(weights, observed.to(model.probe.device)))
+        ranks += [int((score[t] < score[t, ids[t]]).sum()) for t in range(1, len(ids))]
+    return ranks
 
 
 def _epoch(
