@@ -38,6 +38,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --prepare: also make what inversion builds on first use: the reading map at every layer and a "
         "quick reading network at the last layer (about 3 minutes once on a 2-core CPU; lminvert.invert.preparation)",
     )
+    _add_reader_args(parser)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="with --prepare: the dtype of the layer signature and reading networks",
+    )
+    parser.add_argument("--device", default="auto", help="with --prepare: where the model runs")
+    parser.set_defaults(func=run)
+
+
+def _add_reader_args(parser: argparse.ArgumentParser) -> None:
+    """``--reader LAYERS`` and the options of its training."""
     parser.add_argument(
         "--reader",
         metavar="LAYERS",
@@ -72,14 +85,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --reader: the precision of training's products (default auto: bfloat16 on a GPU and on a CPU with "
         "native bfloat16 GEMMs, 2-2.7x faster there and the same held-out ranks; float32 elsewhere)",
     )
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=list(DTYPES),
-        help="with --prepare: the dtype of the layer signature and reading networks",
-    )
-    parser.add_argument("--device", default="auto", help="with --prepare: where the model runs")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
