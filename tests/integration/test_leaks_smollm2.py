@@ -69,3 +69,18 @@ def test_states_under_one_percent_noise_invert_every_token_and_most_positions_ar
     _no_wrong_claim(result.token_ids, ids, result.verdicts)
     assert result.token_ids == ids
     assert sum(v in CLAIMED for v in result.verdicts) >= 0.9 * len(ids), result.verdicts
+
+
+def test_one_blocks_cache_saved_without_its_number_is_found_from_its_rows_and_inverted(smollm2, tmp_path):
+    """A file that holds one block's keys and values and does not say which block: the block is found from the rows
+    (:mod:`lminvert.invert.blockfit`), noted, and searched; a block the rows decisively are not is never taken."""
+    ids = list(smollm2.tokenize(TEXTS[0]))[:8]
+    with torch.no_grad():
+        cache = smollm2.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    path = tmp_path / "block.pt"
+    torch.save({"keys": cache.layers[14].keys, "values": cache.layers[14].values}, path)
+    done = run_cli("invert", str(path), "--model", "smollm2-135m", "--json")
+    assert done.returncode == 0, done.stderr
+    (doc,) = json.loads(done.stdout)
+    assert doc["token_ids"] == ids
+    assert any(note.startswith("block 15 found from the rows") for note in doc["notes"]), doc["notes"]

@@ -138,11 +138,13 @@ def _kv(args: argparse.Namespace) -> int:
             "prompts": len(capture.rows), "rows": [len(r) for r in capture.rows], "offsets": list(capture.offsets),
             "array_dtype": str(capture.rows[0].dtype).replace("torch.", ""), "notes": list(capture.notes),
         }  # fmt: skip
-        if args.model and capture.block is not None:
+        if args.model:
             model = model_from_args(args, args.model, dtype=args.dtype or capture.dtype)
-            width = kv_block(model, capture.block).width
+            _found_block(model, capture, doc)
+        if args.model and doc["block"] is not None:
+            width = kv_block(model, doc["block"]).width
             doc["fits_model"] = width == capture.rows[0].shape[1]
-            command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(capture.block)]
+            command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(doc["block"])]
             command += [f"--{k}={v}" for k, v in (("key", args.key), ("mask", args.mask)) if v]
             doc["command"] = shlex.join(command)
     if args.json:
@@ -162,3 +164,24 @@ def _kv(args: argparse.Namespace) -> int:
         print(f"  {'fits' if doc['fits_model'] else 'does NOT fit'} {args.model}'s block {doc['block']}")
         print(f"  invert with: {doc['command']}")
     return 0
+
+
+def _found_block(model, capture, doc: dict) -> None:
+    """A cache of one block that does not say which: the block found from its rows (:mod:`lminvert.invert.blockfit`)
+    goes into ``doc`` with a note, or a note that says why none could be named."""
+    if capture.block is not None:
+        return
+    from ..invert.blockfit import resolve_block
+    from ..invert.sources import Float
+
+    width, held = kv_block(model, 1).width, capture.rows[0].shape[1]
+    if held != width:
+        doc["notes"].append(f"its rows hold {held} numbers, {model.name}'s KV cache rows {width}: another model's?")
+        return
+    try:
+        found, fit = resolve_block(model, list(capture.rows), Float())
+    except LminvertError as err:
+        doc["notes"].append(str(err))
+        return
+    doc["block"] = int(found)
+    doc["notes"].append(f"block {found.name} found from the rows: {fit.describe()}")

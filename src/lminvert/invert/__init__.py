@@ -206,7 +206,7 @@ def _invert_rows(
     if leak == "states":
         resolved, notes = _layer(model, states, layer, source, check)
     else:
-        resolved, notes = view_layer(model, states, layer, leak), states.notes
+        resolved, notes = view_layer(model, states, layer, leak, source)
     return invert_leak(model, states, resolved, notes, leak, source, screen, offsets)
 
 

@@ -80,6 +80,7 @@ class LayerFit:
     scores: dict[str, float]  # minus twice the log-likelihood, summed over rows (lower: better)
     spreads: dict[str, float]  # the median later row's squared Mahalanobis distance per dimension (about 1: in place)
     measured: bool = True  # False: one row per prompt, whose spread is not a measure of fit (never refused on it)
+    what: str = "layer"  # what the names are: layers, or a KV cache's blocks (:mod:`.blockfit`)
 
     @property
     def ranked(self) -> list[str]:
@@ -111,10 +112,10 @@ class LayerFit:
     def describe(self) -> str:
         """One phrase: the best layer, its fit and the runner-up."""
         ranked = self.ranked
-        text = f"layer {self.best} (fit {self.fit:.3g}"
+        text = f"{self.what} {self.best} (fit {self.fit:.3g}"
         if len(ranked) > 1:
             gap = self.scores[ranked[1]] - self.scores[ranked[0]]
-            text += f"; next: layer {ranked[1]}, {gap:.3g} worse"
+            text += f"; next: {self.what} {ranked[1]}, {gap:.3g} worse"
         return text + ")"
 
 
@@ -154,7 +155,11 @@ def _build(model: LoadedModel) -> dict[str, torch.Tensor]:
         for chunk in ids.split(32):
             states = probe.states(chunk, layers)
             by_layer.append(torch.stack([states[layer].double().cpu() for layer in sorted(states)]))
-    every = torch.cat(by_layer, 1)  # [L + 2, prompts, T, d]
+    return statistics(torch.cat(by_layer, 1))  # [L + 2, prompts, T, d]
+
+
+def statistics(every: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A :class:`Signature`'s tensors from sample rows ``[K, prompts, T, d]`` of ``K`` layers (or blocks)."""
     out: dict[str, torch.Tensor] = {"centred": torch.tensor([float(centred(list(rows))) for rows in every])}
     for name, rows in (("first", every[:, :, 0]), ("rest", every[:, :, 1:].flatten(1, 2))):
         scale = rows.norm(dim=-1).median(dim=1).values  # [L + 2]: each layer's typical norm
@@ -172,10 +177,22 @@ def _build(model: LoadedModel) -> dict[str, torch.Tensor]:
 def fit_layers(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | None = None) -> LayerFit:
     """Score every layer of ``model`` against ``states`` (each ``[T, d]``, from position 0). ``source`` widens the
     covariance by its bound's per-dimension share at each row (e.g. added noise)."""
-    sig = signature(model)
-    source = source or Exact()
     n_layers = model.probe.n_layers
-    total = torch.zeros(n_layers + 2, dtype=torch.float64)
+    names = [Layer(i, n_layers).name for i in range(n_layers + 2)]
+    return score(signature(model), names, states, source, model.name)
+
+
+def score(
+    sig: Signature,
+    names: list[str],
+    states: list[torch.Tensor],
+    source: ErrorModel | None,
+    model: str,
+    what: str = "layer",
+) -> LayerFit:
+    """:func:`fit_layers` against any signature whose entries are ``names`` (layers, or a KV cache's blocks)."""
+    source = source or Exact()
+    total = torch.zeros(len(names), dtype=torch.float64)
     spreads: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     for prompt in states:
         x = prompt[:ROWS].detach().cpu().double()
@@ -198,14 +215,14 @@ def fit_layers(model: LoadedModel, states: list[torch.Tensor], source: ErrorMode
             # weighs in logarithmically), up to what is the same for every layer
             total += ((DOF + d) * torch.log1p(m2 / DOF) + spread.log().sum(-1)).sum(1)
             spreads[start].append(m2 / d)
-    names = [Layer(i, n_layers).name for i in range(n_layers + 2)]
     later = bool(spreads[1])  # later positions' spread is the calibrated measure of fit; position 0's is not
     spread = torch.cat(spreads[1] if later else spreads[0], 1).median(1).values
     return LayerFit(
-        model.name,
+        model,
         dict(zip(names, total.tolist(), strict=True)),
         dict(zip(names, spread.tolist(), strict=True)),
         measured=later,
+        what=what,
     )
 
 

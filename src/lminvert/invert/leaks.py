@@ -9,6 +9,7 @@ from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
 from ..states import HiddenStates
+from .blockfit import resolve_block
 from .results import InversionResult
 from .rows.route import invert_rows
 from .sources import ErrorModel
@@ -55,10 +56,15 @@ def kv_states(
     return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
 
 
-def view_layer(model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, leak: str) -> Layer:
-    """The layer (a KV cache's block) of a ``kv`` or ``last`` leak: given, else recorded; a one-line error else."""
+def view_layer(
+    model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, leak: str, source: ErrorModel
+) -> tuple[Layer, tuple[str, ...]]:
+    """The layer (a KV cache's block) of a ``kv`` or ``last`` leak: given, else recorded, else (a KV cache) found from
+    the rows (:mod:`.blockfit`, noted on every result); a one-line error else. With the notes every result carries."""
     spec = layer if layer is not None else states.layer
+    if spec is None and leak == "kv":
+        block, fit = resolve_block(model, list(states.states), source)
+        return block, (*states.notes, f"block {block.name} found from the rows: {fit.describe()}")
     if spec is None:
-        what = "block B (transformers' cache.layers[B - 1])" if leak == "kv" else "the layer"
-        raise LminvertError(f"the rows do not say which layer they come from: pass --layer with {what}")
-    return model.probe.layer(spec)
+        raise LminvertError("the rows do not say which layer they come from: pass --layer with the layer")
+    return model.probe.layer(spec), states.notes

@@ -1,0 +1,80 @@
+"""Which block a KV cache comes from, found from its rows alone, as :mod:`.layerfit` finds a states array's layer.
+
+A KV signature per model and dtype (built once from the layer signature's sample prompts: their states at every layer
+by one forward each, each block's keys after the rotary embedding and values computed from them through the KV view,
+then the same statistics; cached) scores the rows against every block; the best block is taken where it is decisive
+(``layerfit.MARGIN``) and fits (``layerfit.FIT``), else a one-line error asks for ``--layer``. It chooses where the rows
+search runs, never what it accepts (:mod:`.acceptor`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import LminvertError
+from ..models import Layer, LoadedModel
+from ..models.kv import kv_block
+from .layerfit import LayerFit, Signature, _sample_ids, score, statistics
+from .sources import ErrorModel
+from .tables import read_tables, write_tables
+
+log = logging.getLogger(__name__)
+
+KIND = "kv-signature1"  # the cache's name; a new name whenever how it is built changes
+
+
+def kv_signature(model: LoadedModel) -> Signature:
+    """The model's KV signature in its dtype, entries for blocks ``1..L`` (built on first use, cached)."""
+    key = (KIND, model.dtype)
+    if key not in model.memo:
+        anchor = model.probe.layer(0)
+        stored = read_tables(model, anchor, KIND)
+        if stored is None:
+            log.info("building the KV signature of %s (%s)", model.name, model.dtype)
+            stored = statistics(_sample_rows(model))
+            write_tables(model, anchor, KIND, stored)
+        model.memo[key] = Signature(**{name: t.double() for name, t in stored.items()})
+    return model.memo[key]
+
+
+def _sample_rows(model: LoadedModel) -> torch.Tensor:
+    """``[L, prompts, T, D]``: each block's cache rows of the sample prompts."""
+    probe = model.probe
+    ids = _sample_ids(model)
+    blocks = [kv_block(model, b) for b in range(1, probe.n_layers + 1)]
+    parts = []
+    with torch.no_grad():
+        for chunk in ids.split(32):
+            states = probe.states(chunk, list(range(probe.n_layers)))
+            by_layer = {int(layer): value for layer, value in states.items()}
+            parts.append(
+                torch.stack(
+                    [
+                        torch.stack([b.rows(by_layer[b.block - 1][:, p], p) for p in range(ids.shape[1])], 1)
+                        for b in blocks
+                    ]
+                ).double()
+            )
+    return torch.cat(parts, 1)
+
+
+def resolve_block(
+    model: LoadedModel, rows: list[torch.Tensor], source: ErrorModel | None = None
+) -> tuple[Layer, LayerFit]:
+    """The block whose KV cache ``rows`` (each prompt's ``[T, D]``, from position 0) are: the best-scoring block where
+    it fits and is decisive; a one-line error else."""
+    names = [str(b) for b in range(1, model.probe.n_layers + 1)]
+    fit = score(kv_signature(model), names, rows, source, model.name, what="block")
+    if not fit.fits:
+        raise LminvertError(
+            f"these rows fit no block's KV cache of {model.name}: the closest is {fit.describe()}; are they another "
+            "model's, or not a KV cache? (pass the right --model, or --layer with the block)"
+        )
+    if not fit.decisive:
+        raise LminvertError(
+            f"cannot tell which block of {model.name} this KV cache holds: the closest is {fit.describe()}; pass "
+            "--layer with the block (transformers' cache.layers[B - 1] is block B)"
+        )
+    return model.probe.layer(int(fit.best)), fit
