@@ -9,55 +9,30 @@ search runs, never what it accepts (:mod:`.acceptor`).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..errors import LminvertError
 from ..models import Layer, LoadedModel
 from ..models.kv import kv_block
-from .layerfit import LayerFit, Signature, _sample_ids, score, statistics
+from .layerfit import LayerFit, Signature, cached_signature, sample_states, score, statistics
 from .sources import ErrorModel
-from .tables import read_tables, write_tables
 
-log = logging.getLogger(__name__)
-
-KIND = "kv-signature1"  # the cache's name; a new name whenever how it is built changes
+KIND = "kv-signature2"  # the cache's name; a new name whenever how it is built changes
 
 
 def kv_signature(model: LoadedModel) -> Signature:
     """The model's KV signature in its dtype, entries for blocks ``1..L`` (built on first use, cached)."""
-    key = (KIND, model.dtype)
-    if key not in model.memo:
-        anchor = model.probe.layer(0)
-        stored = read_tables(model, anchor, KIND)
-        if stored is None:
-            log.info("building the KV signature of %s (%s)", model.name, model.dtype)
-            stored = statistics(_sample_rows(model))
-            write_tables(model, anchor, KIND, stored)
-        model.memo[key] = Signature(**{name: t.double() for name, t in stored.items()})
-    return model.memo[key]
+    return cached_signature(model, KIND, lambda: statistics(_sample_rows(model)), "KV signature")
 
 
 def _sample_rows(model: LoadedModel) -> torch.Tensor:
-    """``[L, prompts, T, D]``: each block's cache rows of the sample prompts."""
-    probe = model.probe
-    ids = _sample_ids(model)
-    blocks = [kv_block(model, b) for b in range(1, probe.n_layers + 1)]
-    parts = []
-    with torch.no_grad():
-        for chunk in ids.split(32):
-            states = probe.states(chunk, list(range(probe.n_layers)))
-            by_layer = {int(layer): value for layer, value in states.items()}
-            parts.append(
-                torch.stack(
-                    [
-                        torch.stack([b.rows(by_layer[b.block - 1][:, p], p) for p in range(ids.shape[1])], 1)
-                        for b in blocks
-                    ]
-                ).double()
-            )
-    return torch.cat(parts, 1)
+    """``[L, prompts, T, D]``: each block's cache rows of the sample prompts, from their states."""
+    states = {int(layer): value for layer, value in sample_states(model, list(range(model.probe.n_layers))).items()}
+    blocks = [kv_block(model, b) for b in range(1, model.probe.n_layers + 1)]
+    positions = range(states[0].shape[1])
+    return torch.stack(
+        [torch.stack([b.rows(states[b.block - 1][:, p], p) for p in positions], 1) for b in blocks]
+    ).double()
 
 
 def resolve_block(

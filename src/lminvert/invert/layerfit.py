@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,22 +123,29 @@ class LayerFit:
 def signature(model: LoadedModel) -> Signature:
     """The model's layer signature in its dtype (built on first use: one forward of the sample prompts at every
     layer; cached on the loaded model and on disk)."""
-    probe = model.probe
-    key = (KIND, model.dtype)
+    return cached_signature(model, KIND, lambda: _build(model), "layer signature")
+
+
+def cached_signature(model: LoadedModel, kind: str, build: Callable[[], dict], what: str) -> Signature:
+    """The signature cached as ``kind`` for the model's weights and dtype (on the loaded model and on disk), made by
+    ``build()`` (its tensors) on first use; ``what`` names it in the log."""
+    key = (kind, model.dtype)
     if key in model.memo:
         return model.memo[key]
-    anchor = probe.layer(0)
-    stored = read_tables(model, anchor, KIND)
+    anchor = model.probe.layer(0)
+    stored = read_tables(model, anchor, kind)
     if stored is None:
-        log.info("building the layer signature of %s (%s)", model.name, model.dtype)
-        stored = _build(model)
-        write_tables(model, anchor, KIND, stored)
+        log.info("building the %s of %s (%s)", what, model.name, model.dtype)
+        stored = build()
+        write_tables(model, anchor, kind, stored)
     value = Signature(**{name: t.double() for name, t in stored.items()})
     model.memo[key] = value
     return value
 
 
-def _sample_ids(model: LoadedModel) -> torch.Tensor:
+def sample_ids(model: LoadedModel) -> torch.Tensor:
+    """``[prompts, TOKENS]``: the signatures' sample prompts (random ids, then prose where the model has a
+    tokenizer)."""
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, model.probe.vocab_size, (TOKENS,), generator=gen) for _ in range(PROMPTS)]
     if model.tokenizer is not None:
@@ -146,16 +154,19 @@ def _sample_ids(model: LoadedModel) -> torch.Tensor:
     return torch.stack(rows).clamp_(max=model.probe.vocab_size - 1)
 
 
-def _build(model: LoadedModel) -> dict[str, torch.Tensor]:
-    probe = model.probe
-    layers = [*range(probe.n_layers + 1), "final"]
-    ids = _sample_ids(model)
-    by_layer: list[torch.Tensor] = []
+def sample_states(model: LoadedModel, layers: list) -> dict[Layer, torch.Tensor]:
+    """Each of ``layers``' states ``[prompts, TOKENS, d]`` of the sample prompts (forwards of 32 prompts at once)."""
+    parts: dict[Layer, list[torch.Tensor]] = {}
     with torch.no_grad():
-        for chunk in ids.split(32):
-            states = probe.states(chunk, layers)
-            by_layer.append(torch.stack([states[layer].double().cpu() for layer in sorted(states)]))
-    return statistics(torch.cat(by_layer, 1))  # [L + 2, prompts, T, d]
+        for chunk in sample_ids(model).split(32):
+            for layer, value in model.probe.states(chunk, layers).items():
+                parts.setdefault(layer, []).append(value)
+    return {layer: torch.cat(values) for layer, values in parts.items()}
+
+
+def _build(model: LoadedModel) -> dict[str, torch.Tensor]:
+    states = sample_states(model, [*range(model.probe.n_layers + 1), "final"])
+    return statistics(torch.stack([states[layer].double().cpu() for layer in sorted(states)]))  # [L + 2, prompts, T, d]
 
 
 def statistics(every: torch.Tensor) -> dict[str, torch.Tensor]:
