@@ -185,3 +185,30 @@ def test_an_unwritable_out_is_refused_before_any_work(cli, tmp_path, command):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lminvert: error: cannot write") and "--out" in lines[0]
     assert not (cache / "tables").exists() and not (cache / "models").exists()  # nothing was built or converted
+
+
+def test_a_conversion_parses_the_gguf_file_once(monkeypatch, tmp_path):
+    """transformers' GGUF loading asks ``gguf`` for a reader of the same file three times and for the same tensor-name
+    map once per module: within a conversion each is made once per file (or arguments) and shared; outside it, the
+    library's own functions are back."""
+    import gguf
+
+    from lminvert.models.sources import gguf_parsed_once
+
+    made: list[tuple[str, str]] = []
+
+    class Reader:
+        def __init__(self, path, mode="r"):
+            made.append((str(path), mode))
+
+    maps: list[tuple] = []
+    monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, blocks: maps.append((arch, blocks)) or object())
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(a)
+        assert gguf.GGUFReader(str(a)) is first and gguf.GGUFReader(b) is not first
+        assert gguf.get_tensor_name_map(1, 30) is gguf.get_tensor_name_map(1, 30)
+        gguf.get_tensor_name_map(1, 2)
+    assert made == [(str(a), "r"), (str(b), "r")] and maps == [(1, 30), (1, 2)]
+    assert gguf.GGUFReader is Reader and gguf.GGUFReader(a) is not first  # restored: a new reader each call again

@@ -9,7 +9,7 @@ import torch
 
 import lminvert
 from lminvert.forward import encode, prompt_states
-from lminvert.invert import invert, preparation
+from lminvert.invert import invert, preparation, reading
 from lminvert.invert import proposal as proposal_module
 from lminvert.invert.preparation import Preparation, prepare
 from lminvert.invert.reader import QUICK_KIND, load_reader, train_reader
@@ -230,7 +230,16 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     first, last = model.probe.layer(1), model.probe.layer(model.probe.n_layers)
     # the network reads the held-out prompts better than the map (the gate itself: the next test)
     monkeypatch.setattr(preparation, "held_out_ranks", lambda m, weights, p, s: [0] if callable(weights) else [9])
+    given: dict = {}
+    train = preparation.train_readers
+    spy = lambda m, layers, **kw: given.update(kw) or train(m, layers, **kw)  # noqa: E731
+    monkeypatch.setattr(preparation, "train_readers", spy)
     made = prepare(model, small, progress=False)
+    # the network also trains on the maps' prompts, their states taken from the maps' forward (one forward for both),
+    # and they count in its prompts: the maps' random-id prompts stand for its own 24
+    maps_prompts = reading.training_prompts(model)
+    assert given["extra"][0] == maps_prompts and len(given["extra"][1]) == len(maps_prompts)
+    assert given["random"] == 0 and given["text"] == 0 and given["hidden"] == 16
     assert [line.split(" (")[0].split(":")[0] for line in made] == [
         "reading maps at layers 1-2",
         "quick reading network at layer 2 kept",

@@ -5,8 +5,9 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
   computes all layers at once (built on first use, it costs that forward per layer: seconds at layer 1, a minute at
   SmolLM2's last);
 * a quick reading network (:mod:`.reader`, cached as :data:`.reader.QUICK_KIND`) at the last :attr:`Preparation.deep`
-  layers, where the linear map reads the token worst: fewer training prompts and a smaller network than ``--reader``'s,
-  trained in the preparation's time; a network ``--reader`` trained is used before it. Inversion reads with a network
+  layers, where the linear map reads the token worst: fewer training prompts, a smaller network and fewer vocabulary
+  rows per step than ``--reader``'s, trained in the preparation's time, on its own prompts and the maps' (their states
+  come from the maps' forward); a network ``--reader`` trained is used before it. Inversion reads with a network
   *instead of* the linear map, so a network is kept only where it reads held-out prompts better than the map (a lower
   mean ``log2(2 + rank)`` of the true token; prompts drawn with their own seed): a quick network trained too briefly
   read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md).
@@ -27,7 +28,7 @@ import torch
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .reader import QUICK_KIND, held_out_ranks, keep, load_reader, train_readers
-from .reading import reading_maps, training_prompts
+from .reading import RANDOM_PROMPTS, reading_maps, training_prompts
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ class Preparation:
 
     maps: bool = True
     deep: int = 1
-    network: dict[str, int] = field(default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 6})
+    network: dict[str, int] = field(
+        default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 8, "negatives": 4096}
+    )
     check: int = 40
 
 
@@ -48,19 +51,35 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
     """Make what ``settings`` asks for that is not cached yet; one line per part made, with its seconds."""
     done = []
     probe = model.probe
+    shared: dict[str, list] = {}  # the maps' training prompts and their states at every layer, where computed here
     if settings.maps:
         start = time.perf_counter()
         layers = probe.layers("all")
-        reading_maps(model, layers)
+        reading_maps(model, layers, shared)
         done.append(f"reading maps at layers 1-{probe.n_layers}: {time.perf_counter() - start:.1f} s")
     deep = [probe.layer(probe.n_layers - i) for i in range(min(settings.deep, probe.n_layers))]
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
     if wanted:
         start = time.perf_counter()
-        trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, **settings.network)
+        options, extra = _network_data(settings.network, shared)
+        trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, extra=extra, **options)
         done += [_kept(model, layer, net, settings.check) for layer, net in trained.items()]
         done.append(f"quick reading networks trained and checked: {time.perf_counter() - start:.1f} s")
     return done
+
+
+def _network_data(network: dict[str, int], shared: dict[str, list]) -> tuple[dict[str, int], tuple | None]:
+    """The network's options and the prompts it trains on beside its own: the maps' training prompts where their
+    states were computed here (one forward for both), counted in ``network``'s ``random`` and ``text`` prompts (the
+    maps' random ones come first, :func:`.reading.training_prompts`)."""
+    if not shared:
+        return dict(network), None
+    prompts = shared["prompts"]
+    random = min(RANDOM_PROMPTS, len(prompts))
+    options = dict(network)
+    options["random"] = max(0, options.get("random", 0) - random)
+    options["text"] = max(0, options.get("text", 0) - (len(prompts) - random))
+    return options, (prompts, shared["states"])
 
 
 CHECK_SEED = 555  # the held-out prompts' draw (the maps' training prompts: 123; the networks': 321)

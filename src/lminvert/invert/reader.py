@@ -226,22 +226,27 @@ def train_readers(
     length: int = LENGTH,
     seed: int = SEED,
     progress: bool = True,
+    extra: tuple[list[list[int]], Sequence[dict[Layer, torch.Tensor]]] | None = None,
     **options,
 ) -> dict[Layer, nn.Module]:
     """:func:`train_reader` at each of ``layers`` with the same ``options``, the training prompts' states computed by
     one forward for as many layers as :data:`STATES_BYTES` holds (a forward to layer 27 computes layers 3-24 on its
     way). SmolLM2, 500 of the training prompts, layers 3-27 on this project's 2-core CPU: one pass per layer 69.5 s,
-    one pass for all 14.5 s (``make readers``' forwards at those layers: ~12 min -> ~2.5 min at the default 5,000)."""
+    one pass for all 14.5 s (``make readers``' forwards at those layers: ~12 min -> ~2.5 min at the default 5,000).
+    ``extra``: more training prompts and their states at every one of ``layers``, computed already (the reading maps'
+    forward, :func:`lminvert.invert.preparation.prepare`)."""
     if not layers:
         return {}
     prompts = training_prompts(model, text, random, length, seed)
     per_layer = 4 * model.probe.hidden_size * sum(len(p) for p in prompts)  # float32 states of one layer
-    group = max(1, STATES_BYTES // per_layer)
+    group = max(1, STATES_BYTES // max(1, per_layer))
     ordered = sorted(layers)
     trained: dict[Layer, nn.Module] = {}
     for first in range(0, len(ordered), group):
         chunk = ordered[first : first + group]
-        data = prompts, prompt_states(model, prompts, chunk, progress=progress)
+        data = prompts, prompt_states(model, prompts, chunk, progress=progress) if prompts else []
+        if extra is not None:  # prompts whose states are computed already, at every layer of ``layers``
+            data = data[0] + list(extra[0]), list(data[1]) + list(extra[1])
         for layer in chunk:
             trained[layer] = train_reader(model, layer, seed=seed, progress=progress, data=data, **options)
         del data

@@ -84,10 +84,15 @@ def reading_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
     return reading_maps(model, [layer])[layer]
 
 
-def reading_maps(model: LoadedModel, layers: Sequence[Layer]) -> dict[Layer, torch.Tensor]:
+def reading_maps(
+    model: LoadedModel, layers: Sequence[Layer], shared: dict[str, list] | None = None
+) -> dict[Layer, torch.Tensor]:
     """:func:`reading_map` at each of ``layers``; those not cached yet are fitted on one forward of the training
-    prompts that computes all of them (what :func:`lminvert.invert.preparation.prepare` does for every layer)."""
-    shared: dict[str, list] = {}  # the training prompts and their states, made by the first layer not cached
+    prompts that computes all of them (what :func:`lminvert.invert.preparation.prepare` does for every layer).
+    ``shared``: an empty dict that receives that forward's ``prompts`` and ``states`` (``[T, d]`` per layer) where it
+    ran, for another use of the same states (the preparation trains its reading network on them too)."""
+    # the training prompts and their states, made by the first layer not cached
+    shared = {} if shared is None else shared
 
     def build(layer: Layer) -> torch.Tensor:
         if not shared:

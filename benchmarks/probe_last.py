@@ -1,0 +1,136 @@
+"""What one vector (a prompt's last-position state, ``--leak last``) gives a search for the whole prompt, measured
+before any one-vector search is built: two probes on held-out prompts (``heldout.DEEP``), SmolLM2, this CPU.
+
+* ``--probe offsets``: ridge maps from the last position's unit state at a layer to the input vector of the token
+  ``k`` positions before it (k = 0: the last token itself), fitted on sampled text and random ids
+  (:func:`lminvert.invert.reading.training_prompts`, 600 text windows and 100 random-id prompts, 24 tokens); printed per
+  layer and offset: the true token's median rank among the vocabulary by distance from the map's prediction, and the
+  share of positions where it ranks first and within the first 100. Evaluated at positions 7 and 15 of each text.
+* ``--probe swaps``: a greedy token-swap search of known length (HotFlip/GCG-style: each round, per position, the
+  16 tokens the gradient of the squared distance ranks first and the model's 8 likeliest next tokens; up to
+  ``--batch`` single swaps verified in one batched forward, the nearest kept if it is nearer), from a prompt of
+  token 0; printed per prompt: exact or not, the rounds run, the relative distance reached, seconds.
+
+    python benchmarks/probe_last.py --probe offsets
+    python benchmarks/probe_last.py --probe swaps --layer 1 --length 4 --rounds 40 --batch 128 --prompts 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from heldout import DEEP
+
+
+def offsets(model, layers: list[str], depth: int = 8) -> None:
+    from lminvert.forward import prompt_states
+    from lminvert.invert.reading import training_prompts
+
+    probe = model.probe
+    vocab = probe.vocab_matrix(torch.float32).double()
+    resolved = probe.layers(layers)
+    train = training_prompts(model, text=600, random=100)
+    states = prompt_states(model, train, resolved, progress=False)
+    held = [model.tokenize(t)[:16] for t in DEEP]
+    held_states = prompt_states(model, held, resolved, progress=False)
+
+    def row(state: torch.Tensor) -> torch.Tensor:
+        state = state.double()
+        return torch.cat([state / state.norm(), torch.ones(1, dtype=torch.float64)])
+
+    for layer in resolved:
+        pairs = zip(train, states, strict=True)
+        x = torch.stack([row(s[layer][i]) for p, s in pairs for i in range(depth - 1, len(p))])
+        gram = x.T @ x
+        gram += 1e-4 * gram.diagonal().mean() * torch.eye(len(gram), dtype=gram.dtype)
+        cells = []
+        for k in range(depth):
+            y = torch.stack([vocab[p[i - k]] for p in train for i in range(depth - 1, len(p))])
+            weights = torch.linalg.solve(gram, x.T @ y)
+            ranks = []
+            for ids, s in zip(held, held_states, strict=True):
+                for i in (7, 15):
+                    distance = (vocab - row(s[layer][i]) @ weights).square().sum(1)
+                    ranks.append(int((distance < distance[ids[i - k]]).sum()))
+            r = torch.tensor(ranks, dtype=torch.float64)
+            cells.append(f"k={k}: {r.median():.0f} {(r == 0).double().mean():.2f} {(r < 100).double().mean():.2f}")
+        print(f"layer {layer.name:>5} (median rank, top-1, top-100) " + " | ".join(cells), flush=True)
+
+
+def swaps(model, layer_spec: str, length: int, rounds: int, batch: int, count: int) -> None:
+    probe = model.probe
+    layer = probe.layer(layer_spec)
+    vocab = probe.vocab_matrix(torch.float32)
+    rng = random.Random(0)
+
+    def last(rows: list[list[int]]) -> torch.Tensor:
+        return probe.states(torch.tensor(rows), layer)[layer][:, -1].float()
+
+    exact = 0
+    for text in DEEP[:count]:
+        ids = model.tokenize(text)[:length]
+        target = last([ids])[0]
+        start = time.perf_counter()
+        guess = [0] * length
+        best = float((last([guess])[0] - target).norm())
+        done = 0
+        while done < rounds:
+            done += 1
+            inputs = vocab[torch.tensor(guess)].clone().requires_grad_(True)
+            state = probe.embeds_states(inputs[None], layer)[layer][0, -1].float()
+            (state - target).square().sum().backward()
+            scores = inputs.grad @ vocab.T  # the loss's first-order change per swap, up to a constant per position
+            with torch.no_grad():
+                prior = model.model(input_ids=torch.tensor([guess])).logits[0].float()
+            swaps_ = []
+            for k in range(length):
+                tokens = (-scores[k]).topk(16).indices.tolist()
+                if k > 0:
+                    tokens += prior[k - 1].topk(8).indices.tolist()
+                swaps_ += [(k, t) for t in tokens if t != guess[k]]
+            rng.shuffle(swaps_)
+            rows = [[*guess[:k], t, *guess[k + 1 :]] for k, t in swaps_[:batch]]
+            distances = (last(rows) - target).norm(dim=1)
+            j = int(distances.argmin())
+            if float(distances[j]) < best:
+                best, guess = float(distances[j]), rows[j]
+            if guess == ids:
+                break
+        exact += guess == ids
+        print(
+            f"{'exact' if guess == ids else 'wrong'} rounds={done} distance/norm={best / float(target.norm()):.4f} "
+            f"{time.perf_counter() - start:.1f} s  {model.decode(ids)!r} -> {model.decode(guess)!r}",
+            flush=True,
+        )
+    print(f"{exact}/{count} exact (layer {layer.name}, {length} tokens)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--probe", choices=("offsets", "swaps"), required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--layers", default="1,15,30,final", help="--probe offsets")
+    parser.add_argument("--layer", default="1", help="--probe swaps")
+    parser.add_argument("--length", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=6)
+    args = parser.parse_args()
+    import lminvert
+
+    torch.manual_seed(0)
+    model = lminvert.load_model(args.model)
+    print(f"{args.model}, {torch.get_num_threads()} threads")
+    if args.probe == "offsets":
+        offsets(model, args.layers.split(","))
+    else:
+        swaps(model, args.layer, args.length, args.rounds, args.batch, args.prompts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
