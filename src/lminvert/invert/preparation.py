@@ -61,17 +61,20 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
     if wanted:
         start = time.perf_counter()
-        options, extra = _network_data(settings.network, shared)
+        options, extra = _network_data(settings.network, shared, wanted)
+        shared.clear()  # the maps' states at the other layers are not needed any more
         trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, extra=extra, **options)
         done += [_kept(model, layer, net, settings.check) for layer, net in trained.items()]
         done.append(f"quick reading networks trained and checked: {time.perf_counter() - start:.1f} s")
     return done
 
 
-def _network_data(network: dict[str, int], shared: dict[str, list]) -> tuple[dict[str, int], tuple | None]:
+def _network_data(
+    network: dict[str, int], shared: dict[str, list], layers: list[Layer]
+) -> tuple[dict[str, int], tuple | None]:
     """The network's options and the prompts it trains on beside its own: the maps' training prompts where their
-    states were computed here (one forward for both), counted in ``network``'s ``random`` and ``text`` prompts (the
-    maps' random ones come first, :func:`.reading.training_prompts`)."""
+    states were computed here (one forward for both; their states at ``layers`` only), counted in ``network``'s
+    ``random`` and ``text`` prompts (the maps' random ones come first, :func:`.reading.training_prompts`)."""
     if not shared:
         return dict(network), None
     prompts = shared["prompts"]
@@ -79,7 +82,7 @@ def _network_data(network: dict[str, int], shared: dict[str, list]) -> tuple[dic
     options = dict(network)
     options["random"] = max(0, options.get("random", 0) - random)
     options["text"] = max(0, options.get("text", 0) - (len(prompts) - random))
-    return options, (prompts, shared["states"])
+    return options, (prompts, [{layer: s[layer] for layer in layers} for s in shared["states"]])
 
 
 CHECK_SEED = 555  # the held-out prompts' draw (the maps' training prompts: 123; the networks': 321)
