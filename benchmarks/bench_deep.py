@@ -11,6 +11,11 @@ the layer builds on first use that the preparation did not make is in it), then 
 included): prompts exact, positions sure (``certified`` or ``confident``), tokens claimed sure that are wrong (must be
 0), median and slowest seconds, candidates verified per position (median / mean), and the layer's median over layer
 15's (or the middle layer's) in the same run. This CPU unless ``--device``; the held-out texts: ``heldout.DEEP``.
+
+``--reference N``: the reference SIPIT (:func:`lminvert.invert.reference.reference_invert`, the paper's Algorithm 1:
+the whole vocabulary in a random order, ``--reference-batch`` candidates per plain forward) on the first ``N`` prompts
+at each layer, same run; printed: its median seconds, exact prompts, and the median ratio over lminvert's on the same
+prompts.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def main() -> int:
     parser.add_argument(
         "--ab", action="store_true", help="each layer also with the linear reading map alone (no network), same run"
     )
+    parser.add_argument("--reference", type=int, default=0, help="prompts per layer for the reference SIPIT")
+    parser.add_argument("--reference-batch", type=int, default=256, help="the reference's candidates per forward")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     report: dict = {"model": args.model, "dtype": args.dtype, "together": args.together}
@@ -76,6 +83,14 @@ def main() -> int:
             finally:
                 engine.reading_for = network
             _show(f"{layer.name} map", plain, len(prompts))
+        if args.reference:
+            row["reference"] = _reference(lminvert, model, layer, prompts[: args.reference], args.reference_batch)
+            ratio = row["reference"]["median"] / statistics.median(row["seconds"][: args.reference])
+            print(
+                f"{'':>9} reference SIPIT, {args.reference} prompt(s): median {row['reference']['median']:.2f} s, "
+                f"{row['reference']['exact']}/{args.reference} exact; lminvert {ratio:.0f}x faster on them",
+                flush=True,
+            )
     middle = rows.get("15") or rows.get(str(model.probe.n_layers // 2))
     if middle:
         ratios = ", ".join(f"{name}: {row['median'] / middle['median']:.2f}x" for name, row in rows.items())
@@ -117,6 +132,20 @@ def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> d
         "median": statistics.median(seconds), "max": max(seconds), "seconds": seconds,
         "cp_median": statistics.median(per_position), "cp_mean": statistics.mean(per_position),
     }  # fmt: skip
+
+
+def _reference(lminvert, model, layer, prompts: list[list[int]], batch: int) -> dict:
+    """The reference SIPIT on each prompt's states at ``layer``: seconds and exactness."""
+    from lminvert.invert.reference import reference_invert
+
+    seconds, exact = [], 0
+    for ids in prompts:
+        states = lminvert.encode(model, [ids], layer).states[0]
+        start = time.perf_counter()
+        got = reference_invert(model, states, layer, batch=batch)
+        seconds.append(time.perf_counter() - start)
+        exact += got.token_ids == ids
+    return {"median": statistics.median(seconds), "seconds": seconds, "exact": exact, "batch": batch}
 
 
 if __name__ == "__main__":

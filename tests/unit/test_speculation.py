@@ -54,8 +54,10 @@ def test_the_speculator_follows_the_decided_chain_only():
     tail = spec.tail(3, 20, 2)
     assert tail is not None and tail[:2] == [103, 104] and 2 * (1 + len(tail)) <= TOKENS
     states = torch.arange(2 * len(tail) * 3, dtype=torch.float32).reshape(2, len(tail), 3)
-    spec.store([7, 8], tail, states, [[None] * len(tail), [None] * len(tail)])
+    asked = []
+    spec.store([7, 8], tail, states, lambda i: asked.append(i) or [None] * len(tail))
     spec.decided(3, 8)  # the second root was the token: its chain's states are the next positions' first candidates
+    assert asked == [1]  # the keys of the decided root's chain only are taken from the verification batch
     (token, state, _), plain = spec.take()
     assert token == 103 and torch.equal(state, states[1, 0]) and plain is None
     spec.decided(4, 103)

@@ -40,6 +40,7 @@ for 1 / 2 / 4 / 8 / 16), on a GPU hardly at all.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -62,13 +63,19 @@ def chains_reproduce(probe: LayerProbe) -> bool:
     return probe.device.type == "cpu" or probe.dtype == torch.float32
 
 
+def _entries(tail: list[int], states: torch.Tensor, keys: Callable[[int], list], i: int) -> Callable[[], list[Entry]]:
+    """Root ``i``'s entries at the next positions, made when asked for."""
+    return lambda: [(token, states[j], k) for j, (token, k) in enumerate(zip(tail, keys(i), strict=True))]
+
+
 class _Track:
     """States computed ahead for the positions to come, from one kind of forward (chains or plain confirmations): per
     candidate of the current position, its entries at the next positions; once a position is decided, the decided
     candidate's entries are followed, one per position, until a position is decided as another token."""
 
     def __init__(self) -> None:
-        self.ahead: dict[int, list[Entry]] = {}  # candidate at the current position -> its entries at the next ones
+        # candidate at the current position -> its entries at the next ones (made when it is decided)
+        self.ahead: dict[int, Callable[[], list[Entry]]] = {}
         self.pending: list[Entry] = []  # the decided candidate's entries, next position first
         self.current: Entry | None = None  # the entry taken at the position being searched
 
@@ -80,7 +87,7 @@ class _Track:
         current, self.current = self.current, None
         ahead, self.ahead = self.ahead, {}
         if token in ahead:
-            self.pending = ahead[token]
+            self.pending = ahead[token]()
         elif current is None or current[0] != token:
             self.pending = []
 
@@ -142,14 +149,15 @@ class Speculator:
     def store_plain(self, root: int, tail: list[int], states: torch.Tensor) -> None:
         """The plain forward confirming ``root`` at the current position computed the states ``[len(tail), d]`` of
         ``tail`` (:meth:`fill`) at the next positions."""
-        self.plain.ahead[root] = [(token, states[j], None) for j, token in enumerate(tail)]
+        self.plain.ahead[root] = lambda: [(token, states[j], None) for j, token in enumerate(tail)]
 
-    def store(self, roots: list[int], tail: list[int], states: torch.Tensor, keys: list[list[NewKeys | None]]) -> None:
+    def store(
+        self, roots: list[int], tail: list[int], states: torch.Tensor, keys: Callable[[int], list[NewKeys | None]]
+    ) -> None:
         """Chains verified from the current position: ``roots`` (its candidates) each followed by ``tail``, their
-        states at the next positions ``[B, K-1, d]`` and keys and values (per root, per position)."""
-        self.chains.ahead = {
-            root: [(token, states[i, j], keys[i][j]) for j, token in enumerate(tail)] for i, root in enumerate(roots)
-        }
+        states at the next positions ``[B, K-1, d]``, and ``keys(i)``: root ``i``'s keys and values at each of those
+        positions (asked for only for the root the position is decided as)."""
+        self.chains.ahead = {root: _entries(tail, states[i], keys, i) for i, root in enumerate(roots)}
 
     def take(self) -> tuple[Entry | None, Entry | None]:
         """The (token, state, keys) at the position to search now of the decided chain and of the decided contender's

@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -198,18 +199,36 @@ def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch],
         search = group[row]
         assert search.speculator is not None
         mine = range(offset, offset + len(ids))
-        keys = [None] * len(ids) if new is None else [new.take(torch.tensor([i], device=probe.device)) for i in mine]
-        firsts = [None if k is None else k.at(0) for k in keys]
-        per = [[None if keys[i] is None else keys[i].at(j) for j in range(1, 1 + len(tail))] for i in carriers]
         batch = states[offset : offset + len(ids)]
         with search.clock("verification"):
-            search.verified(ids, batch[:, 0], lambda inside, firsts=firsts: [firsts[i] for i in inside])
+            search.verified(ids, batch[:, 0], partial(_firsts, new, list(mine)))
+            chain = partial(_chain_of, _taken(new, [mine[i] for i in carriers]), len(tail))
             search.speculator.store(
-                [int(ids[i]) for i in carriers], tail, batch[list(carriers), 1 : 1 + len(tail)], per
+                [int(ids[i]) for i in carriers], tail, batch[list(carriers), 1 : 1 + len(tail)], chain
             )
         search.clock.add("verification", share)
         search.clock.forwards += 1
         offset += len(ids)
+
+
+def _taken(new: NewKeys | None, rows: list[int]) -> NewKeys | None:
+    """Rows ``rows`` of a verification's keys and values in one copy per block (None where none were computed): a
+    batch holds thousands of candidates on a GPU, of which the search keeps a few, and a copy per candidate cost more
+    than the forward there."""
+    if new is None or not rows:
+        return None
+    return new.take(torch.tensor(rows, device=new.layers[0][0].device))
+
+
+def _firsts(new: NewKeys | None, rows: list[int], inside: list[int]) -> list[NewKeys | None]:
+    """The keys and values at the first chain position of the batch's rows ``rows[i]`` for ``i`` in ``inside``."""
+    taken = _taken(new, [rows[i] for i in inside])
+    return [None if taken is None else taken.row(k).at(0) for k in range(len(inside))]
+
+
+def _chain_of(carried: NewKeys | None, count: int, k: int) -> list[NewKeys | None]:
+    """Root ``k``'s keys and values (row ``k`` of ``carried``) at its chain's next ``count`` positions."""
+    return [None if carried is None else carried.row(k).at(j) for j in range(1, 1 + count)]
 
 
 def search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: list[PromptSearch]) -> None:

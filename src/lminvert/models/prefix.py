@@ -74,6 +74,11 @@ class NewKeys:
         """Rows ``index`` (copies: the batch they came from can be freed)."""
         return NewKeys(tuple((k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers))
 
+    def row(self, index: int) -> NewKeys:
+        """Row ``index`` (views)."""
+        cut = slice(index, index + 1)
+        return NewKeys(tuple((k[cut], v[cut]) for k, v in self.layers))
+
     def at(self, position: int) -> NewKeys:
         """The keys and values of one position of each row (of :meth:`LayerProbe.chains`' several)."""
         cut = slice(position, position + 1)
