@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from ..errors import LminvertError
 from ..invert import reader
 from ..invert.tables import table_path
-from ..models import REGISTRY, load_model, sources
+from ..models import REGISTRY, LoadedModel, load_model, sources
 from ..models.loading import DTYPES
 from .common import add_command, print_json
 
@@ -102,16 +103,17 @@ def run(args: argparse.Namespace) -> int:
         from ..models.registry import resolve
 
         spec = resolve(args.prepare)
+        model = functools.cache(lambda: load_model(args.prepare, dtype=args.dtype, device=args.device))  # loaded once
         if spec is None or spec.kind != "gguf-package":
             print(f"{args.prepare}: nothing to convert")
         else:
             print(f"{spec.alias}: ready in {sources.convert(spec)}")
             if args.signature:
-                _layer_signature(args)
+                _layer_signature(model())
         if args.inversion:
-            _prepare_inversion(args)
+            _prepare_inversion(args.prepare, model())
         if args.reader:
-            _train_readers(args)
+            _train_readers(args, model())
         return 0
     rows = []
     for spec in REGISTRY.values():
@@ -142,24 +144,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layer_signature(args: argparse.Namespace) -> None:
+def _layer_signature(model: LoadedModel) -> None:
     """The model's layer signature in ``--dtype``, cached now (about 7 s the first time on a 2-core CPU), so that the
     first capture given without its layer is answered in seconds."""
     from ..invert.layerfit import signature
 
-    signature(load_model(args.prepare, dtype=args.dtype, device=args.device))
+    signature(model)
 
 
-def _prepare_inversion(args: argparse.Namespace) -> None:
+def _prepare_inversion(alias: str, model: LoadedModel) -> None:
     """What inversion would build on first use (:func:`lminvert.invert.preparation.prepare`), made now."""
     from ..invert.preparation import prepare
 
-    for line in prepare(load_model(args.prepare, dtype=args.dtype, device=args.device)):
-        print(f"{args.prepare}: {line}")
+    for line in prepare(model):
+        print(f"{alias}: {line}")
 
 
-def _train_readers(args: argparse.Namespace) -> None:
-    model = load_model(args.prepare, dtype=args.dtype, device=args.device)
+def _train_readers(args: argparse.Namespace, model: LoadedModel) -> None:
     layers = model.probe.layers(args.reader)  # an unknown layer: a one-line error
     wanted = []
     for layer in layers:

@@ -42,7 +42,7 @@ class Preparation:
     maps: bool = True
     deep: int = 1
     network: dict[str, int] = field(
-        default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 8, "negatives": 4096}
+        default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 9, "negatives": 2048}
     )
     check: int = 40
 

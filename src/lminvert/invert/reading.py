@@ -93,16 +93,17 @@ def reading_maps(
     ran, for another use of the same states (the preparation trains its reading network on them too)."""
     # the training prompts and their states, made by the first layer not cached
     shared = {} if shared is None else shared
+    targets: list[torch.Tensor] = []  # the input vectors of the prompts' tokens: the same at every layer
 
     def build(layer: Layer) -> torch.Tensor:
         if not shared:
             shared["prompts"] = training_prompts(model)
             shared["states"] = prompt_states(model, shared["prompts"], layers, progress=False)
-        prompts = shared["prompts"]
+        if not targets:
+            vocab = model.probe.vocab_matrix(torch.float32).cpu().double()
+            targets.append(torch.cat([vocab[torch.tensor(p[1:])] for p in shared["prompts"]]))
         x = torch.cat([features(s[layer])[1:] for s in shared["states"]])  # position 0 is the first-position table's
-        vocab = model.probe.vocab_matrix(torch.float32).cpu().double()
-        y = torch.cat([vocab[torch.tensor(p[1:])] for p in prompts])
-        return fit_secant_map(x, y, ridge=RIDGE).float()
+        return fit_secant_map(x, targets[0], ridge=RIDGE).float()
 
     return {layer: cached(model, layer, "reading-map", lambda layer=layer: build(layer)) for layer in layers}
 
