@@ -36,10 +36,12 @@ class Verified:
 
     def keys(self, index: Sequence[int]) -> list[NewKeys | None]:
         """The keys and values of rows ``index`` of the batch, one row each (None where none were computed)."""
-        out: list[NewKeys | None] = []
-        for i in index:
-            start, new = next(chunk for chunk in reversed(self.chunks) if chunk[0] <= i)
-            out.append(None if new is None else new.take(torch.tensor([i - start], device=new.layers[0][0].device)))
+        out: list[NewKeys | None] = [None] * len(index)
+        ends = [start for start, _ in self.chunks[1:]] + [len(self.states)]
+        for (start, new), end in zip(self.chunks, ends, strict=True):
+            mine = [n for n, i in enumerate(index) if start <= i < end]
+            for n, keys in zip(mine, _rows(new, [index[n] - start for n in mine]), strict=True):
+                out[n] = keys
         return out
 
 
@@ -202,7 +204,7 @@ def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch],
         batch = states[offset : offset + len(ids)]
         with search.clock("verification"):
             search.verified(ids, batch[:, 0], partial(_firsts, new, list(mine)))
-            chain = partial(_chain_of, _taken(new, [mine[i] for i in carriers]), len(tail))
+            chain = partial(_chain_of, _rows(new, [mine[i] for i in carriers]), len(tail))
             search.speculator.store(
                 [int(ids[i]) for i in carriers], tail, batch[list(carriers), 1 : 1 + len(tail)], chain
             )
@@ -211,24 +213,24 @@ def _verify_chains(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch],
         offset += len(ids)
 
 
-def _taken(new: NewKeys | None, rows: list[int]) -> NewKeys | None:
-    """Rows ``rows`` of a verification's keys and values in one copy per block (None where none were computed): a
-    batch holds thousands of candidates on a GPU, of which the search keeps a few, and a copy per candidate cost more
-    than the forward there."""
+def _rows(new: NewKeys | None, rows: list[int]) -> list[NewKeys | None]:
+    """Rows ``rows`` of a verification's keys and values, one each, copied once per block (None where none were
+    computed): a batch holds thousands of candidates on a GPU, of which the search keeps a few, and a copy per
+    candidate cost more than the forward there."""
     if new is None or not rows:
-        return None
-    return new.take(torch.tensor(rows, device=new.layers[0][0].device))
+        return [None] * len(rows)
+    taken = new.take(torch.tensor(rows, device=new.layers[0][0].device))
+    return [taken.row(k) for k in range(len(rows))]
 
 
 def _firsts(new: NewKeys | None, rows: list[int], inside: list[int]) -> list[NewKeys | None]:
     """The keys and values at the first chain position of the batch's rows ``rows[i]`` for ``i`` in ``inside``."""
-    taken = _taken(new, [rows[i] for i in inside])
-    return [None if taken is None else taken.row(k).at(0) for k in range(len(inside))]
+    return [None if keys is None else keys.at(0) for keys in _rows(new, [rows[i] for i in inside])]
 
 
-def _chain_of(carried: NewKeys | None, count: int, k: int) -> list[NewKeys | None]:
-    """Root ``k``'s keys and values (row ``k`` of ``carried``) at its chain's next ``count`` positions."""
-    return [None if carried is None else carried.row(k).at(j) for j in range(1, 1 + count)]
+def _chain_of(carried: list[NewKeys | None], count: int, k: int) -> list[NewKeys | None]:
+    """Root ``k``'s keys and values (``carried[k]``) at its chain's next ``count`` positions."""
+    return [None if carried[k] is None else carried[k].at(j) for j in range(1, 1 + count)]
 
 
 def search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: list[PromptSearch]) -> None:
