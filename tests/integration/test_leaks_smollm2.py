@@ -84,3 +84,22 @@ def test_one_blocks_cache_saved_without_its_number_is_found_from_its_rows_and_in
     (doc,) = json.loads(done.stdout)
     assert doc["token_ids"] == ids
     assert any(note.startswith("block 15 found from the rows") for note in doc["notes"]), doc["notes"]
+
+
+def test_block_1s_cache_is_read_position_by_position_from_the_table(smollm2):
+    """Block 1's keys and values depend on each token and its position alone (:attr:`lminvert.invert.views.View.alone`):
+    every later position's row, rotated back to position 0, is nearest its own token's table row, so the first batch
+    (``rows.search.FIRST`` candidates, nearest first) holds it and no prediction runs; every token, every position
+    sure, in float32 and bfloat16."""
+    from lminvert.invert.rows.search import FIRST
+
+    ids = list(smollm2.tokenize(TEXTS[0]))
+    for model in (smollm2, lminvert.load_model("smollm2-135m", dtype="bfloat16")):
+        with torch.no_grad():
+            entry = model.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values.layers[0]
+        rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
+        (result,) = lminvert.invert(model, HiddenStates.from_array(rows.float()), 1, leak="kv")
+        _no_wrong_claim(result.token_ids, ids, result.verdicts)
+        assert result.token_ids == ids
+        assert all(v in CLAIMED for v in result.verdicts), result.verdicts
+        assert all(n <= FIRST for n in result.candidates_checked[1:]), result.candidates_checked

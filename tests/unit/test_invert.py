@@ -109,9 +109,13 @@ def test_options_in_groups_or_by_name_are_the_same_call():
     whole = grouped(Leak(source="float"), Search(max_seconds=5.0, policy="random"), Run(together=2))
     assert by_name == whole
     assert grouped("kv") == (Leak(kind="kv"), Search(), Run())
+    # the kind as a string, the leak's other options by name beside it (as bench_leaks.py calls it)
+    assert grouped("kv", source="float") == (Leak(kind="kv", source="float"), Search(), Run())
     for call, needle in [
         (lambda: grouped(max_secs=5), "no option 'max_secs'"),
         (lambda: grouped(search=Search(), max_seconds=5), "both by name and in search="),
+        (lambda: grouped(Leak(kind="kv"), source="float"), "both by name and in leak="),
+        (lambda: grouped("kv", kind="states"), "kind given twice"),
         (lambda: Search(max_candidates=0), "max_candidates"),
         (lambda: Run(together=0), "together"),
         (lambda: Leak(kind="logits"), "unknown leak"),

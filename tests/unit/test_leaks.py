@@ -154,3 +154,41 @@ def test_one_vector_is_a_guess_of_the_last_token(tiny):
     states = tiny.probe.states(torch.tensor(ids), [layer])[tiny.probe.layer(layer)][0].float()
     (result,) = lminvert.invert(tiny, HiddenStates.from_array(states), layer, leak="last")
     assert len(result.token_ids) == 1 and result.verdicts == ["uncertain"]
+
+
+def test_only_block_1s_rows_are_alone_and_move_back_to_position_0(tiny):
+    """Block 1 reads the input vectors: a token's row at position t, its keys rotated back, is its row at position 0
+    (up to rounding); deeper blocks' rows read the tokens before them, and a states view's rows are not alone."""
+    from lminvert.invert.views import make_view
+
+    probe = tiny.probe
+    ids = _prompts(tiny, 1, 6, 9)[0]
+    first = make_view("kv", tiny, probe.layer(1))
+    assert first.alone and not make_view("kv", tiny, probe.layer(2)).alone
+    assert not make_view("states", tiny, probe.layer(0)).alone
+    rows = first.capture(ids)
+    alone = torch.cat([first.capture([token])[:1] for token in ids])  # each token at position 0
+    for t in range(len(ids)):
+        back = first.moved_back(rows[t : t + 1], t)[0]
+        torch.testing.assert_close(back, alone[t], rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError):
+        make_view("kv", tiny, probe.layer(2)).moved_back(rows, 1)
+
+
+def test_a_block_1_cache_is_inverted_nearest_row_first(tiny):
+    """Every later position of a block-1 cache is decided within its first batch: the true token's table row is
+    nearest its row moved back, and every token is right with nothing wrong claimed."""
+    from lminvert.invert.rows.search import FIRST
+
+    prompts = _prompts(tiny, 2, 8, 11)
+    cache, _ = _cache(tiny, prompts, left=False)
+    entry = cache.layers[0]
+    results = [
+        lminvert.invert(tiny, HiddenStates.from_array(torch.cat([entry.keys[i].transpose(0, 1).flatten(1),
+                                                                  entry.values[i].transpose(0, 1).flatten(1)], -1)),
+                        1, leak="kv")[0]
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    _check(results, prompts)
+    for result in results:
+        assert all(n <= FIRST for n in result.candidates_checked[1:]), result.candidates_checked

@@ -114,13 +114,14 @@ def grouped(
     leak: Leak | str | None = None, search: Search | None = None, run: Run | None = None, **options: Any
 ) -> tuple[Leak, Search, Run]:
     """The three groups of a call: each given group, with every option given by name put into its own; ``leak`` may
-    be a leak's kind (``"kv"``). One-line errors for an unknown option, an option given in a group and by name, and
-    the engine's options asked of a leak that the rows search inverts."""
-    made = {
-        "leak": Leak(kind=leak) if isinstance(leak, str) else leak,
-        "search": search,
-        "run": run,
-    }
+    be a leak's kind (``"kv"``), with the leak's other options by name beside it (``leak="kv", source="float"``).
+    One-line errors for an unknown option, an option given in a group and by name, and the engine's options asked of
+    a leak that the rows search inverts."""
+    if isinstance(leak, str):  # the kind alone, as a name: the leak's other options may come by name beside it
+        if "kind" in options:
+            raise LminvertError(f"the leak's kind given twice (leak={leak!r} and kind=): give it once")
+        leak, options = None, {"kind": leak, **options}
+    made = {"leak": leak, "search": search, "run": run}
     loose: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
     for option, value in options.items():
         if option not in _OPTION:

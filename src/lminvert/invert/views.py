@@ -50,6 +50,18 @@ class View:
         """The rows ``[n, k]`` that states ``[n, d]`` at :attr:`states_layer` give at ``position``."""
         return states.float().cpu()
 
+    @property
+    def alone(self) -> bool:
+        """Whether a position's row depends on its token and position alone, never on the tokens before it, so that
+        a row at any position is a token's row at position 0 moved there by a map that keeps distances
+        (:meth:`moved_back` undoes it)."""
+        return False
+
+    def moved_back(self, rows: torch.Tensor, position: int) -> torch.Tensor:
+        """Rows ``[n, k]`` at ``position`` as the same tokens give them at position 0 (an :attr:`alone` view only;
+        a row's distance to another at ``position`` is their moved rows' distance, up to rounding)."""
+        raise NotImplementedError(f"a {self.name} view's rows depend on the tokens before them")
+
 
 @dataclass(frozen=True)
 class StatesView(View):
@@ -89,6 +101,17 @@ class KVView(View):
 
     def rows_of(self, states: torch.Tensor, position: int) -> torch.Tensor:
         return self.block.rows(states, position)
+
+    @property
+    def alone(self) -> bool:
+        """Block 1 reads the input vectors, which a rotary model gives no position: its keys and values at a position
+        are its token's, the keys rotated there (an orthogonal map)."""
+        return int(self.layer) == 1
+
+    def moved_back(self, rows: torch.Tensor, position: int) -> torch.Tensor:
+        if not self.alone:
+            return super().moved_back(rows, position)
+        return self.block.turned(rows, position, back=True)
 
 
 VIEWS: dict[str, type[View]] = {cls.name: cls for cls in (StatesView, KVView, LastView)}

@@ -84,6 +84,12 @@ class KVBlock:
         keys = keys * cos + sign * _rotate_half(keys) * sin
         return torch.cat([keys.flatten(1), rows[:, split:].float()], dim=-1)
 
+    def turned(self, rows: torch.Tensor, position: int, back: bool = False) -> torch.Tensor:
+        """Rows ``[n, D]`` with every key rotated at ``position`` (``back``: the rotation at ``position`` undone);
+        the rotation at position 0 is the identity, so a token's row at position 0 turned to ``position`` is its row
+        there where nothing before it changes it (block 1), and back."""
+        return self._turn(rows, torch.full((len(rows),), position), -1.0 if back else 1.0)
+
     def moved(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
         """Rows ``[T, D]`` whose keys were rotated at positions ``offset .. offset + T - 1`` (a left-padded batch run
         with positions counted from its pads) with every key rotated at ``0 .. T - 1`` instead, as a forward of the

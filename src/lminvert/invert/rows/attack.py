@@ -158,9 +158,12 @@ class Attack:
     @property
     def table(self) -> torch.Tensor:
         """Every token's row at position 0 ``[V, D]``."""
-        if self._table is None:
-            states = first_position_table(self.model, self.leak.states_layer, progress=False).float()
-            self._table = self.leak.rows_of(states, 0)
+        if self._table is None:  # kept on the loaded model for the next attack on this view
+            key = ("rows-table", self.leak.name, self.leak.layer.name, self.model.dtype)
+            if key not in self.model.memo:
+                states = first_position_table(self.model, self.leak.states_layer, progress=False).float()
+                self.model.memo[key] = self.leak.rows_of(states, 0)
+            self._table = self.model.memo[key]
         return self._table
 
     @property
@@ -209,9 +212,11 @@ class Attack:
         if public is None:  # the lookahead's rule at position 0 measured on the view's own rows (kept per source)
             kind = f"{NEXT_KIND}-{self.leak.name}-{source.label.replace(':', '-')}"
             capture, kept = self.leak.capture, functools.partial(cached, self.model, layer, kind, per_device=True)
+        # an alone view's later rows moved back to position 0, to be ranked against the table (not through a map)
+        alone = self.leak.moved_back if self.leak.alone and public is None else None
         search = RowSearch(
             self.model, layer, through(self.leak.rows_of, public), source, measured, table, self.memo, reading,
-            self.lookahead, self.first, secant, self.reuse, screen, capture, kept,
+            self.lookahead, self.first, secant, self.reuse, screen, capture, kept, alone,
         )  # fmt: skip
         out = []
         for r in rows:
@@ -246,7 +251,14 @@ class Attack:
         model's only slack is where the rows were computed: :meth:`.calibration.Calibration.measured`)."""
         key = (public is not None, layouts)
         if key not in self._measured:
-            self._measured[key] = self.calibration.measured(public, layouts)
+            # the view's own (no public map): kept on the loaded model for the next attack on this view
+            kept = ("rows-measured", self.leak.name, self.leak.layer.name, self.model.dtype, layouts)
+            if public is None and kept in self.model.memo:
+                self._measured[key] = self.model.memo[kept]
+            else:
+                self._measured[key] = self.calibration.measured(public, layouts)
+                if public is None:
+                    self.model.memo[kept] = self._measured[key]
         return self._measured[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:

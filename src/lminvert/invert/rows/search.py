@@ -43,7 +43,7 @@ from .. import acceptor
 from ..acceptor import Evidence, Radii
 from ..proposal import merge
 from ..sources import ErrorModel
-from ..tables import first_position_table
+from ..tables import first_position_table, squared_norms
 from ..tolerance import FLOOR, SAFETY, norm
 from .calibration import Measured, Rows
 from .lookahead import Lookahead
@@ -75,6 +75,7 @@ class RowSearch:
         lookahead: bool = True, first: int = FIRST, secant: Secant | None = None, reuse: bool = True,
         screen: Screen | None = None, capture: Callable[[list[int]], torch.Tensor] | None = None,
         kept: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None,
+        alone: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
@@ -88,14 +89,19 @@ class RowSearch:
         it, which gives the next prediction too (:class:`.running.Running`; False: a forward through every block);
         ``screen``: large later batches are screened with bfloat16 GEMMs first (:mod:`.screen`; None: not);
         ``capture`` and ``kept``: the view's own rows of a prompt and where to keep what they measure, for
-        :class:`.lookahead.Lookahead`'s rule at position 0 (None: a choice there by the next row is a guess)."""
+        :class:`.lookahead.Lookahead`'s rule at position 0 (None: a choice there by the next row is a guess);
+        ``alone``: where a view's rows do not depend on the tokens before them
+        (:attr:`lminvert.invert.views.View.alone`), the map of rows at a position back to position 0
+        (:meth:`~lminvert.invert.views.View.moved_back`): a later position's candidates are then verified in the order
+        of their table rows' L2 distance to its row moved back, with no prediction and no forward through the blocks
+        above (None: the rankers' order)."""
         if memo is not None and (memo.probe is not model.probe or memo.layer != layer):
             raise ValueError("the memo holds another model's or another layer's states")
         self.model, self.layer, self.rows_of, self.memo = model, layer, rows_of, memo
         self.reading, self.lookahead, self.secant, self.reuse, self.screen = reading, lookahead, secant, reuse, screen
         if not 1 <= first <= BATCH:
             raise ValueError(f"the first batch must hold 1 to {BATCH} candidates, not {first}")
-        self.first = first
+        self.first, self.alone = first, alone
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
@@ -138,9 +144,11 @@ class RowSearch:
                 decision, count, fit = self._missing(ids, after, following, running, broken)
                 chosen, broken = Measure(), not fit
             else:
+                # an alone view's candidates need no running prefix: its rows do not read it
                 decision, count, chosen = self._position(
-                    ids, row, t, fitted, reads[t], running, budget, self.secant, lead if t == 1 else None
-                )
+                    ids, row, t, fitted, reads[t], None if self.alone else running, budget, self.secant,
+                    lead if t == 1 else None,
+                )  # fmt: skip
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
                 dists = self.source.distances(self.table, row)
@@ -178,11 +186,19 @@ class RowSearch:
         return logits.float().cpu().argsort(descending=True)
 
     def _order(
-        self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, lead: int | None
-    ) -> torch.Tensor:
+        self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, lead: int | None,
+        target: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
         """Every token, in the order a position's candidates are verified: position 0's table by id, later ones
-        the rankers' (:meth:`_ranked`); ``lead`` first where given."""
-        order = torch.arange(self.model.probe.vocab_size) if not prefix else self._ranked(prefix, reading, running)
+        by their rows' distance to ``target`` in an alone view, else the rankers' (:meth:`_ranked`); ``lead`` first
+        where given."""
+        if not prefix:
+            order = torch.arange(self.model.probe.vocab_size)
+        elif self.alone is not None:  # the nearest rows first: ||a - b||^2 = ||a||^2 - 2 a.b + ||b||^2
+            back = self.alone(target[None].float(), len(prefix))[0]
+            order = (squared_norms(self.model, "rows-table", self.table) - 2 * (self.table @ back)).argsort()
+        else:
+            order = self._ranked(prefix, reading, running)
         return order if lead is None else torch.cat([torch.tensor([lead]), order[order != lead]])
 
     def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
@@ -296,7 +312,7 @@ class RowSearch:
         prefix = self._prefix(prefix_ids, running)
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
         ran = running.candidates if running is not None and running.holds(prefix_ids) else None
-        base = order = self._order(prefix_ids, reading, running, lead)
+        base = order = self._order(prefix_ids, reading, running, lead, target)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = Verified(target, self.source.distances)
         learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
