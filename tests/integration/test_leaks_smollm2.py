@@ -103,3 +103,23 @@ def test_block_1s_cache_is_read_position_by_position_from_the_table(smollm2):
         assert result.token_ids == ids
         assert all(v in CLAIMED for v in result.verdicts), result.verdicts
         assert all(n <= FIRST for n in result.candidates_checked[1:]), result.candidates_checked
+
+
+def test_a_bfloat16_caches_first_token_is_reproduced_run_alone(smollm2):
+    """A bfloat16 cache's position 0 is computed as the token's own forward computes it (attention sees nothing before
+    it), while the batched first-position table rounds otherwise: the true first token, run alone through the view's
+    capture, reproduces the row bit for bit and is certified for it; every token right, every position sure."""
+    from lminvert.invert.tables import first_position_table
+    from lminvert.invert.views import make_view
+
+    model = lminvert.load_model("smollm2-135m", dtype="bfloat16")
+    ids = list(model.tokenize(TEXTS[1]))[:8]
+    view = make_view("kv", model, model.probe.layer(7))  # it reads layer 6, whose tables the precision tests build
+    rows = view.capture(ids)
+    table = view.rows_of(first_position_table(model, view.states_layer, progress=False)[ids[0]][None].float(), 0)
+    assert not torch.equal(table[0], rows[0])  # the batched table does not reproduce it: the case this is about
+    (result,) = lminvert.invert(model, HiddenStates.from_array(rows), 7, leak="kv")
+    _no_wrong_claim(result.token_ids, ids, result.verdicts)
+    assert result.token_ids == ids
+    assert result.verdicts[0] == "certified" and "reproduces" in result.positions[0].reason, result.positions[0]
+    assert all(v in CLAIMED for v in result.verdicts), result.verdicts

@@ -192,3 +192,43 @@ def test_a_block_1_cache_is_inverted_nearest_row_first(tiny):
     _check(results, prompts)
     for result in results:
         assert all(n <= FIRST for n in result.candidates_checked[1:]), result.candidates_checked
+
+
+def test_position_0_run_alone_is_certified_where_the_table_does_not_reproduce_it():
+    """Where the batched first-position table rounds otherwise than the observer (the real model's bfloat16 caches:
+    tests/integration/test_leaks_smollm2.py), position 0's nearest candidates run alone through the view's capture:
+    the true token reproduces its row bit for bit and is certified for it. Here the table is moved off by a small
+    perturbation; without the capture nothing reproduces the row and the verdict says so. Under noise (no
+    bit-for-bit reproduction) nothing is run alone."""
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.search import RowSearch
+    from lminvert.invert.sources import Float, Noise
+    from lminvert.invert.views import make_view
+
+    model = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    ids = _prompts(model, 1, 6, 13)[0]
+    view = make_view("kv", model, model.probe.layer(model.probe.n_layers))
+    rows = view.capture(ids)
+    attack = Attack(view)
+    measured = attack._measure(None)
+    off = attack.table * (1 + 1e-3 * torch.randn(attack.table.shape, generator=torch.Generator().manual_seed(0)))
+    assert not torch.equal(off[ids[0]], rows[0])
+    ran: list[list[int]] = []
+
+    def capture(token_ids: list[int]) -> torch.Tensor:
+        ran.append(token_ids)
+        return view.capture(token_ids)
+
+    def search(source, capture) -> tuple[str, str]:
+        found = RowSearch(model, view.states_layer, view.rows_of, source, measured, off, capture=capture,
+                          lookahead=False).run(rows[:1])  # fmt: skip
+        assert found.token_ids == ids[:1] or found.verdicts[0] == "uncertain"
+        return found.verdicts[0], found.reasons[0]
+
+    verdict, reason = search(Float(), capture)
+    assert (verdict, reason) == ("certified", "the plain forward reproduces the observation") and ran[0] == ids[:1]
+    assert "reproduces" not in search(Float(), None)[1]
+    ran.clear()
+    search(Noise(sigma=0.01), capture)
+    assert ran == []  # under noise no candidate reproduces anything: nothing runs alone
+    assert Float().bitwise and not Noise().bitwise

@@ -43,6 +43,9 @@ class ErrorModel:
     first: float = 0.0  # relative disagreement allowed at position 0 by how the states were computed
     rest: float = 0.0  # the same at later positions
     elsewhere: bool = False  # computed elsewhere: ``float``'s measured disagreement is part of the bound
+    # the observation may still be a plain forward's bit for bit (``float``: computed elsewhere, perhaps as lminvert
+    # computes it; not under noise or quantisation), so a candidate that reproduces it is evidence
+    bitwise: bool = True
 
     def computed(self, target: torch.Tensor, position: int) -> float:
         """The part of the bound that comes from where the states were computed (``float``'s calibration)."""
@@ -116,6 +119,7 @@ class Noise(ErrorModel):
     name: str = "noise"
     reproducible: bool = False
     elsewhere: bool = True
+    bitwise: bool = False
     sigma: float = 0.0
 
     def bound(self, target: torch.Tensor, position: int) -> float:
@@ -135,6 +139,7 @@ class Quant(ErrorModel):
 
     name: str = "quant"
     reproducible: bool = False
+    bitwise: bool = False
     elsewhere: bool = True
     kind: str = "int8"
 

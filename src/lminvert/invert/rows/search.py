@@ -4,13 +4,16 @@ with positions missing): SIPIT with the comparison made in the rows' space.
 For each position, the candidates' states are computed over the recovered prefix's KV cache
 (:meth:`lminvert.models.LayerProbe.continuation`), turned into rows by the leak (and the public map, if any), and their
 L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
-its verdict. Every distance is measured by the cached forward, with its rounding inside the radii (the shipped rows
-never reproduce bit for bit: no plain forwards). Candidates come from rankers: position 0 from the first-position
-table (every token verified at once), later positions the model's own next-token prediction from the prefix (for a
-states leak, alternately with what the row reads as: :class:`StateReading`), 32 of them first, then the rest of the
-first 256, then 256 at a time. Later batches merge that order with the engine's secant model of the position's map
-(:class:`.rankers.Secant`) and, from 256 verified, a ridge fit on this position's closest candidates
-(:class:`.rankers.Ridge`), the order remade as the position's candidates double. Where several first tokens fit
+its verdict. Every distance is measured by the cached forward, with its rounding inside the radii, but at position 0,
+whose nearest candidates are also run alone through the view's own capture where the source may be a plain forward's
+bit for bit and the table does not reproduce the row (:meth:`RowSearch._alone_first`). Candidates come from rankers:
+position 0 from the first-position table (every token verified at once), later positions the model's own next-token
+prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; for a
+view whose rows depend on their token and position alone, block 1's cache, the table's rows nearest the row moved back
+to position 0 instead), 32 of them first, then the rest of the first 256, then 256 at a time. Later batches merge
+that order with the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a
+ridge fit on this position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's
+candidates double. Where several first tokens fit
 position 0's row (an attention sink's norm lets noise cover the gaps between them) or none does, the next row chooses
 among the nearest (``lookahead``, :mod:`.lookahead`: ``confident`` where the next row fits under one first token alone,
 else a guess), and position 1 verifies the next token it was chosen under first; a missing row's token is chosen by the
@@ -60,6 +63,9 @@ FIRST = 32  # the first batch at a position after the first (then the rest of BA
 # nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
 # prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
+ALONE = 8  # position 0's nearest candidates within the error bound run alone through the view's own capture, at most
+# (SmolLM2 block 15, bfloat16 caches of 6 held-out prompts: the true first token was the table's nearest in all 6; run
+# alone it reproduced the cache's row bit for bit in all 6, its batched table row in 2)
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -113,6 +119,7 @@ class RowSearch:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
         self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
+        self.capture = capture
         self.ahead = Lookahead(self, capture, kept)
 
     def radii(self, shipped: torch.Tensor, t: int) -> Radii:
@@ -164,6 +171,27 @@ class RowSearch:
             trail.add(decision.token, verdict, count, chosen, tolerance, decision.reason)
             running.add(decision.token)
         return replace(trail, seconds=time.perf_counter() - start)
+
+    def _alone_first(self, t: int, seen: Verified, ids: torch.Tensor, dists: torch.Tensor, radii: Radii) -> None:
+        """At position 0 (``t``), its nearest candidates within the error bound (``ALONE`` at most, where the table's
+        nearest does not reproduce the row already) run alone through the view's own capture: a plain forward of the
+        token by itself, which computes position 0 as any prompt does (attention sees nothing before it) in the shape
+        that kernels round alike; their distances replace the batched table's in ``seen.measured`` (the acceptor's
+        plain distances), until one reproduces the row bit for bit. Only where the source may be a plain forward's bit
+        for bit (``float``) and the view's capture is known (no public map)."""
+        if t != 0 or self.capture is None or not self.source.bitwise or self.source.boxed or not len(dists):
+            return
+        near = dists.argsort()
+        if float(dists[near[0]]) <= radii.resolution:
+            return  # the table's row reproduces it already
+        for i in near[:ALONE].tolist():
+            if float(dists[i]) > radii.cached:
+                break
+            token = int(ids[i])
+            distance = float(self.source.distances(self.capture([token])[:1].float(), seen.target)[0])
+            seen.measured[token] = distance
+            if distance <= radii.resolution:
+                break
 
     def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
         """Every token, most likely next first (the model's own prediction from the recovered prefix; from
@@ -306,9 +334,7 @@ class RowSearch:
         caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many; ``secant``:
         the prompt's secant model, which learns from this position; ``lead``: a token verified first, before the
         rankers' order), the candidates verified, the chosen token's :class:`.verified.Measure`."""
-        probe = self.model.probe
-        radii = self.radii(target, t)
-        vocab = probe.vocab_size
+        radii, vocab = self.radii(target, t), self.model.probe.vocab_size
         prefix = self._prefix(prefix_ids, running)
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
         ran = running.candidates if running is not None and running.holds(prefix_ids) else None
@@ -331,6 +357,7 @@ class RowSearch:
             # verified in full (acceptor.POPULATION), which the rankers' first candidates make
             full, fresh, every = self._batch(prefix_ids, batch, prefix, ran, target, out if n else None)
             ids, rows, dists = seen.add(full, fresh)
+            self._alone_first(t, seen, ids, dists, radii)
             known = (ids, rows) if pool is seen else pool.add(batch, every)[:2]
             if learning is not None:
                 learning.add(batch, every)
