@@ -46,7 +46,7 @@ from .. import acceptor
 from ..acceptor import Evidence, Radii
 from ..proposal import merge
 from ..sources import ErrorModel
-from ..tables import first_position_table, squared_norms
+from ..tables import first_position_table
 from ..tolerance import FLOOR, SAFETY, norm
 from .calibration import Measured, Rows
 from .lookahead import Lookahead
@@ -108,6 +108,7 @@ class RowSearch:
         if not 1 <= first <= BATCH:
             raise ValueError(f"the first batch must hold 1 to {BATCH} candidates, not {first}")
         self.first, self.alone = first, alone
+        self._norms: torch.Tensor | None = None  # the table's squared row norms, for an alone view's order
         self.source = source.calibrated(measured.first, measured.rest)
         self.rounding = measured.rounding
         probe = model.probe
@@ -224,7 +225,9 @@ class RowSearch:
             order = torch.arange(self.model.probe.vocab_size)
         elif self.alone is not None:  # the nearest rows first: ||a - b||^2 = ||a||^2 - 2 a.b + ||b||^2
             back = self.alone(target[None].float(), len(prefix))[0]
-            order = (squared_norms(self.model, "rows-table", self.table) - 2 * (self.table @ back)).argsort()
+            if self._norms is None:  # this search's table's (another search may hold another table)
+                self._norms = self.table.square().sum(1)
+            order = (self._norms - 2 * (self.table @ back)).argsort()
         else:
             order = self._ranked(prefix, reading, running)
         return order if lead is None else torch.cat([torch.tensor([lead]), order[order != lead]])
