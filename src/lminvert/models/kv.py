@@ -56,7 +56,7 @@ class KVBlock:
 
     def rows(self, states: torch.Tensor, position: int) -> torch.Tensor:
         """Cache rows ``[n, D]`` (float32) that layer-``block-1`` states ``[n, d]`` at ``position`` give."""
-        return self._turn(self._unrotated(states), torch.full((len(states),), position), 1.0)
+        return self.turned(self._unrotated(states), position)
 
     def _unrotated(self, states: torch.Tensor) -> torch.Tensor:
         norm, k_proj, v_proj, attention = self._modules()

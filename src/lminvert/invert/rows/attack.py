@@ -151,20 +151,17 @@ class Attack:
         self.screen = self.model.probe.can_screen if screen is None else screen
         self.memo = StateMemo(self.model, leak.states_layer) if memo else None
         self._calibration: Calibration | None = None
-        self._measured: dict[tuple[bool, bool], Measured] = {}
-        self._table: torch.Tensor | None = None
+        self._measured: dict[tuple, Measured] = {}  # through a public map (the audit's projections)
         self._sorted: torch.Tensor | None = None  # the table's rows sorted (for a secret permutation)
 
     @property
     def table(self) -> torch.Tensor:
         """Every token's row at position 0 ``[V, D]``."""
-        if self._table is None:  # kept on the loaded model for the next attack on this view
-            key = ("rows-table", self.leak.name, self.leak.layer.name, self.model.dtype)
-            if key not in self.model.memo:
-                states = first_position_table(self.model, self.leak.states_layer, progress=False).float()
-                self.model.memo[key] = self.leak.rows_of(states, 0)
-            self._table = self.model.memo[key]
-        return self._table
+        key = ("rows-table", self.leak.name, self.leak.layer.name)  # kept on the loaded model for the next attack
+        if key not in self.model.memo:
+            states = first_position_table(self.model, self.leak.states_layer, progress=False).float()
+            self.model.memo[key] = self.leak.rows_of(states, 0)
+        return self.model.memo[key]
 
     @property
     def sorted_table(self) -> torch.Tensor:
@@ -249,17 +246,12 @@ class Attack:
     def _measure(self, public, layouts: bool = False) -> Measured:
         """The radii's measurement through ``public``; ``layouts``: with other layouts' disagreement (a boxed error
         model's only slack is where the rows were computed: :meth:`.calibration.Calibration.measured`)."""
-        key = (public is not None, layouts)
-        if key not in self._measured:
-            # the view's own (no public map): kept on the loaded model for the next attack on this view
-            kept = ("rows-measured", self.leak.name, self.leak.layer.name, self.model.dtype, layouts)
-            if public is None and kept in self.model.memo:
-                self._measured[key] = self.model.memo[kept]
-            else:
-                self._measured[key] = self.calibration.measured(public, layouts)
-                if public is None:
-                    self.model.memo[kept] = self._measured[key]
-        return self._measured[key]
+        # the view's own radii (no public map) are kept on the loaded model for the next attack on this view
+        store: dict = self._measured if public is not None else self.model.memo
+        key = ("rows-measured", self.leak.name, self.leak.layer.name, layouts)
+        if key not in store:
+            store[key] = self.calibration.measured(public, layouts)
+        return store[key]
 
     def _engine(self, rows: list[torch.Tensor], states: HiddenStates) -> list[Recovered]:
         from .. import invert  # the public call: this module is one of its routes
