@@ -75,12 +75,17 @@ distances = st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False),
     gap=st.floats(min_value=0.01, max_value=200.0),
     reproducible=st.booleans(),
     exhausted=st.booleans(),
+    expected=st.one_of(st.just(math.inf), st.floats(min_value=0.0, max_value=50.0)),
+    guessed=st.booleans(),
 )
-def test_a_verdict_better_than_uncertain_is_separated(dists, bound, gap, reproducible, exhausted):
+def test_a_verdict_better_than_uncertain_is_separated(dists, bound, gap, reproducible, exhausted, expected, guessed):
     """Certified or confident never goes to a token that another verified candidate comes within the margin of,
-    unless the token reproduces the observation (distance 0 here: float32's resolution) or the ball is decisive."""
+    unless the token reproduces the observation (distance 0 here: float32's resolution) or the ball is decisive;
+    whatever distance the error model's own measurement expects the true token at."""
     radii = _radii(cached=1.0 + bound, plain=1.0 + bound, source=bound, rounding=1.0, gap=gap)
-    evidence = _evidence(dists, reproducible=reproducible, exhausted=exhausted, ranked=True)
+    evidence = _evidence(
+        dists, reproducible=reproducible, exhausted=exhausted, ranked=True, expected=expected, guessed=guessed
+    )
     decision = _run(evidence, radii)
     if decision.verdict not in (CERTIFIED, CONFIDENT):
         return
@@ -146,6 +151,33 @@ def test_two_fitting_candidates_are_uncertain_once_the_search_is_over():
     assert not _run(_evidence(dists, reproducible=False), radii).final
     over = _run(_evidence(dists, reproducible=False, exhausted=True), radii)
     assert (over.token, over.verdict, over.guess) == (0, UNCERTAIN, True)
+
+
+def test_rivals_that_fit_only_through_the_slack_keep_the_search_going_for_a_nearer_token():
+    """Two candidates fit a loose bound (40) far beyond the distance its measurement saw the true token at (5): the
+    search goes on past RIVALS up to FAR, re-measuring none of them but a candidate that may lie within 5; once the
+    true token comes it decides; after an earlier guess, or within the expected distance, RIVALS holds as before."""
+    radii = _radii(cached=40.0, plain=40.0, source=39.0, rounding=1.0, gap=5.0)
+    rivals = [30.0, 31.0] + [100.0] * (acceptor.RIVALS - 2)
+    plain = {0: 30.0, 1: 31.0}
+    slack = _evidence(rivals, plain, reproducible=False, expected=5.0, confirmed=True)
+    assert decide(slack, radii) == acceptor.PENDING  # searched on, with no plain forward of the rivals' neighbours
+    assert _run(Evidence(**{**slack.__dict__, "guessed": True}), radii).reason == acceptor.SEVERAL
+    assert _run(Evidence(**{**slack.__dict__, "expected": 35.0}), radii).reason == acceptor.SEVERAL
+    spent = _evidence(rivals, plain, reproducible=False, expected=5.0, confirmed=True, checked=acceptor.FAR)
+    assert (decide(spent, radii).verdict, decide(spent, radii).reason) == (UNCERTAIN, acceptor.SEVERAL)
+    arrived = _evidence([*rivals, 2.0], plain, reproducible=False, expected=5.0, confirmed=True)
+    assert decide(arrived, radii).confirm == (len(rivals),)  # the one that may lie within the expected distance
+    decision = _run(arrived, radii)
+    assert (decision.token, decision.verdict) == (len(rivals), CONFIDENT)
+
+
+def test_only_a_float_source_states_the_distance_its_bound_was_measured_at():
+    target = torch.ones(16)
+    assert Float(first=0.01, rest=0.02).measured(target, 3) == pytest.approx(0.02 * float(target.norm()))
+    assert Float(first=0.01, rest=0.02).measured(target, 0) == pytest.approx(0.01 * float(target.norm()))
+    for source in (Noise(sigma=0.01, rest=0.02), Quant(kind="int8", rest=0.02)):
+        assert source.measured(target, 3) == math.inf
 
 
 def test_a_sweep_certifies_only_the_one_token_within_the_bound():

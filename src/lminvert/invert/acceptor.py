@@ -65,7 +65,14 @@ GIVE_UP = 1024
 # verdict is uncertain either way. SmolLM2 layer 15, relative noise 1e-3..1e-2: the attention sink at position 0 (its
 # norm ~100x the others') holds several first tokens within the noise there
 RIVALS = 256
+# the same, where every candidate that fits lies beyond the distance the error model's own measurement saw the true
+# token's state at (:attr:`Evidence.expected`: they fit only through the bound's safety factor) and no earlier position
+# of the prompt was a guess: the true token is likely not verified yet. SmolLM2 layer 15, bfloat16 states of a random-id
+# prompt from a right-padded batch (bit for bit lminvert's own): at position 1 two wrong tokens fitted at 36% of the
+# state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,076th at 0.8%
+FAR = 8192
 NO_FIT = "no candidate fits the error model"
+SEVERAL = "several candidates fit the observation"
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: the separation test needs runner-ups (a wrong token alone within a loose error bound would
 # pass it; SmolLM2 layer 15, foreign bfloat16 states: a chain's single wrong guess lay within the bound)
@@ -119,6 +126,11 @@ class Evidence:
     # distances are measured beyond a box the error model allows coordinate by coordinate (a quantisation's): a
     # distance of 0 reproduces nothing, it only says the row fits
     boxed: bool = False
+    # how far the true token's plain state lay from the observation in the error model's own measurement (its bound
+    # without the safety factor: :meth:`lminvert.invert.sources.ErrorModel.measured`; inf: no such figure); while the
+    # candidates that fit all lie beyond it, the search goes on past ``RIVALS`` up to ``FAR``
+    expected: float = math.inf
+    guessed: bool = False  # an earlier position of the prompt was a guess (several fit, or none)
 
 
 @dataclass(frozen=True)
@@ -212,6 +224,9 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     best = min(measured, key=plain.__getitem__)
     bound = margin(plain[best], radii, evidence.reproducible, evidence.boxed)
     twins = {best, *evidence.twins.get(best, ())}
+    far = _far(evidence, radii, best, bound, twins)
+    if far is not None:
+        return far
     # every other verified candidate, by its plain distance or the least its cached one allows
     unsure = _unsure(evidence, radii, bound, twins)
     if unsure:
@@ -221,9 +236,28 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
         return PENDING  # separated from what? the ranking's top candidates first
     if rivals:
         if evidence.exhausted or _spent(evidence, RIVALS):
-            return Decision(best, UNCERTAIN, guess=True, reason="several candidates fit the observation")
+            return Decision(best, UNCERTAIN, guess=True, reason=SEVERAL)
         return PENDING  # a candidate not verified yet may be decisively closer
     return _verdict(evidence, radii, best)
+
+
+def _far(evidence: Evidence, radii: Radii, best: int, bound: float, twins: set[int]) -> Decision | None:
+    """Where the nearest re-measured candidate and a rival within its margin both fit only through the bound's safety
+    factor (beyond :attr:`Evidence.expected`, no earlier position a guess): the true token is likely not verified yet,
+    so only candidates that may lie within the expected distance are re-measured, and the search goes on up to ``FAR``
+    before the nearest is a guess (None: not that case; the rivals need no plain forward each)."""
+    plain = evidence.plain
+    near = evidence.expected + radii.plain - radii.source  # a plain distance within the measurement itself
+    if evidence.reproducible or evidence.guessed or plain[best] <= near:
+        return None
+    if not any(d <= bound for i, d in plain.items() if i not in twins):
+        return None
+    closer = _unsure(evidence, radii, near, twins)
+    if closer:
+        return Decision(confirm=tuple(closer[:MAX_CONFIRM]))
+    if evidence.exhausted or _spent(evidence, FAR):
+        return Decision(best, UNCERTAIN, guess=True, reason=SEVERAL)
+    return PENDING
 
 
 def margin(distance: float, radii: Radii, reproducible: bool, boxed: bool = False) -> float:

@@ -111,6 +111,7 @@ class PromptSearch:
         target = self.targets[t]
         calibration = self.settings.calibration
         source = self.settings.source.bound(target, t)  # the error model's bound on the observation's error
+        self.expected = self.settings.source.measured(target, t)  # that bound's own measurement
         rounding = calibration.radius(target)
         self.radius = rounding + source
         self.confirm_radius = calibration.confirm_radius(target) + source
@@ -311,6 +312,8 @@ class PromptSearch:
             fitted=self.fitted,
             reproduced=self.reproduced,
             twins=self.settings.ties,
+            expected=self.expected,
+            guessed=self.guessed,
         )
 
     def _examine(self) -> None:

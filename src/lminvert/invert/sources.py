@@ -55,6 +55,12 @@ class ErrorModel:
     def bound(self, target: torch.Tensor, position: int) -> float:
         return self.computed(target, position)
 
+    def measured(self, target: torch.Tensor, position: int) -> float:
+        """How far the true token's state lay from the observation in the measurement the bound was made from (the
+        bound without its safety factor; inf where the model states no such figure): a candidate that fits only beyond
+        it fits through the slack (:attr:`lminvert.invert.acceptor.Evidence.expected`)."""
+        return math.inf
+
     def distances(self, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """How far each candidate row ``[n, k]`` lies from the observed ``target`` ``[k]`` beyond what the error model
         allows coordinate by coordinate (float64 ``[n]``): L2 here. Every such distance is 1-Lipschitz in the candidate
@@ -110,6 +116,9 @@ class Float(ErrorModel):
     name: str = "float"
     reproducible: bool = False
     elsewhere: bool = True
+
+    def measured(self, target: torch.Tensor, position: int) -> float:
+        return self.computed(target, position) / SAFETY
 
 
 @dataclass(frozen=True)
