@@ -71,6 +71,7 @@ RIVALS = 256
 # prompt from a right-padded batch (bit for bit lminvert's own): at position 1 two wrong tokens fitted at 36% of the
 # state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,076th at 0.8%
 FAR = 8192
+FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
@@ -252,7 +253,10 @@ def _far(evidence: Evidence, radii: Radii, best: int, bound: float, twins: set[i
         return None
     if not any(d <= bound for i, d in plain.items() if i not in twins):
         return None
-    closer = _unsure(evidence, radii, near, twins)
+    # re-measured: candidates whose cached distance itself lies within it, FAR_CONFIRM at most per position (a plain
+    # forward each; the cached rounding radius is the calibration's worst times SAFETY, so less it every rival is near)
+    closer = [i for i, d in zip(evidence.ids.tolist(), evidence.dists.tolist(), strict=True) if d <= near]
+    closer = [i for i in closer if i not in plain and i not in twins][: max(0, FAR_CONFIRM - len(plain))]
     if closer:
         return Decision(confirm=tuple(closer[:MAX_CONFIRM]))
     if evidence.exhausted or _spent(evidence, FAR):
