@@ -69,7 +69,7 @@ RIVALS = 256
 # token's state at (:attr:`Evidence.expected`: they fit only through the bound's safety factor) and no earlier position
 # of the prompt was a guess: the true token is likely not verified yet. SmolLM2 layer 15, bfloat16 states of a random-id
 # prompt from a right-padded batch (bit for bit lminvert's own): at position 1 two wrong tokens fitted at 36% of the
-# state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,076th at 0.8%
+# state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,077th at 0.8%
 FAR = 8192
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
@@ -225,14 +225,14 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     best = min(measured, key=plain.__getitem__)
     bound = margin(plain[best], radii, evidence.reproducible, evidence.boxed)
     twins = {best, *evidence.twins.get(best, ())}
-    far = _far(evidence, radii, best, bound, twins)
+    rivals = [i for i, d in plain.items() if i not in twins and d <= bound]
+    far = _far(evidence, radii, best, bool(rivals), twins)
     if far is not None:
         return far
     # every other verified candidate, by its plain distance or the least its cached one allows
     unsure = _unsure(evidence, radii, bound, twins)
     if unsure:
         return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
-    rivals = [i for i, d in plain.items() if i not in twins and d <= bound]
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
     if rivals:
@@ -242,16 +242,14 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     return _verdict(evidence, radii, best)
 
 
-def _far(evidence: Evidence, radii: Radii, best: int, bound: float, twins: set[int]) -> Decision | None:
-    """Where the nearest re-measured candidate and a rival within its margin both fit only through the bound's safety
-    factor (beyond :attr:`Evidence.expected`, no earlier position a guess): the true token is likely not verified yet,
-    so only candidates that may lie within the expected distance are re-measured, and the search goes on up to ``FAR``
-    before the nearest is a guess (None: not that case; the rivals need no plain forward each)."""
+def _far(evidence: Evidence, radii: Radii, best: int, rivalled: bool, twins: set[int]) -> Decision | None:
+    """Where the nearest re-measured candidate and a rival within its margin (``rivalled``) both fit only through the
+    bound's safety factor (beyond :attr:`Evidence.expected`, no earlier position a guess): the true token is likely
+    not verified yet, so only candidates that may lie within the expected distance are re-measured, and the search goes
+    on up to ``FAR`` before the nearest is a guess (None: not that case; the rivals need no plain forward each)."""
     plain = evidence.plain
     near = evidence.expected + radii.plain - radii.source  # a plain distance within the measurement itself
-    if evidence.reproducible or evidence.guessed or plain[best] <= near:
-        return None
-    if not any(d <= bound for i, d in plain.items() if i not in twins):
+    if evidence.reproducible or evidence.guessed or not rivalled or plain[best] <= near:
         return None
     # re-measured: candidates whose cached distance itself lies within it, FAR_CONFIRM at most per position (a plain
     # forward each; the cached rounding radius is the calibration's worst times SAFETY, so less it every rival is near)
