@@ -232,3 +232,50 @@ def test_position_0_run_alone_is_certified_where_the_table_does_not_reproduce_it
     search(Noise(sigma=0.01), capture)
     assert ran == []  # under noise no candidate reproduces anything: nothing runs alone
     assert Float().bitwise and not Noise().bitwise
+
+
+def test_a_later_position_where_several_fit_is_certified_only_by_a_replay_that_reproduces_its_row():
+    """Where the cached forward's rounding lets several candidates fit a later row (the acceptor: several fit, a
+    guess), their replay through the view's capture, shaped like the observer's (prefix, token, a fill to the prompt's
+    length), records the one that reproduces the row bit for bit, and the acceptor then certifies it; a replay that
+    reproduces nothing records nothing, and under noise nothing is replayed."""
+    from lminvert.invert import acceptor
+    from lminvert.invert.acceptor import Evidence, Radii
+    from lminvert.invert.rows.replay import ALONE, Replay
+    from lminvert.invert.rows.verified import Verified
+    from lminvert.invert.sources import Float, Noise
+
+    gen = torch.Generator().manual_seed(3)
+    target, true, prefix, length = torch.randn(16, generator=gen), 7, [4, 5], 6
+    ids = torch.tensor([3, true, 9, 11])
+    rows = target + torch.tensor([0.05, 0.04, 0.06, 0.3])[:, None] * torch.randn(4, 16, generator=gen)
+    ran: list[list[int]] = []
+
+    def capture(sequence: list[int], reproduces: bool = True) -> torch.Tensor:
+        ran.append(sequence)
+        out = torch.zeros(len(sequence), 16)
+        good = reproduces and sequence[len(prefix)] == true
+        out[len(prefix)] = target if good else target + 0.05
+        return out
+
+    def decide(replay: Replay) -> tuple[acceptor.Decision, Verified]:
+        seen = Verified(target, Float().distances)
+        _, _, dists = seen.add(ids, rows)
+        radii = Radii(2.0, 2.0, 0.1, 1.9, 0.0, 1e-6)
+        evidence = Evidence(ids, dists, rows, target, seen.measured, radii.cached, False, exhausted=True, checked=4)
+        first = acceptor.decide(evidence, radii)
+        assert first.reason == acceptor.SEVERAL and first.guess
+        if replay.later(prefix, length, seen, dists, ids, radii):
+            return acceptor.decide(evidence, radii), seen
+        return first, seen
+
+    decision, seen = decide(Replay(capture, Float()))
+    assert (decision.token, decision.verdict) == (true, "certified") and seen.measured[true] == 0.0
+    assert all(len(s) == length and s[: len(prefix)] == prefix for s in ran) and len(ran) <= ALONE
+    ran.clear()
+    decision, seen = decide(Replay(lambda s: capture(s, reproduces=False), Float()))
+    assert decision.verdict == "uncertain" and len(ran) == len(ids)  # each nearest tried, none recorded
+    assert seen.measured == dict(zip(ids.tolist(), Float().distances(rows, target).tolist(), strict=True))
+    ran.clear()
+    assert decide(Replay(capture, Noise(sigma=0.01)))[0].verdict == "uncertain" and ran == []
+    assert not Replay(None, Float()).later(prefix, length, seen, seen.dists[0], ids, Radii(2, 2, 0, 2, 0, 0))

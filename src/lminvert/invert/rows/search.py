@@ -6,7 +6,7 @@ For each position, the candidates' states are computed over the recovered prefix
 L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
 its verdict. Every distance is measured by the cached forward, with its rounding inside the radii, but at position 0,
 whose nearest candidates are also run alone through the view's own capture where the source may be a plain forward's
-bit for bit and the table does not reproduce the row (:meth:`RowSearch._alone_first`). Candidates come from rankers:
+bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.first`). Candidates come from rankers:
 position 0 from the first-position table (every token verified at once), later positions the model's own next-token
 prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; for a
 view whose rows depend on their token and position alone, block 1's cache, the table's rows nearest the row moved back
@@ -52,6 +52,7 @@ from .calibration import Measured, Rows
 from .lookahead import Lookahead
 from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
+from .replay import Replay
 from .running import Running
 from .screen import Screen, Screened
 from .verified import Found, Measure, Verified, measure
@@ -63,9 +64,6 @@ FIRST = 32  # the first batch at a position after the first (then the rest of BA
 # nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
 # prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
-ALONE = 8  # position 0's nearest candidates within the error bound run alone through the view's own capture, at most
-# (SmolLM2 block 15, bfloat16 caches of 6 held-out prompts: the true first token was the table's nearest in all 6; run
-# alone it reproduced the cache's row bit for bit in all 6, its batched table row in 2)
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -120,7 +118,8 @@ class RowSearch:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
         self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
-        self.capture = capture
+        self.capture, self.replay = capture, Replay(capture, self.source)
+        self.length = 0  # the rows of the prompt being searched
         self.ahead = Lookahead(self, capture, kept)
 
     def radii(self, shipped: torch.Tensor, t: int) -> Radii:
@@ -142,6 +141,7 @@ class RowSearch:
         running = Running(self.model, self.layer, self.reuse)
         if self.secant is not None:
             self.secant.begin_prompt()
+        self.length = len(shipped)
         for t, row in enumerate(shipped.float()):
             after = shipped[t + 1].float() if t + 1 < len(shipped) else None
             following = reads[t + 1] if t + 1 < len(shipped) else None
@@ -155,7 +155,7 @@ class RowSearch:
                 # an alone view's candidates need no running prefix: its rows do not read it
                 decision, count, chosen = self._position(
                     ids, row, t, fitted, reads[t], None if self.alone else running, budget, self.secant,
-                    lead if t == 1 else None,
+                    lead if t == 1 else None, after_guess,
                 )  # fmt: skip
                 broken = decision.unfitted
             if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
@@ -173,26 +173,15 @@ class RowSearch:
             running.add(decision.token)
         return replace(trail, seconds=time.perf_counter() - start)
 
-    def _alone_first(self, t: int, seen: Verified, ids: torch.Tensor, dists: torch.Tensor, radii: Radii) -> None:
-        """At position 0 (``t``), its nearest candidates within the error bound (``ALONE`` at most, where the table's
-        nearest does not reproduce the row already) run alone through the view's own capture: a plain forward of the
-        token by itself, which computes position 0 as any prompt does (attention sees nothing before it) in the shape
-        that kernels round alike; their distances replace the batched table's in ``seen.measured`` (the acceptor's
-        plain distances), until one reproduces the row bit for bit. Only where the source may be a plain forward's bit
-        for bit (``float``) and the view's capture is known (no public map)."""
-        if t != 0 or self.capture is None or not self.source.bitwise or self.source.boxed or not len(dists):
-            return
-        near = dists.argsort()
-        if float(dists[near[0]]) <= radii.resolution:
-            return  # the table's row reproduces it already
-        for i in near[:ALONE].tolist():
-            if float(dists[i]) > radii.cached:
-                break
-            token = int(ids[i])
-            distance = float(self.source.distances(self.capture([token])[:1].float(), seen.target)[0])
-            seen.measured[token] = distance
-            if distance <= radii.resolution:
-                break
+    def _decided(self, evidence: Evidence, radii: Radii, prefix: list[int], seen: Verified) -> acceptor.Decision:
+        """The acceptor's decision; where several candidates fit a later position's row, after their replay through
+        the view's capture (:meth:`.replay.Replay.later`) when one reproduced the row."""
+        decision = acceptor.decide(evidence, radii)
+        if decision.reason == acceptor.SEVERAL and self.replay.later(
+            prefix, self.length, seen, evidence.dists, evidence.ids, radii
+        ):
+            return acceptor.decide(evidence, radii)
+        return decision
 
     def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
         """Every token, most likely next first (the model's own prediction from the recovered prefix; from
@@ -331,12 +320,12 @@ class RowSearch:
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
         running: Running | None = None, budget: int | None = None, secant: Secant | None = None,
-        lead: int | None = None,
+        lead: int | None = None, guessed: bool = False,
     ) -> tuple[acceptor.Decision, int, Measure]:  # fmt: skip
         """The decision at position ``t`` after ``prefix_ids`` (``running``: the search's recovered prefix, whose
-        caches serve it where it is ``prefix_ids``; ``budget``: no candidate is offered after that many; ``secant``:
-        the prompt's secant model, which learns from this position; ``lead``: a token verified first, before the
-        rankers' order), the candidates verified, the chosen token's :class:`.verified.Measure`."""
+        caches serve it where it is ``prefix_ids``; ``budget``: no candidate offered after that many; ``secant``: the
+        prompt's secant model, learning from this position; ``lead``: verified first; ``guessed``: an earlier position
+        was a guess), the candidates verified, the chosen token's :class:`.verified.Measure`."""
         radii, vocab = self.radii(target, t), self.model.probe.vocab_size
         prefix = self._prefix(prefix_ids, running)
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
@@ -360,7 +349,7 @@ class RowSearch:
             # verified in full (acceptor.POPULATION), which the rankers' first candidates make
             full, fresh, every = self._batch(prefix_ids, batch, prefix, ran, target, out if n else None)
             ids, rows, dists = seen.add(full, fresh)
-            self._alone_first(t, seen, ids, dists, radii)
+            self.replay.first(t, seen, ids, dists, radii)
             known = (ids, rows) if pool is seen else pool.add(batch, every)[:2]
             if learning is not None:
                 learning.add(batch, every)
@@ -370,8 +359,9 @@ class RowSearch:
                 ids, dists, rows, target, seen.measured, radii.cached, False,
                 exhausted=spent or (budget is not None and checked >= budget), swept=spent, checked=checked,
                 fitted=fitted, twins=self.twins, boxed=self.source.boxed,
+                expected=self.source.measured(target, t), guessed=guessed,
             )  # fmt: skip
-            decision = acceptor.decide(evidence, radii)
+            decision = self._decided(evidence, radii, prefix_ids, seen)
             if decision.unfitted and out is not None:  # nothing fits: the screened-out that may be nearer, in full
                 nearer = out.take(float(dists.min()) if len(dists) else math.inf)
                 if len(nearer):
