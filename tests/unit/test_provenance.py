@@ -79,3 +79,29 @@ def test_the_numeric_path_follows_the_cpu_features_not_a_timing(monkeypatch):
     assert lminvert.load_model("tiny-llama", dtype="bfloat16").probe.numeric_path == "native"
     assert halfmath.half_is_slow(torch.float16) and not halfmath.half_is_slow(torch.bfloat16)
     assert lminvert.load_model("tiny-llama").probe.numeric_path == "native"  # float32 is never replaced
+
+
+def test_several_layers_tables_are_built_in_one_pass_and_equal_one_layers(isolated_cache, monkeypatch):
+    """:func:`first_position_tables` builds the tables not kept in one pass of the vocabulary (the audit's units read
+    several layers' tables); each is the one a layer's own pass gives, and one already kept is read, not rebuilt."""
+    model = lminvert.load_model("tiny-llama")
+    layers = [model.probe.layer(i) for i in (0, 1, 2)]
+    kept = first_position_table(model, layers[1], progress=False)
+    passes: list[list[int]] = []
+    real = tables.vocabulary_states
+
+    def counted(m, prefix, wanted, **kwargs):
+        passes.append([int(x) for x in wanted])
+        return real(m, prefix, wanted, **kwargs)
+
+    monkeypatch.setattr(tables, "vocabulary_states", counted)
+    together = tables.first_position_tables(model, layers, progress=False)
+    assert passes == [[0, 2]]  # layer 1 was kept already
+    assert torch.equal(together[layers[1]], kept)
+    fresh = lminvert.load_model("tiny-llama")
+    monkeypatch.setattr(tables, "read_tables", lambda *a, **k: None)  # nothing kept: each layer's own pass
+    for layer in layers:
+        alone = first_position_table(fresh, layer, progress=False)
+        assert torch.equal(together[layer], alone)
+        fresh.memo.clear()
+    assert len(passes) == 1 + len(layers)

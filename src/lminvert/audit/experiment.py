@@ -19,6 +19,7 @@ from ..experiments.base import Context, Experiment, Row, Unit
 from ..experiments.prompts import evaluation_prompts
 from ..forward import encode
 from ..invert.rows.attack import Attack, Recovered
+from ..invert.tables import first_position_tables
 from ..models import LoadedModel
 from .defences import DEFAULT, parse_defence, perturbation
 from .leaks import Leak, make_leak, outputs
@@ -115,6 +116,16 @@ class Audit(Experiment):
 
         return ctx.once(("prompts", model.name), build)
 
+    def _tables(self, ctx: Context, model: LoadedModel) -> None:
+        """Every first-position table the units of ``model`` read, those not kept built in one pass of the
+        vocabulary."""
+        leaks = [
+            make_leak(leak, model, layer)
+            for leak in ctx.size["leaks"]
+            for layer in model.probe.layers(ctx.size["layers"])
+        ]
+        first_position_tables(model, [leak.states_layer for leak in leaks])
+
     def units(self, ctx: Context) -> list[Unit]:
         units = []
         defences = [parse_defence(d) for d in ctx.size["defences"]]
@@ -135,6 +146,7 @@ class Audit(Experiment):
         model = ctx.load(p["model"])
         layer = model.probe.layer(p["layer"] if p["layer"] == "final" else int(p["layer"]))
         prompts = self._prompts(ctx, model)
+        ctx.once(("tables", p["model"]), lambda: self._tables(ctx, model))
         leak = make_leak(p["leak"], model, layer)
         attack = ctx.once(("attack", p["model"], p["leak"], str(layer)), lambda: Attack(leak))
         for other in ctx.memo.values():  # the states kept for another leak or layer serve no later unit

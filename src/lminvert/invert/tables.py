@@ -144,8 +144,32 @@ def squared_norms(model: LoadedModel, name: str, matrix: torch.Tensor) -> torch.
     return model.memo[key]
 
 
+def first_position_tables(
+    model: LoadedModel, layers: list[Layer], batch: int = 1024, progress: bool = True
+) -> dict[Layer, torch.Tensor]:
+    """:func:`first_position_table` at each of ``layers``, those not kept yet built together: one pass of the
+    vocabulary up to the highest of them (a pass to layer ``L`` costs ``L`` blocks, whatever the number of layers it
+    reads), instead of a pass per layer."""
+    held = {layer for layer in layers if _kept(model, layer, "table")}
+    missing = sorted({layer for layer in layers if layer not in held}, key=int)
+    if len(missing) > 1:
+        desc = f"first-position tables (layers {', '.join(layer.name for layer in missing)})"
+        parts = list(vocabulary_states(model, [], missing, batch=batch, progress=progress, desc=desc))
+        for layer in missing:
+            cached(model, layer, "table", lambda layer=layer: torch.cat([states[layer] for _, states in parts]))
+    return {layer: first_position_table(model, layer, batch, progress) for layer in layers}
+
+
+def _kept(model: LoadedModel, layer: Layer, kind: str) -> bool:
+    """Whether :func:`cached` holds ``kind`` at ``layer`` (on the loaded model, or on disk under this provenance)."""
+    if (kind, int(layer), model.dtype, None) in model.memo:
+        return True
+    return table_path(model, layer, kind).is_file() and read_tables(model, layer, kind) is not None
+
+
 def first_position_table(model: LoadedModel, layer: Layer, batch: int = 1024, progress: bool = True) -> torch.Tensor:
-    """``[V, d]`` float32 states of each token alone at ``layer`` (built and cached on first use)."""
+    """``[V, d]`` float32 states of each token alone at ``layer`` (built and cached on first use;
+    :func:`first_position_tables`: several layers in one pass)."""
 
     def build() -> torch.Tensor:
         desc = f"first-position table (layer {layer.name})"
