@@ -131,6 +131,10 @@ def test_a_source_that_cannot_be_reproduced_gives_up_after_a_bounded_budget():
     many = [50.0 + i for i in range(acceptor.GIVE_UP)]
     decision = decide(_evidence(many, reach=1.0, reproducible=False), _radii())
     assert decision.verdict == UNCERTAIN and decision.reason == acceptor.NO_FIT
+    # where an earlier position fitted, the search goes on through the budget, unless an earlier one was a guess
+    assert not decide(_evidence(many, reach=1.0, reproducible=False, fitted=True), _radii()).final
+    after_guess = decide(_evidence(many, reach=1.0, reproducible=False, fitted=True, guessed=True), _radii())
+    assert (after_guess.verdict, after_guess.reason, after_guess.guess) == (UNCERTAIN, acceptor.NO_FIT, True)
 
 
 def test_confident_needs_the_rankings_top_candidates():

@@ -58,7 +58,10 @@ SEARCH_ON = 4096
 # (more cannot make the verdict better than ``uncertain``), or while nothing fits and no earlier position of the prompt
 # did (another model, another layer, a fine-tune, noise above the gaps: the search ends in bounded time). Where an
 # earlier position fitted, a position is searched through its budget as for lminvert's own states (SmolLM2 layer 30,
-# no reading network: the true token of a random-id prompt's position can rank past 1,024)
+# no reading network: the true token of a random-id prompt's position can rank past 1,024), unless an earlier position
+# was a guess: the prefix is likely wrong, so nothing may fit, and the verdict is uncertain whatever is found (SmolLM2
+# layer 15, bfloat16 states of a random-id prompt from a right-padded batch: after a wrong guess at position 1, each
+# later position swept the vocabulary, 67 s each)
 GIVE_UP = 1024
 # candidates a position of a source that cannot be reproduced may verify while two of them fit (within each other's
 # margin): a candidate verified later rarely separates them (it would have to lie decisively nearer than both), and the
@@ -69,8 +72,9 @@ RIVALS = 256
 # token's state at (:attr:`Evidence.expected`: they fit only through the bound's safety factor) and no earlier position
 # of the prompt was a guess: the true token is likely not verified yet. SmolLM2 layer 15, bfloat16 states of a random-id
 # prompt from a right-padded batch (bit for bit lminvert's own): at position 1 two wrong tokens fitted at 36% of the
-# state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,077th at 0.8%
-FAR = 8192
+# state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,077th at 0.8%; in another
+# (seed 3's sixth), about 14,300th: 8,192 ended in a wrong guess there, and every later position uncertain
+FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
@@ -176,7 +180,7 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     """The decision at one position given ``evidence`` (see the module docstring)."""
     found = contenders(evidence, radii)
     if not found:
-        if evidence.exhausted or (_spent(evidence) and not evidence.fitted):
+        if evidence.exhausted or (_spent(evidence) and (not evidence.fitted or evidence.guessed)):
             return _nearest(evidence, UNCERTAIN, NO_FIT, guess=True)
         return PENDING
     if _fast(evidence, radii, found):
