@@ -6,7 +6,9 @@ For each position, the candidates' states are computed over the recovered prefix
 L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
 its verdict. Every distance is measured by the cached forward, with its rounding inside the radii, but at position 0,
 whose nearest candidates are also run alone through the view's own capture where the source may be a plain forward's
-bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.first`). Candidates come from rankers:
+bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.first`), and at a later position where
+the acceptor finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
+(:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers:
 position 0 from the first-position table (every token verified at once), later positions the model's own next-token
 prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; for a
 view whose rows depend on their token and position alone, block 1's cache, the table's rows nearest the row moved back
