@@ -116,22 +116,39 @@ def cached(
 ) -> torch.Tensor:
     """``build()`` once per weights, dtype and layer (and device type, with ``per_device``): kept on the loaded
     model and on disk (a CPU tensor in the file; not for a hooked model), always returned on the model's device."""
-    device = model.device
-    key = (kind, int(layer), model.dtype, device.type if per_device else None)
+    value = kept(model, layer, kind, per_device)
+    if value is not None:
+        return value
+    start = time.perf_counter()
+    value = build().detach().cpu().contiguous()
+    write_tables(model, layer, kind, {"value": value}, model.device.type if per_device else None)
+    log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
+    return _hold(model, layer, kind, per_device, value)
+
+
+def kept(model: LoadedModel, layer: Layer, kind: str, per_device: bool = False) -> torch.Tensor | None:
+    """What :func:`cached` keeps of ``kind`` at ``layer``, on the model's device (read from disk once, then held on
+    the loaded model), or None: nothing kept under this provenance."""
+    key = _key(model, layer, kind, per_device)
     if key in model.memo:
         return model.memo[key]
-    stored = read_tables(model, layer, kind, device.type if per_device else None)
-    if stored is not None:
-        (value,) = stored.values()
-    else:
-        start = time.perf_counter()
-        value = build().detach().cpu().contiguous()
-        write_tables(model, layer, kind, {"value": value}, device.type if per_device else None)
-        log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
-    if device.type == "mps" and value.dtype == torch.float64:  # MPS has no float64
+    stored = read_tables(model, layer, kind, model.device.type if per_device else None)
+    if stored is None:
+        return None
+    (value,) = stored.values()
+    return _hold(model, layer, kind, per_device, value)
+
+
+def _key(model: LoadedModel, layer: Layer, kind: str, per_device: bool) -> tuple:
+    return (kind, int(layer), model.dtype, model.device.type if per_device else None)
+
+
+def _hold(model: LoadedModel, layer: Layer, kind: str, per_device: bool, value: torch.Tensor) -> torch.Tensor:
+    """``value`` on the model's device, held on the loaded model for :func:`kept`."""
+    if model.device.type == "mps" and value.dtype == torch.float64:  # MPS has no float64
         value = value.float()
-    value = value.to(device)
-    model.memo[key] = value
+    value = value.to(model.device)
+    model.memo[_key(model, layer, kind, per_device)] = value
     return value
 
 
@@ -150,21 +167,13 @@ def first_position_tables(
     """:func:`first_position_table` at each of ``layers``, those not kept yet built together: one pass of the
     vocabulary up to the highest of them (a pass to layer ``L`` costs ``L`` blocks, whatever the number of layers it
     reads), instead of a pass per layer."""
-    held = {layer for layer in layers if _kept(model, layer, "table")}
-    missing = sorted({layer for layer in layers if layer not in held}, key=int)
+    missing = sorted({layer for layer in layers if kept(model, layer, "table") is None}, key=int)
     if len(missing) > 1:
         desc = f"first-position tables (layers {', '.join(layer.name for layer in missing)})"
         parts = list(vocabulary_states(model, [], missing, batch=batch, progress=progress, desc=desc))
         for layer in missing:
             cached(model, layer, "table", lambda layer=layer: torch.cat([states[layer] for _, states in parts]))
     return {layer: first_position_table(model, layer, batch, progress) for layer in layers}
-
-
-def _kept(model: LoadedModel, layer: Layer, kind: str) -> bool:
-    """Whether :func:`cached` holds ``kind`` at ``layer`` (on the loaded model, or on disk under this provenance)."""
-    if (kind, int(layer), model.dtype, None) in model.memo:
-        return True
-    return table_path(model, layer, kind).is_file() and read_tables(model, layer, kind) is not None
 
 
 def first_position_table(model: LoadedModel, layer: Layer, batch: int = 1024, progress: bool = True) -> torch.Tensor:

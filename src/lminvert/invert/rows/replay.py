@@ -54,8 +54,9 @@ class Replay:
         for i in near[:ALONE].tolist():
             if float(dists[i]) > radii.cached:
                 break
-            distance = self._distance([int(ids[i])], 0, seen)
-            seen.measured[int(ids[i])] = distance
+            token = int(ids[i])
+            distance = self._distance([token], 0, seen)
+            seen.measured[token] = distance
             if distance <= radii.resolution:
                 break
 

@@ -120,7 +120,7 @@ class RowSearch:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
         self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
-        self.capture, self.replay = capture, Replay(capture, self.source)
+        self.replay = Replay(capture, self.source)
         self.length = 0  # the rows of the prompt being searched
         self.ahead = Lookahead(self, capture, kept)
 
