@@ -39,7 +39,7 @@ from .rankers import Secant, StateReading
 from .screen import Screen
 from .search import FIRST, RowSearch
 
-NEXT_KIND = "rows-next3"  # the cache's name for the lookahead rule's measurement (with the view's and source's)
+NEXT_KIND = "rows-next4"  # the cache's name for the lookahead rule's measurement (with the view's and source's)
 
 
 class Shipped(Protocol):

@@ -84,7 +84,9 @@ class Lookahead:
             if looked.under != looked.token or following.verdict == acceptor.UNCERTAIN:
                 # the next position's own search under the chosen first token, the next token found verified first
                 # (the rankers' order from one token of context can miss it: "Inv" + "oice", 38,786th)
-                following, count, _ = search._position([looked.token], after, 1, False, reading, lead=following.token)
+                following, count, _ = search._position(
+                    [looked.token], after, 1, False, reading, lead=following.token, secant=search.secant
+                )
                 ran += count
             rival_fits, count = self._rival(looked, after, reading)
             ran += count
@@ -103,7 +105,8 @@ class Lookahead:
         if not bool(others.any()):
             return False, 0
         rival = int(ids[others][dists[others].argmin()])
-        decision, count, _ = self.search._position([rival], after, 1, False, reading, budget=RIVAL)
+        search = self.search
+        decision, count, _ = search._position([rival], after, 1, False, reading, budget=RIVAL, secant=search.secant)
         return not decision.unfitted, count
 
     def calibration(self) -> tuple[int, int] | None:
@@ -124,6 +127,8 @@ class Lookahead:
         generator = torch.Generator().manual_seed(0)
         for ids in calibration_prompts(search.model, n=PROMPTS, length=2, seed=1):
             rows = search.source.simulate(self.capture(ids)[:2].float(), generator)
+            if search.secant is not None:  # each calibration prompt's next-row search starts as a leak's does
+                search.secant.begin_prompt()
             own, _, _ = search._position([], rows[0], 0, False)
             if not own.guess:
                 continue
@@ -153,7 +158,9 @@ class Lookahead:
             if guess in guessed:
                 continue
             guessed.add(guess)
-            following, count, _ = search._position([*prefix_ids, guess], after, t + 1, False, reading)
+            following, count, _ = search._position(
+                [*prefix_ids, guess], after, t + 1, False, reading, secant=search.secant
+            )
             ran += count
             assert following.token is not None
             if following.token in tried:
