@@ -2,15 +2,16 @@
 tokens fit position 0's row (an attention sink's huge norm lets noise or quantisation cover the gaps between first
 tokens there), none does, or the row is missing.
 
-Given each of the likeliest tokens in turn, the next token is found; then tokens at the position are tried under that
-next token until the acceptor finds one under which the next row fits. At position 0 the evidence of that choice goes
-to the acceptor (:class:`lminvert.invert.acceptor.NextRow`): every first token its own row allows verified under the
-next token, the next position's own search under the chosen one, the runner-up's own search, and how often the rule
-claimed a calibration prompt wrongly under the same error model (:meth:`Lookahead.calibration`, measured on prompts the
-model provides with the source's own perturbation: :meth:`lminvert.invert.sources.ErrorModel.simulate`). Where it is
+Given each of the likeliest tokens in turn, the next token is found (by the search's own rankers and the prompt's secant
+model, which starts from the position-1 map: after "Inv" the model's prediction put "oice" about 41,000th and the row's
+reading about 31,000th, the secant model in the first batch); then tokens at the position are tried under that next
+token until the acceptor finds one under which the next row fits. At position 0 the evidence of that choice goes to the
+acceptor (:class:`lminvert.invert.acceptor.NextRow`): every first token its own row allows verified under the next
+token, the next position's own search under the chosen one, the runner-up's own search, and how often the rule claimed a
+calibration prompt wrongly under the same error model (:meth:`Lookahead.calibration`, measured on prompts the model
+provides with the source's own perturbation: :meth:`lminvert.invert.sources.ErrorModel.simulate`). Where it is
 ``confident``, later positions are judged on their own rows; else it is a guess and every later position is
-``uncertain``.
-"""
+``uncertain``."""
 
 from __future__ import annotations
 
