@@ -20,6 +20,21 @@ TEXTS = ["Contact Jane Doe at jane.doe@example.com", "Our staging password is Tr
 CLAIMED = ("certified", "confident")
 
 
+def _captured(model: lminvert.LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Layer 15's states of ``ids`` as a transformers user captures them (``hidden_states[15]``)."""
+    with torch.no_grad():
+        return model.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[15][0]
+
+
+def _noisy(model: lminvert.LoadedModel, ids: list[int], sigma: float, seed: int) -> lminvert.InversionResult:
+    """``ids``' layer-15 capture under ``sigma`` relative noise (seed ``seed``), inverted as ``noise:sigma``, with
+    nothing wrong claimed."""
+    noisy = add_noise(_captured(model, ids).float(), sigma, torch.Generator().manual_seed(seed))
+    (result,) = lminvert.invert(model, HiddenStates.from_array(noisy), 15, source=f"noise:{sigma}")
+    _no_wrong_claim(result.token_ids, ids, result.verdicts)
+    return result
+
+
 def _no_wrong_claim(recovered: list[int], truth: list[int], verdicts: list[str]) -> None:
     for token, right, verdict in zip(recovered, truth, verdicts, strict=True):
         assert token == right or verdict not in CLAIMED, (recovered, truth, verdicts)
@@ -48,8 +63,7 @@ def test_a_left_padded_transformers_kv_cache_inverts_every_token(smollm2, tmp_pa
 
 def test_int8_states_invert_every_token_and_claim_nothing_wrong(smollm2):
     ids = list(smollm2.tokenize(TEXTS[1]))
-    with torch.no_grad():
-        hidden = smollm2.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[15][0]
+    hidden = _captured(smollm2, ids)
     (result,) = lminvert.invert(smollm2, HiddenStates.from_array(Quant(kind="int8").quantise(hidden)), 15,
                                 source="quant:int8")  # fmt: skip
     assert result.policy == "rows"
@@ -62,11 +76,7 @@ def test_states_under_one_percent_noise_invert_every_token_and_most_positions_ar
     """Position 0 (an attention sink: noise covers the gaps between first tokens there) is chosen by the next row,
     and confident where that rule's evidence holds; later positions are judged on their own rows."""
     ids = list(smollm2.tokenize(TEXTS[1]))
-    with torch.no_grad():
-        hidden = smollm2.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[15][0]
-    noisy = add_noise(hidden.float(), 0.01, torch.Generator().manual_seed(3))
-    (result,) = lminvert.invert(smollm2, HiddenStates.from_array(noisy), 15, source="noise:0.01")
-    _no_wrong_claim(result.token_ids, ids, result.verdicts)
+    result = _noisy(smollm2, ids, 0.01, 3)
     assert result.token_ids == ids
     assert sum(v in CLAIMED for v in result.verdicts) >= 0.9 * len(ids), result.verdicts
 
@@ -78,12 +88,7 @@ def test_under_three_percent_noise_the_next_row_finds_a_token_neither_prediction
     the position-1 map, puts it in the first batch. (Before: 3 of these 6 tokens, and 1 of 4 noise seeds exact.)"""
     text = "Invoice 2024-0871: 14 units at 37.50 EUR each, net 525.00, VAT 19% 99.75, total due 624.75 by 30 June."
     ids = list(smollm2.tokenize(text))[:6]
-    with torch.no_grad():
-        hidden = smollm2.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[15][0]
-    noisy = add_noise(hidden.float(), 0.03, torch.Generator().manual_seed(2))
-    (result,) = lminvert.invert(smollm2, HiddenStates.from_array(noisy), 15, source="noise:0.03")
-    _no_wrong_claim(result.token_ids, ids, result.verdicts)
-    assert result.token_ids == ids
+    assert _noisy(smollm2, ids, 0.03, 2).token_ids == ids
 
 
 def test_one_blocks_cache_saved_without_its_number_is_found_from_its_rows_and_inverted(smollm2, tmp_path):

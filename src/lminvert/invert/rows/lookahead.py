@@ -85,9 +85,7 @@ class Lookahead:
             if looked.under != looked.token or following.verdict == acceptor.UNCERTAIN:
                 # the next position's own search under the chosen first token, the next token found verified first
                 # (the rankers' order from one token of context can miss it: "Inv" + "oice", 38,786th)
-                following, count, _ = search._position(
-                    [looked.token], after, 1, False, reading, lead=following.token, secant=search.secant
-                )
+                following, count, _ = search._position([looked.token], after, 1, False, reading, lead=following.token)
                 ran += count
             rival_fits, count = self._rival(looked, after, reading)
             ran += count
@@ -106,8 +104,7 @@ class Lookahead:
         if not bool(others.any()):
             return False, 0
         rival = int(ids[others][dists[others].argmin()])
-        search = self.search
-        decision, count, _ = search._position([rival], after, 1, False, reading, budget=RIVAL, secant=search.secant)
+        decision, count, _ = self.search._position([rival], after, 1, False, reading, budget=RIVAL)
         return not decision.unfitted, count
 
     def calibration(self) -> tuple[int, int] | None:
@@ -159,9 +156,7 @@ class Lookahead:
             if guess in guessed:
                 continue
             guessed.add(guess)
-            following, count, _ = search._position(
-                [*prefix_ids, guess], after, t + 1, False, reading, secant=search.secant
-            )
+            following, count, _ = search._position([*prefix_ids, guess], after, t + 1, False, reading)
             ran += count
             assert following.token is not None
             if following.token in tried:

@@ -156,7 +156,7 @@ class RowSearch:
             else:
                 # an alone view's candidates need no running prefix: its rows do not read it
                 decision, count, chosen = self._position(
-                    ids, row, t, fitted, reads[t], None if self.alone else running, budget, self.secant,
+                    ids, row, t, fitted, reads[t], None if self.alone else running, budget,
                     lead if t == 1 else None, after_guess,
                 )  # fmt: skip
                 broken = decision.unfitted
@@ -321,13 +321,13 @@ class RowSearch:
 
     def _position(
         self, prefix_ids: list[int], target: torch.Tensor, t: int, fitted: bool, reading: torch.Tensor | None = None,
-        running: Running | None = None, budget: int | None = None, secant: Secant | None = None,
-        lead: int | None = None, guessed: bool = False,
+        running: Running | None = None, budget: int | None = None, lead: int | None = None, guessed: bool = False,
     ) -> tuple[acceptor.Decision, int, Measure]:  # fmt: skip
         """The decision at position ``t`` after ``prefix_ids`` (``running``: the search's recovered prefix, whose
-        caches serve it where it is ``prefix_ids``; ``budget``: no candidate offered after that many; ``secant``: the
-        prompt's secant model, learning from this position; ``lead``: verified first; ``guessed``: an earlier position
-        was a guess), the candidates verified, the chosen token's :class:`.verified.Measure`."""
+        caches serve it where it is ``prefix_ids``; ``budget``: no candidate offered after that many; ``lead``: verified
+        first; ``guessed``: an earlier position was a guess), the candidates verified, the chosen token's
+        :class:`.verified.Measure`. The prompt's secant model (``secant``, where the search has one) ranks every later
+        position's candidates and learns from them, the lookahead's searches of a next position too."""
         radii, vocab = self.radii(target, t), self.model.probe.vocab_size
         prefix = self._prefix(prefix_ids, running)
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
@@ -335,7 +335,7 @@ class RowSearch:
         base = order = self._order(prefix_ids, reading, running, lead, target)
         done = torch.zeros(vocab, dtype=torch.bool)
         seen = Verified(target, self.source.distances)
-        learning = secant if t > 0 else None  # position 0 is the table's: nothing to learn there
+        learning = self.secant if t > 0 else None  # position 0 is the table's: nothing to learn there
         if learning is not None:
             learning.begin(t, target)
         out = None if self.screen is None or t == 0 else self.screen.screened(target, radii.plain)
