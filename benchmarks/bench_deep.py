@@ -12,6 +12,9 @@ included): prompts exact, positions sure (``certified`` or ``confident``), token
 0), median and slowest seconds, candidates verified per position (median / mean), and the layer's median over layer
 15's (or the middle layer's) in the same run. This CPU unless ``--device``; the held-out texts: ``heldout.DEEP``.
 
+``--ab-fused``: each layer again without the proposal's fused source (the next-token prior and the reading combined as
+a product of experts, :mod:`lminvert.invert.proposal`), in the same run.
+
 ``--reference N``: the reference SIPIT (:func:`lminvert.invert.reference.reference_invert`, the paper's Algorithm 1:
 the whole vocabulary in a random order, ``--reference-batch`` candidates per plain forward) on the first ``N`` prompts
 at each layer, same run; printed: its median seconds, exact prompts, and the median ratio over lminvert's on the same
@@ -49,6 +52,10 @@ def main() -> int:
     parser.add_argument(
         "--ab", action="store_true", help="each layer also with the linear reading map alone (no network), same run"
     )
+    parser.add_argument(
+        "--ab-fused", action="store_true",
+        help="each layer also without the proposal's fused source (lminvert.invert.linear.FUSED = 0), same run",
+    )  # fmt: skip
     parser.add_argument("--reference", type=int, default=0, help="prompts per layer for the reference SIPIT")
     parser.add_argument("--reference-batch", type=int, default=256, help="the reference's candidates per forward")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -83,6 +90,16 @@ def main() -> int:
             finally:
                 engine.reading_for = network
             _show(f"{layer.name} map", plain, len(prompts))
+        if args.ab_fused:
+            from lminvert.invert import linear
+
+            fused = linear.FUSED
+            linear.FUSED = 0.0  # the next-token and reading orders alone, merged place by place
+            try:
+                rows[f"{layer.name} unfused"] = plain = _layer(lminvert, model, layer, prompts, args.together)
+            finally:
+                linear.FUSED = fused
+            _show(f"{layer.name} unfused", plain, len(prompts))
         if args.reference:
             row["reference"] = _reference(lminvert, model, layer, prompts[: args.reference], args.reference_batch)
             ratio = row["reference"]["median"] / statistics.median(row["seconds"][: args.reference])

@@ -1,49 +1,76 @@
-"""How often the proposals' first guesses are right: the next-token prior's, the reading map's, either, by kind.
+"""How well each source of the proposal places the true token before anything is verified: the next-token prior, the
+reading (the preparation's network where one is cached, else the linear map: what ``lminvert invert`` reads with),
+the two merged place by place, and the two fused as a product of experts with each ``--fused`` weight.
 
-    python benchmarks/bench_first_guess.py 1,15,30
+    python benchmarks/bench_first_guess.py --layers 15,30 --prompts 24 --fused 0.25,0.5,1,2
 
-4 held-out prompts of 20 tokens of each kind (positions 1-19; position 0 is the first-position table's), SmolLM2.
+Held-out prompts (``heldout.DEEP``) of 20 tokens, positions 1-19 (position 0 is the first-position table's), SmolLM2.
+Printed per layer and source: the share of positions whose true token it ranks within its first 1, 8 and 64, and
+the mean ``log2(2 + rank)`` (a rank beyond the first 2,048 counted as 4,096).
 """
 
+from __future__ import annotations
+
+import argparse
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import lminvert
-from evalset import evaluation_prompts
-from lminvert.forward import prompt_states
-from lminvert.invert.proposal import NextTokenPrior
-from lminvert.invert.reading import reading_map, reading_orders
+import torch
+
+from heldout import DEEP
+
+DEPTH = 2048
 
 
-def main() -> None:
-    model = lminvert.load_model("smollm2-135m")
-    prompts = evaluation_prompts(model, 4, 20, 0)
-    for number in [int(x) for x in sys.argv[1].split(",")]:
-        layer = model.probe.layer(number)
-        observed = [s[layer] for s in prompt_states(model, [list(p.ids) for p in prompts], [layer], progress=False)]
-        weights = reading_map(model, layer)
-        prior = NextTokenPrior(model, layer, observed, depth=1)
-        counts: dict[str, list[int]] = {}
-        for i, (p, states) in enumerate(zip(prompts, observed, strict=True)):
-            read = reading_orders(model, weights, states, 1)[1:, 0].tolist()
-            for t in range(1, len(p.ids)):
-                guess, seen = int(prior.orders(t)[i, 0]), read[t - 1]
-                row = counts.setdefault(p.kind, [0, 0, 0, 0])
-                row[0] += 1
-                row[1] += guess == p.ids[t]
-                row[2] += seen == p.ids[t]
-                row[3] += p.ids[t] in (guess, seen)
-        print(
-            f"layer {number}: "
-            + ", ".join(
-                f"{kind} prior {r[1] / r[0]:.2f} reading {r[2] / r[0]:.2f} either {r[3] / r[0]:.2f} (n={r[0]})"
-                for kind, r in counts.items()
-            ),
-            flush=True,
-        )
+def _rank(order: torch.Tensor, token: int) -> int:
+    found = (order == token).nonzero()
+    return int(found[0, 0]) if len(found) else 2 * DEPTH
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--layers", default="15,30")
+    parser.add_argument("--prompts", type=int, default=len(DEEP))
+    parser.add_argument("--length", type=int, default=20)
+    parser.add_argument("--fused", default="0.25,0.5,1,2", help="the reading's weights in the fused source")
+    args = parser.parse_args()
+
+    import lminvert
+    from lminvert.forward import prompt_states
+    from lminvert.invert.proposal import NextTokenPrior, merge
+    from lminvert.invert.reader import load_reader, reading_for
+
+    model = lminvert.load_model(args.model)
+    prompts = [list(model.tokenize(t, args.length)) for t in DEEP[: args.prompts]]
+    weights = [float(w) for w in args.fused.split(",")]
+    for spec in args.layers.split(","):
+        layer = model.probe.layer(spec)
+        observed = [s[layer] for s in prompt_states(model, prompts, [layer], progress=False)]
+        reading = reading_for(model, layer)
+        ranks: dict[str, list[int]] = {}
+        for weight in weights:
+            prior = NextTokenPrior(model, layer, observed, depth=DEPTH, reading=reading, fused=weight)
+            for i, ids in enumerate(prompts):
+                for t in range(1, len(ids)):
+                    orders = prior.orders(t)[i].cpu()
+                    found = {f"fused {weight:g}": orders[2]}
+                    if weight == weights[0]:
+                        found |= {"next-token": orders[0], "reading": orders[1], "merged": merge(orders[:2])}
+                    for name, order in found.items():
+                        ranks.setdefault(name, []).append(_rank(order, ids[t]))
+        kind = "network" if load_reader(model, layer) is not None else "linear map"
+        print(f"layer {layer.name} ({kind}), {len(prompts)} prompts, {len(ranks['merged'])} positions:")
+        for name, values in ranks.items():
+            n = len(values)
+            shares = "  ".join(f"first {k} {sum(r < k for r in values) / n:.3f}" for k in (1, 8, 64))
+            mean = sum(math.log2(2 + r) for r in values) / n
+            print(f"  {name:>12}: {shares}  mean log2(2 + rank) {mean:.2f}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -10,9 +10,15 @@ before any one-vector search is built: two probes on held-out prompts (``heldout
   16 tokens the gradient of the squared distance ranks first and the model's 8 likeliest next tokens; up to
   ``--batch`` single swaps verified in one batched forward, the nearest kept if it is nearer), from a prompt of
   token 0; printed per prompt: exact or not, the rounds run, the relative distance reached, seconds.
+* ``--probe prefix``: whether one vector scores a partial prompt, as a left-to-right search would need: the prompt's
+  first ``--kept`` tokens kept, the next position's token replaced by each of ``--others`` random tokens and the true
+  one, the last token kept at its own position, the positions between either left out (``--gap skip``: the last
+  token's position id kept) or filled with " the" (``--gap fill``); printed per prompt: the true token's rank among
+  the others by the last state's distance from the prompt's.
 
     python benchmarks/probe_last.py --probe offsets
     python benchmarks/probe_last.py --probe swaps --layer 1 --length 4 --rounds 40 --batch 128 --prompts 6
+    python benchmarks/probe_last.py --probe prefix --layer 15 --length 8 --kept 3 --gap skip --prompts 8
 """
 
 from __future__ import annotations
@@ -109,9 +115,59 @@ def swaps(model, layer_spec: str, length: int, rounds: int, batch: int, count: i
     print(f"{exact}/{count} exact (layer {layer.name}, {length} tokens)")
 
 
+def prefix(model, layer_spec: str, length: int, kept: int, gap: str, others: int, count: int) -> None:
+    probe = model.probe
+    layer = probe.layer(layer_spec)
+    if layer.is_final or int(layer) < 1:
+        raise SystemExit("--probe prefix takes a numbered layer from 1")
+    fill = model.tokenize(" the")[0]
+    generator = torch.Generator().manual_seed(0)
+    block = model.model.model.layers[int(layer) - 1]  # layer l: block l's output, before the final norm
+
+    def last(rows: list[list[int]], positions: list[int]) -> torch.Tensor:
+        kept_out = {}
+
+        def hook(module, args, out):
+            kept_out["h"] = out[0] if isinstance(out, tuple) else out
+
+        handle = block.register_forward_hook(hook)
+        try:
+            ids = torch.tensor(rows)
+            model.model.model(input_ids=ids, position_ids=torch.tensor([positions]).expand(len(rows), -1))
+        finally:
+            handle.remove()
+        return kept_out["h"][:, -1].double()
+
+    ranks = []
+    for text in DEEP[:count]:
+        ids = model.tokenize(text)[:length]
+        with torch.no_grad():
+            target = last([ids], list(range(length)))[0]
+        plain = probe.states(torch.tensor(ids), layer)[layer][0, -1].double()
+        assert float((target - plain).norm()) <= 1e-5 * float(plain.norm()), "not lminvert's numbering of layers"
+        tokens = [ids[kept], *torch.randint(0, probe.vocab_size, (others,), generator=generator).tolist()]
+        if gap == "skip":
+            rows = [[*ids[:kept], t, ids[-1]] for t in tokens]
+            positions = [*range(kept + 1), length - 1]
+        else:
+            rows = [[*ids[:kept], t, *[fill] * (length - 2 - kept), ids[-1]] for t in tokens]
+            positions = list(range(length))
+        with torch.no_grad():
+            distances = torch.cat(
+                [(last(rows[i : i + 128], positions) - target).norm(dim=1) for i in range(0, len(rows), 128)]
+            )
+        ranks.append(int((distances[1:] < distances[0]).sum()))
+        print(f"rank {ranks[-1]:>4} of {others}  {model.decode(ids)!r}", flush=True)
+    r = torch.tensor(ranks, dtype=torch.float64)
+    print(
+        f"layer {layer.name}, {length} tokens, {kept} kept, gap {gap}: median rank {r.median():.0f} of {others}, "
+        f"first in {int((r == 0).sum())}/{len(ranks)}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--probe", choices=("offsets", "swaps"), required=True)
+    parser.add_argument("--probe", choices=("offsets", "swaps", "prefix"), required=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--layers", default="1,15,30,final", help="--probe offsets")
     parser.add_argument("--layer", default="1", help="--probe swaps")
@@ -119,6 +175,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--kept", type=int, default=3, help="--probe prefix: the prompt's tokens kept")
+    parser.add_argument("--gap", choices=("skip", "fill"), default="skip", help="--probe prefix")
+    parser.add_argument("--others", type=int, default=511, help="--probe prefix: random tokens")
     args = parser.parse_args()
     import lminvert
 
@@ -127,6 +186,8 @@ def main() -> int:
     print(f"{args.model}, {torch.get_num_threads()} threads")
     if args.probe == "offsets":
         offsets(model, args.layers.split(","))
+    elif args.probe == "prefix":
+        prefix(model, args.layer, args.length, args.kept, args.gap, args.others, args.prompts)
     else:
         swaps(model, args.layer, args.length, args.rounds, args.batch, args.prompts)
     return 0

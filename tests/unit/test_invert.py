@@ -267,6 +267,46 @@ def test_next_token_prior_is_the_models_own_ranking(family, layer):
             assert torch.equal(orders[row, 0][:10], expected[i][t - 1][:10]), (i, t)
 
 
+def test_the_fused_source_ranks_by_both_sources_summed_and_changes_no_answer():
+    """With a reading, the prior's third source orders the vocabulary by the next-token log-probabilities plus
+    ``fused`` times the reading's (the log-softmax of its scores); ``fused=0`` leaves two sources. The policy that
+    merges it in gives the same ids and verdicts as the one without it."""
+    from lminvert.invert.engine import invert_prompts
+    from lminvert.invert.linear import LinearPolicy
+    from lminvert.invert.proposal import NextTokenPrior
+    from lminvert.invert.reading import input_distances, read
+
+    model = lminvert.load_model("tiny-llama")
+    probe, layer = model.probe, model.probe.layer(1)
+    prompt = [17, 4021, 3300, 17, 5, 912]
+    states = encode(model, [prompt], layer).states
+    d = probe.hidden_size
+    reading = torch.randn(2 * d + 1, d, generator=torch.Generator().manual_seed(3))  # a linear map: any will do
+    prior = NextTokenPrior(model, layer, states, depth=40, reading=reading, fused=0.5)
+    with torch.no_grad():
+        logits = model.model(torch.tensor([prompt])).logits[0].float()
+    scores = -input_distances(model, read(reading, states[0]))
+    for t in range(1, len(prompt)):
+        both = logits[t - 1].log_softmax(-1) + 0.5 * scores[t].log_softmax(-1)
+        orders = prior.orders(t)[0]
+        assert orders.shape == (3, 40)
+        assert torch.equal(orders[2][:10], both.topk(10).indices), t
+        assert torch.equal(orders[1][:10], scores[t].topk(10).indices), t
+        assert prior.firsts(0)[t - 1] == [int(orders[1][0]), int(orders[0][0]), int(orders[2][0])]
+    assert NextTokenPrior(model, layer, states, depth=40, reading=reading).orders(1).shape == (1, 2, 40)
+    assert "fused" in LinearPolicy().rankers and "fused" not in LinearPolicy(fused=0).rankers
+    assert LinearPolicy(reading=False).fused == 0
+    ids = [[17, 4021, 3300, 17, 5, 912, 64], [3, 2, 1, 700]]
+    observed = encode(model, ids, 2).states
+    got = {
+        fused: invert_prompts(model, observed, 2, policies=[LinearPolicy(fused=fused) for _ in ids])
+        for fused in (0.0, 0.5)
+    }
+    for a, b in zip(got[0.0], got[0.5], strict=True):
+        assert a.token_ids == b.token_ids and a.verdicts == b.verdicts
+    assert [r.token_ids for r in got[0.5]] == ids
+
+
 def test_time_split_is_reported():
     model = lminvert.load_model("tiny-gpt2")
     (result,) = invert(model, encode(model, [[5, 900, 31000, 12]], 1))

@@ -152,7 +152,8 @@ def invert_prompts(
     prior, prior_share = None, 0.0
     if wants_prior:
         start_prior = time.perf_counter()
-        prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading)
+        fused = max(policy.fused for policy in policies) if reading is not None else 0.0
+        prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading, fused=fused)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
         if config.speculate and chains_reproduce(probe):
             for i, search in enumerate(searches):

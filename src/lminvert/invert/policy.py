@@ -20,6 +20,7 @@ class Policy:
     uses_first_table = False
     uses_next_tokens = False  # the engine then fills ``ctx.next_tokens`` (the model's own next-token order)
     uses_reading = False  # ... beside the reading's order (:mod:`.reading`), as a second source
+    fused = 0.0  # ... and, above 0, a third: both sources' scores summed, the reading's times this (:mod:`.proposal`)
 
     def prepare(
         self, model: LoadedModel, layer: Layer, first_table: bool = True, reading: Reading | None = None

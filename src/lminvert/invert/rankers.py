@@ -11,9 +11,9 @@ engine verifies every candidate, so a ranker changes speed, never the answer.
 * :class:`LocalRanker` (``local``) - the same model fitted on this position's pairs alone;
 * :class:`CarriedRanker` (``carried``) - the secant model with the previous position's offset ``a`` (before this
   position has pairs of its own);
-* :class:`OrderRanker` (``next-token``, ``reading``) - an order the engine computed before the search
-  (``ctx.next_tokens``): the model's own next-token prediction from the observed states, and what the position's own
-  state reads as (:mod:`.proposal`, :mod:`.reading`);
+* :class:`OrderRanker` (``next-token``, ``reading``, ``fused``) - an order the engine computed before the search
+  (``ctx.next_tokens``): the model's own next-token prediction from the observed states, what the position's own
+  state reads as, and the two combined as a product of experts (:mod:`.proposal`, :mod:`.reading`);
 * :class:`RereadRanker` (``reread``) - the reading of the observed state less the reading's mean error on this
   position's verified candidates.
 
@@ -233,7 +233,7 @@ class CarriedRanker(Ranker):
 
 class OrderRanker(Ranker):
     """Row ``row`` of the orders the engine computed before the search (``ctx.next_tokens``: the next-token prior's,
-    then the reading's)."""
+    then the reading's, then both fused); None where the engine computed fewer."""
 
     def __init__(self, name: str, row: int) -> None:
         self.name, self.row = name, row
@@ -290,6 +290,7 @@ class RereadRanker(Ranker):
         return self.vocab_sq - 2.0 * ctx.probe.vocab_dots(reading)
 
 
-RANKERS = ("secant", "local", "carried", "next-token", "reading", "reread")  # the built-in ones, as the policy has them
+# the built-in ones, as the policy has them
+RANKERS = ("secant", "local", "carried", "next-token", "reading", "fused", "reread")
 # rankers added to the linear policy's later batches (one instance per policy, made with no arguments)
 EXTRA: tuple[type[Ranker], ...] = ()
