@@ -244,12 +244,14 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
         "reading maps at layers 1-2",
         "quick reading network at layer 2 kept",
         "quick reading networks trained and checked",
+        "first-position table, position-1 map and calibrations at layer 2",
     ]
+    assert table_path(model, last, "table").is_file() and table_path(model, last, "position1-map").is_file()
     assert all(table_path(model, layer, "reading-map").is_file() for layer in model.probe.layers("all"))
     assert table_path(model, last, QUICK_KIND).is_file() and not table_path(model, last, "reader").is_file()
     fresh = lminvert.load_model("tiny-llama")
     assert load_reader(fresh, last)[0].out_features == 16 and load_reader(fresh, first) is None
-    assert len(prepare(fresh, small, progress=False)) == 1  # the maps read back; no network trained
+    assert len(prepare(fresh, small, progress=False)) == 1  # the maps read back; no network trained, no table built
     train_reader(fresh, last, text=0, random=24, length=8, epochs=1, hidden=8, progress=False)  # what --reader makes
     assert load_reader(lminvert.load_model("tiny-llama"), last)[0].out_features == 8  # used before the quick one
     shared = reading_map(fresh, first)

@@ -10,7 +10,10 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
   come from the maps' forward); a network ``--reader`` trained is used before it. Inversion reads with a network
   *instead of* the linear map, so a network is kept only where it reads held-out prompts better than the map (a lower
   mean ``log2(2 + rank)`` of the true token; prompts drawn with their own seed): a quick network trained too briefly
-  read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md).
+  read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md);
+* at the same last layers (``tables``), what a layer's first prompt would otherwise build: the first-position table
+  (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's first prompt on an AVX-512 CPU,
+  132 s on an AVX2 one), the position-1 map and the radii's calibrations.
 
 Like every reading, these only order candidates: each one is verified and the acceptor alone gives verdicts, so they
 change speed, never an answer. :func:`prepare` skips what is cached already (idempotent).
@@ -29,6 +32,8 @@ from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .reader import QUICK_KIND, held_out_ranks, keep, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_maps, training_prompts
+from .tables import first_position_table, position1_projection, table_path
+from .tolerance import calibrate, screen_calibration
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +42,11 @@ log = logging.getLogger(__name__)
 class Preparation:
     """What :func:`prepare` makes: reading maps at every layer (``maps``), quick networks at the last ``deep`` layers,
     trained with ``network``'s options of :func:`.reader.train_reader` and checked on ``check`` held-out prompts
-    (text windows and random ids, half each)."""
+    (text windows and random ids, half each), and with ``tables`` those layers' first-position tables, position-1
+    maps and calibrations."""
 
     maps: bool = True
+    tables: bool = True
     deep: int = 1
     network: dict[str, int] = field(
         default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 9, "negatives": 2048}
@@ -66,7 +73,27 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
         trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, extra=extra, **options)
         done += [_kept(model, layer, net, settings.check) for layer, net in trained.items()]
         done.append(f"quick reading networks trained and checked: {time.perf_counter() - start:.1f} s")
+    if settings.tables:
+        done += [line for layer in deep if (line := _layer_tables(model, layer, progress))]
     return done
+
+
+def _layer_tables(model: LoadedModel, layer: Layer, progress: bool) -> str | None:
+    """``layer``'s first-position table, position-1 map and calibrations, each built where not cached; a line where the
+    table was not (None else). They are what :func:`lminvert.invert.engine.invert_prompts` reads at that layer."""
+    made = not table_path(model, layer, "table").is_file()
+    start = time.perf_counter()
+    first_position_table(model, layer, progress=progress)
+    position1_projection(model, layer)
+    calibrate(model, layer)
+    if model.probe.can_screen:
+        screen_calibration(model, layer)
+    seconds = time.perf_counter() - start
+    return (
+        f"first-position table, position-1 map and calibrations at layer {layer.name}: {seconds:.1f} s"
+        if made
+        else None
+    )
 
 
 def _network_data(
