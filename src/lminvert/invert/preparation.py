@@ -48,9 +48,11 @@ class Preparation:
     maps: bool = True
     tables: bool = True
     deep: int = 1
-    network: dict[str, int] = field(
-        default_factory=lambda: {"text": 1000, "random": 500, "hidden": 1024, "epochs": 9, "negatives": 2048}
-    )
+    network: dict[str, float] = field(
+        default_factory=lambda: {
+            "text": 1000, "random": 500, "hidden": 1024, "epochs": 9, "negatives": 2048, "lr": 3e-3,
+        }
+    )  # fmt: skip
     check: int = 40
 
 
@@ -97,8 +99,8 @@ def _layer_tables(model: LoadedModel, layer: Layer, progress: bool) -> str | Non
 
 
 def _network_data(
-    network: dict[str, int], shared: dict[str, list], layers: list[Layer]
-) -> tuple[dict[str, int], tuple | None]:
+    network: dict[str, float], shared: dict[str, list], layers: list[Layer]
+) -> tuple[dict[str, float], tuple | None]:
     """The network's options and the prompts it trains on beside its own: the maps' training prompts where their
     states were computed here (one forward for both; their states at ``layers`` only), counted in ``network``'s
     ``random`` and ``text`` prompts (the maps' random ones come first, :func:`.reading.training_prompts`)."""
@@ -107,8 +109,8 @@ def _network_data(
     prompts = shared["prompts"]
     random = min(RANDOM_PROMPTS, len(prompts))
     options = dict(network)
-    options["random"] = max(0, options.get("random", 0) - random)
-    options["text"] = max(0, options.get("text", 0) - (len(prompts) - random))
+    options["random"] = max(0, int(options.get("random", 0)) - random)
+    options["text"] = max(0, int(options.get("text", 0)) - (len(prompts) - random))
     return options, (prompts, [{layer: s[layer] for layer in layers} for s in shared["states"]])
 
 
