@@ -244,21 +244,49 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
         "reading maps at layers 1-2",
         "quick reading network at layer 2 kept",
         "quick reading networks trained and checked",
+        "layer 2's reading network lent to 1 of layers 1-1, where it reads held-out prompts better than their maps",
         "first-position table, position-1 map and calibrations at layer 2",
     ]
     assert table_path(model, last, "table").is_file() and table_path(model, last, "position1-map").is_file()
     assert all(table_path(model, layer, "reading-map").is_file() for layer in model.probe.layers("all"))
     assert table_path(model, last, QUICK_KIND).is_file() and not table_path(model, last, "reader").is_file()
     fresh = lminvert.load_model("tiny-llama")
-    assert load_reader(fresh, last)[0].out_features == 16 and load_reader(fresh, first) is None
-    assert len(prepare(fresh, small, progress=False)) == 1  # the maps read back; no network trained, no table built
+    assert load_reader(fresh, last)[0].out_features == 16
+    assert load_reader(fresh, first) is load_reader(fresh, last)  # lent: layer 1 reads with layer 2's network
+    assert len(prepare(fresh, small, progress=False)) == 1  # the maps read back; nothing trained, checked or built
     train_reader(fresh, last, text=0, random=24, length=8, epochs=1, hidden=8, progress=False)  # what --reader makes
-    assert load_reader(lminvert.load_model("tiny-llama"), last)[0].out_features == 8  # used before the quick one
+    again = lminvert.load_model("tiny-llama")
+    assert load_reader(again, last)[0].out_features == 8  # used before the quick one, and by the layer it was lent to
+    assert load_reader(again, first) is load_reader(again, last)
     shared = reading_map(fresh, first)
     monkeypatch.setenv("LMINVERT_CACHE", str(tmp_path / "alone"))
     (tmp_path / "alone" / "models").mkdir(parents=True)
     (tmp_path / "alone" / "models" / "smollm2-135m").symlink_to(isolated_cache / "models" / "smollm2-135m")
     assert torch.equal(reading_map(lminvert.load_model("tiny-llama"), first), shared)
+
+
+def test_a_layer_whose_map_reads_better_than_the_lent_network_keeps_its_map_and_is_checked_once(
+    isolated_cache, monkeypatch
+):
+    """The preparation lends the last layer's network only where it reads a layer's held-out prompts better than that
+    layer's own map; where it does not, the layer keeps reading with its map, and the decision is kept (a second
+    preparation checks nothing)."""
+    model = lminvert.load_model("tiny-llama")
+    first, last = model.probe.layer(1), model.probe.layer(2)
+    checked = []
+
+    def score(m, weights, prompts, states, layer):  # the network better at layer 2, the map better at layer 1
+        checked.append((layer.name, callable(weights)))
+        return (0.0 if layer == last else 9.0) if callable(weights) else 5.0
+
+    monkeypatch.setattr(preparation, "_score", score)
+    small = Preparation(maps=False, network={"text": 0, "random": 8, "length": 6, "epochs": 1, "hidden": 4}, check=4)
+    made = prepare(model, small, progress=False)
+    assert "lent to 0 of layers 1-1" in made[2] and ("1", True) in checked and ("1", False) in checked
+    fresh = lminvert.load_model("tiny-llama")
+    assert load_reader(fresh, last) is not None and load_reader(fresh, first) is None
+    checked.clear()
+    assert prepare(fresh, small, progress=False) == [] and checked == []
 
 
 def test_a_quick_network_that_reads_worse_than_the_map_is_not_kept(isolated_cache):

@@ -11,9 +11,12 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
   *instead of* the linear map, so a network is kept only where it reads held-out prompts better than the map (a lower
   mean ``log2(2 + rank)`` of the true token; prompts drawn with their own seed): a quick network trained too briefly
   read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md);
-* at the same last layers (``tables``), what a layer's first prompt would otherwise build: the first-position table
-  (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's first prompt on an AVX-512 CPU,
-  132 s on an AVX2 one), the position-1 map and the radii's calibrations.
+* the quick network lent to the layers of the model's upper half that it reads better than their own linear maps
+  (checked on the same held-out prompts, once per layer; :func:`.reader.lend`): a network trained on the last layer's
+  states reads the layers just below it too, where the linear map is nearly as weak;
+* at the last :attr:`Preparation.deep` layers (``tables``), what a layer's first prompt would otherwise build: the
+  first-position table (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's first
+  prompt on an AVX-512 CPU, 132 s on an AVX2 one), the position-1 map and the radii's calibrations.
 
 Like every reading, these only order candidates: each one is verified and the acceptor alone gives verdicts, so they
 change speed, never an answer. :func:`prepare` skips what is cached already (idempotent).
@@ -30,9 +33,9 @@ import torch
 
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
-from .reader import QUICK_KIND, held_out_ranks, keep, load_reader, train_readers
-from .reading import RANDOM_PROMPTS, reading_maps, training_prompts
-from .tables import first_position_table, position1_projection, table_path
+from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, load_reader, train_readers
+from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
+from .tables import first_position_table, position1_projection, read_tables, table_path, write_tables
 from .tolerance import calibrate, screen_calibration
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
         trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, extra=extra, **options)
         done += [_kept(model, layer, net, settings.check) for layer, net in trained.items()]
         done.append(f"quick reading networks trained and checked: {time.perf_counter() - start:.1f} s")
+    if deep and (source := load_reader(model, deep[0])) is not None:
+        done += _lent(model, deep[0], source, settings.check)
     if settings.tables:
         done += [line for layer in deep if (line := _layer_tables(model, layer, progress))]
     return done
@@ -120,12 +125,10 @@ CHECK_SEED = 555  # the held-out prompts' draw (the maps' training prompts: 123;
 def _kept(model: LoadedModel, layer: Layer, net: torch.nn.Module, count: int) -> str:
     """Keep ``net`` as ``layer``'s quick network where it reads ``count`` held-out prompts better than the linear map;
     what was decided, as a line."""
-    prompts = training_prompts(model, text=count - count // 2, random=count // 2, seed=CHECK_SEED)
-    states = [s[layer] for s in prompt_states(model, prompts, [layer], progress=False)]
+    prompts, states = _check_prompts(model, [layer], count)
     scores = {
-        name: sum(math.log2(2 + r) for r in ranks) / len(ranks)
+        name: _score(model, weights, prompts, states, layer)
         for name, weights in (("network", net), ("map", reading_maps(model, [layer])[layer]))
-        for ranks in [held_out_ranks(model, weights, prompts, states)]
     }
     verdict = f"mean log2(2 + rank) {scores['network']:.2f} against the linear map's {scores['map']:.2f}"
     if scores["network"] < scores["map"]:
@@ -133,3 +136,48 @@ def _kept(model: LoadedModel, layer: Layer, net: torch.nn.Module, count: int) ->
         return f"quick reading network at layer {layer.name} kept ({verdict})"
     log.warning("the quick reading network at layer %s reads worse than the linear map: not kept", layer.name)
     return f"quick reading network at layer {layer.name} not kept ({verdict})"
+
+
+def _check_prompts(model: LoadedModel, layers: list[Layer], count: int) -> tuple[list[list[int]], list[dict]]:
+    """``count`` held-out prompts (text windows and random ids, half each) and their states at ``layers``."""
+    prompts = training_prompts(model, text=count - count // 2, random=count // 2, seed=CHECK_SEED)
+    return prompts, prompt_states(model, prompts, layers, progress=False)
+
+
+def _score(model: LoadedModel, weights, prompts: list[list[int]], states: list[dict], layer: Layer) -> float:
+    """The mean ``log2(2 + rank)`` of the true token where ``weights`` (a map or a network) reads ``layer``'s states."""
+    ranks = held_out_ranks(model, weights, prompts, [s[layer] for s in states])
+    return sum(math.log2(2 + r) for r in ranks) / len(ranks)
+
+
+def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, count: int) -> list[str]:
+    """The layers of the model's upper half without a network of their own, from the top down, that read ``count``
+    held-out prompts better with ``source``'s network ``net`` than with their own linear map: each is lent it
+    (:func:`.reader.lend`). The first layer down whose map reads better, and those below it, are recorded as reading
+    with their maps, so that each layer is decided once. A network trained on the last layer's states reads the
+    layers below it too (SmolLM2, the quick network of layer 30 at layers 25-29: mean ``log2(2 + rank)`` 4.3-4.4
+    against their maps' 7.2-8.5), less well the lower they are. A line where any layer was decided."""
+    n = model.probe.n_layers
+    layers = [
+        layer
+        for layer in sorted(model.probe.layers(list(range(max(1, n - n // 2), n))), reverse=True)
+        if layer != source and load_reader(model, layer) is None and read_tables(model, layer, BORROWED_KIND) is None
+    ]
+    if not layers:
+        return []
+    start = time.perf_counter()
+    prompts, states = _check_prompts(model, layers, count)
+    lent = []
+    for layer in layers:
+        own = _score(model, reading_map(model, layer), prompts, states, layer)
+        if _score(model, net, prompts, states, layer) >= own:
+            break
+        lend(model, layer, source)
+        lent.append(layer.name)
+    for layer in layers[len(lent) :]:
+        write_tables(model, layer, BORROWED_KIND, {"layer": torch.tensor([-1])})
+    seconds = time.perf_counter() - start
+    return [
+        f"layer {source.name}'s reading network lent to {len(lent)} of layers {layers[-1].name}-{layers[0].name}, "
+        f"where it reads held-out prompts better than their maps ({', '.join(lent) or 'none'}): {seconds:.1f} s"
+    ]

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 KIND = "reader"
 QUICK_KIND = "reader-quick"  # a network the preparation trains in its time (:mod:`.preparation`); KIND's comes first
+BORROWED_KIND = "reader-borrowed"  # the layer whose network a layer without its own reads with (:mod:`.preparation`)
 HIDDEN = 2048
 TEXT_PROMPTS = 4000  # sampled text windows (mixed code and prose)
 RANDOM_PROMPTS = 1000  # random-id prompts beside them
@@ -88,23 +89,40 @@ def bfloat16_training(device: torch.device) -> bool:
 def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
     """The reading network cached for this model, dtype and layer, else the one trained in float32 for the same
     weights (it only orders candidates, and a half model's states differ from float32's by their rounding): one that
-    ``--reader`` trained, else the preparation's quick one (:data:`QUICK_KIND`); or None
-    (it is never trained here; a model whose forward hooks change what its weights compute reads no file: the
-    weights hash cannot name what it computes)."""
+    ``--reader`` trained, else the preparation's quick one (:data:`QUICK_KIND`), else the network of the layer the
+    preparation found it reads this layer's states better than its linear map (:data:`BORROWED_KIND`, a deeper
+    layer's); or None (it is never trained here; a model whose forward hooks change what its weights compute reads no
+    file: the weights hash cannot name what it computes)."""
     key = (KIND, int(layer), model.dtype)
     if key not in model.memo:
         net = weights = None
         for kind in (KIND, QUICK_KIND):
-            weights = weights or read_tables(model, layer, kind, strict=False)
-            if weights is None and model.dtype != "float32":
-                weights = read_tables(model, layer, kind, dtype="float32", strict=False)
+            weights = weights or _stored(model, layer, kind)
         if weights is not None:
             shapes = [weights[f"{i}.weight"].shape for i in (0, 2, 4)]
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])
             net.load_state_dict(weights)
             net = net.to(model.device).eval().requires_grad_(False)
+        elif (borrowed := _stored(model, layer, BORROWED_KIND)) is not None and int(borrowed["layer"]) >= 0:
+            source = model.probe.layer(int(borrowed["layer"]))  # -1: checked, and its own map reads it better
+            net = load_reader(model, source) if source != layer else None
         model.memo[key] = net
     return model.memo[key]
+
+
+def _stored(model: LoadedModel, layer: Layer, kind: str) -> dict[str, torch.Tensor] | None:
+    """``kind``'s tensors kept for this model's dtype at ``layer``, else for float32 (see :func:`load_reader`)."""
+    weights = read_tables(model, layer, kind, strict=False)
+    if weights is None and model.dtype != "float32":
+        weights = read_tables(model, layer, kind, dtype="float32", strict=False)
+    return weights
+
+
+def lend(model: LoadedModel, layer: Layer, source: Layer) -> None:
+    """Keep that ``layer`` reads with ``source``'s network (:data:`BORROWED_KIND`; :func:`load_reader`) and use it in
+    this model's inversions."""
+    write_tables(model, layer, BORROWED_KIND, {"layer": torch.tensor([int(source)])})
+    model.memo[(KIND, int(layer), model.dtype)] = load_reader(model, source)
 
 
 def reading_for(model: LoadedModel, layer: Layer) -> Reading:
