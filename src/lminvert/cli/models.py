@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--inversion",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --prepare: also make what inversion builds on first use: the reading map at every layer and a "
-        "quick reading network at the last layer (about 3 minutes once on a 2-core CPU; lminvert.invert.preparation)",
+        help="with --prepare: also make what inversion builds on first use: the reading map at every layer, a quick "
+        "reading network at the last layer, lent to the layers below it that it reads better than their maps, and "
+        "the last layer's tables (about 4 minutes once on a 2-core CPU; lminvert.invert.preparation)",
     )
     _add_reader_args(parser)
     parser.add_argument(
