@@ -33,9 +33,9 @@ import torch
 
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
-from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, load_reader, train_readers
+from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
-from .tables import first_position_table, position1_projection, read_tables, table_path, write_tables
+from .tables import first_position_table, position1_projection, table_path, write_tables
 from .tolerance import calibrate, screen_calibration
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _kept(model: LoadedModel, layer: Layer, net: torch.nn.Module, count: int) ->
     prompts, states = _check_prompts(model, [layer], count)
     scores = {
         name: _score(model, weights, prompts, states, layer)
-        for name, weights in (("network", net), ("map", reading_maps(model, [layer])[layer]))
+        for name, weights in (("network", net), ("map", reading_map(model, layer)))
     }
     verdict = f"mean log2(2 + rank) {scores['network']:.2f} against the linear map's {scores['map']:.2f}"
     if scores["network"] < scores["map"]:
@@ -161,7 +161,7 @@ def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, count: int) -
     layers = [
         layer
         for layer in sorted(model.probe.layers(list(range(max(1, n - n // 2), n))), reverse=True)
-        if layer != source and load_reader(model, layer) is None and read_tables(model, layer, BORROWED_KIND) is None
+        if layer != source and load_reader(model, layer) is None and lent_from(model, layer) is None
     ]
     if not layers:
         return []

@@ -103,9 +103,8 @@ def load_reader(model: LoadedModel, layer: Layer) -> nn.Module | None:
             net = _network(shapes[0][1], shapes[0][0], shapes[2][0])
             net.load_state_dict(weights)
             net = net.to(model.device).eval().requires_grad_(False)
-        elif (borrowed := _stored(model, layer, BORROWED_KIND)) is not None and int(borrowed["layer"]) >= 0:
-            source = model.probe.layer(int(borrowed["layer"]))  # -1: checked, and its own map reads it better
-            net = load_reader(model, source) if source != layer else None
+        elif (source := lent_from(model, layer)) is not None and source >= 0 and source != int(layer):
+            net = load_reader(model, model.probe.layer(source))
         model.memo[key] = net
     return model.memo[key]
 
@@ -116,6 +115,13 @@ def _stored(model: LoadedModel, layer: Layer, kind: str) -> dict[str, torch.Tens
     if weights is None and model.dtype != "float32":
         weights = read_tables(model, layer, kind, dtype="float32", strict=False)
     return weights
+
+
+def lent_from(model: LoadedModel, layer: Layer) -> int | None:
+    """What the preparation decided for ``layer`` (:data:`BORROWED_KIND`): the layer whose network it reads with, -1
+    where its own linear map reads it better, None where nothing was decided."""
+    decided = _stored(model, layer, BORROWED_KIND)
+    return None if decided is None else int(decided["layer"])
 
 
 def lend(model: LoadedModel, layer: Layer, source: Layer) -> None:
