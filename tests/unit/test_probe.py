@@ -68,6 +68,20 @@ def test_truncated_forward_runs_nothing_above(tiny):
     assert calls == [0]
 
 
+def test_a_first_position_state_lifted_above_its_layer_is_its_tokens_state_alone_there(tiny):
+    probe = tiny.probe
+    top = probe.n_layers
+    states = probe.states(_ids(tiny)[:1], list(range(top + 1)))
+    for low, upper in ((0, 1), (1, top), (0, top)):
+        if upper <= low:
+            continue
+        lifted = probe.states_above(states[probe.layer(low)][:, :1], low, upper)  # position 0 alone
+        want = states[probe.layer(upper)][0, 0]  # the same position in the whole sequence
+        torch.testing.assert_close(lifted[0, 0], want, rtol=1e-4, atol=1e-5 * float(want.norm()))
+    with pytest.raises(ValueError):
+        probe.states_above(states[probe.layer(1)][:, :1], 1, 1)
+
+
 @pytest.mark.parametrize("layer", [1, -1])
 def test_cached_continuation_equals_full_forward(tiny, layer):
     probe = tiny.probe

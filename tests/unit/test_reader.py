@@ -15,6 +15,7 @@ from lminvert.invert.preparation import Preparation, prepare
 from lminvert.invert.reader import QUICK_KIND, load_reader, train_reader
 from lminvert.invert.reading import reading_map, reading_orders
 from lminvert.invert.tables import table_path
+from lminvert.invert.tolerance import calibrate, calibration_kind, calibration_prompts, measure
 
 PREPARE = ["models", "--prepare", "tiny-llama", "--no-inversion"]  # --reader alone, not the preparation
 
@@ -245,9 +246,21 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
         "quick reading network at layer 2 kept",
         "quick reading networks trained and checked",
         "layer 2's reading network lent to 1 of layers 1-1, where it reads held-out prompts better than their maps",
-        "first-position table, position-1 map and calibrations at layer 2",
+        "first-position table at layer 2",
+        "position-1 maps and calibrations at layers 1-2",
     ]
-    assert table_path(model, last, "table").is_file() and table_path(model, last, "position1-map").is_file()
+    assert table_path(model, last, "table").is_file() and not table_path(model, first, "table").is_file()
+    kinds = (("position1-map", None), (calibration_kind(model), "cpu"))  # every layer's, made in one pass each
+    assert all(table_path(model, layer, kind, device).is_file() for layer in (first, last) for kind, device in kinds)
+    alone = measure(model, first, calibration_prompts(model))  # what layer 1 measures alone, bit for bit
+    with model.probe.always_packed():
+        packed = measure(model, first, calibration_prompts(model))
+    radii = calibrate(lminvert.load_model("tiny-llama"), first)
+    assert (radii.cached, radii.plain, radii.gap) == (
+        max(alone.cached, packed.cached),
+        max(alone.plain, packed.plain),
+        min(alone.gap, packed.gap),
+    )
     assert all(table_path(model, layer, "reading-map").is_file() for layer in model.probe.layers("all"))
     assert table_path(model, last, QUICK_KIND).is_file() and not table_path(model, last, "reader").is_file()
     fresh = lminvert.load_model("tiny-llama")

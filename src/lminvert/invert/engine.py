@@ -38,7 +38,7 @@ from .results import InversionResult, PositionResult
 from .search import PromptSearch, Settings
 from .sources import ErrorModel, Exact
 from .speculation import Speculator, chains_reproduce
-from .tables import first_position_table, squared_norms
+from .tables import first_table_for
 from .tolerance import calibrate, foreign_calibration, screen_calibration
 from .verification import search_position
 
@@ -182,7 +182,7 @@ def _settings(
     vocab = probe.vocab_size
     table = None
     if config.first_table and policies[0].uses_first_table and not exhaustive:
-        table = first_position_table(model, layer, progress=config.progress)
+        table = first_table_for(model, layer, progress=config.progress)
     calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
     if not exhaustive and (probe.can_screen if config.screen is None else config.screen):
         calibration = replace(calibration, screen=screen_calibration(model, layer))
@@ -198,7 +198,6 @@ def _settings(
         table=table,
         ties=ties or {},
         scale=config.batch_scale or batch_scale(probe.device, count),
-        table_norms=None if table is None else squared_norms(model, f"table-{layer.name}", table),
         deadline=config.deadline,
     )
     for policy in policies:  # what a policy keeps per model and layer (the position-1 map's norms), like the tables

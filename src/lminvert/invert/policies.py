@@ -12,7 +12,7 @@ Every policy ends by proposing the whole remaining vocabulary, so Theorem 3.1's 
   positions, refined at this one), ranks the vocabulary by predicted distance to the target.
 * ``SweepPolicy`` - every id in order; with ``exhaustive=True`` in the engine this is the brute-force oracle.
 
-Position 0 has no prefix: policies that can use it rank it with the first-position table (exact).
+Position 0 has no prefix: policies that can use it rank it with a first-position table (:class:`TablePolicy`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from .context import PositionContext
 from .linear import LinearPolicy, SecantPolicy
 from .policy import Policy, remaining
+from .tables import FirstTable
 
 
 class SweepPolicy(Policy):
@@ -52,22 +53,20 @@ class RandomPolicy(Policy):
 class TablePolicy(Policy):
     """Position 0 only: the first-position table's rows closest to the target in angle (in half precision the table,
     computed one token per sequence, differs from the observer's state most in its norm: :class:`.search.PromptSearch`
-    confirms contenders in the same order)."""
+    confirms contenders in the same order); a table of a layer above the target's ranks the target lifted there
+    (:class:`.tables.FirstTable`)."""
 
     name = "table"
 
-    def __init__(
-        self, table: torch.Tensor, first: int = 8, batch: int = 1024, norms: torch.Tensor | None = None
-    ) -> None:
-        self.table, self.first, self.batch = table, first, batch
-        self.norms = norms if norms is not None else table.square().sum(1)  # give them when the table is reused
+    def __init__(self, first_table: FirstTable, first: int = 8, batch: int = 1024) -> None:
+        self.tables, self.first, self.batch = first_table, first, batch
         self._order: torch.Tensor | None = None
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
         if not ctx.rounds:  # by angle (one matrix-vector product), not distance: see PromptSearch._contenders
-            self._order = (
-                (self.table @ ctx.target.float()).div_(self.norms.sqrt().clamp_min(1e-30)).argsort(descending=True)
-            )
+            tables = self.tables
+            score = tables.table @ tables.lift(ctx.target).to(tables.table.device)
+            self._order = score.div_(tables.norms.sqrt().clamp_min(1e-30)).argsort(descending=True)
         assert self._order is not None
         size = min(self.batch, self.first * 4**ctx.rounds) * ctx.scale
         return ctx.unseen(self._order, size)

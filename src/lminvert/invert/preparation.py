@@ -14,9 +14,11 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
 * the quick network lent to the layers of the model's upper half that it reads better than their own linear maps
   (checked on the same held-out prompts, once per layer; :func:`.reader.lend`): a network trained on the last layer's
   states reads the layers just below it too, where the linear map is nearly as weak;
-* at the last :attr:`Preparation.deep` layers (``tables``), what a layer's first prompt would otherwise build: the
-  first-position table (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's first
-  prompt on an AVX-512 CPU, 132 s on an AVX2 one), the position-1 map and the radii's calibrations.
+* with ``tables``, what a layer's first prompt would otherwise build: the first-position table at the last
+  :attr:`Preparation.deep` layers (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's
+  first prompt on an AVX-512 CPU, 132 s on an AVX2 one), which ranks position 0 at every layer below them too (a
+  position-0 state lifted to the table's layer, :func:`.tables.first_table_for`), and every block layer's position-1
+  map and radii's calibrations, each kind measured for all layers in one pass.
 
 Like every reading, these only order candidates: each one is verified and the acceptor alone gives verdicts, so they
 change speed, never an answer. :func:`prepare` skips what is cached already (idempotent).
@@ -35,8 +37,8 @@ from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
-from .tables import first_position_table, position1_projection, table_path, write_tables
-from .tolerance import calibrate, screen_calibration
+from .tables import first_position_table, second_position_maps, table_path, write_tables
+from .tolerance import calibrate_layers, calibration_kind
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +83,43 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
     if deep and (source := load_reader(model, deep[0])) is not None:
         done += _lent(model, deep[0], source, settings.check)
     if settings.tables:
-        done += [line for layer in deep if (line := _layer_tables(model, layer, progress))]
+        done += [line for layer in deep if (line := _layer_table(model, layer, progress))]
+        done += _every_layer(model)
     return done
 
 
-def _layer_tables(model: LoadedModel, layer: Layer, progress: bool) -> str | None:
-    """``layer``'s first-position table, position-1 map and calibrations, each built where not cached; a line where the
-    table was not (None else). They are what :func:`lminvert.invert.engine.invert_prompts` reads at that layer."""
-    made = not table_path(model, layer, "table").is_file()
+def _layer_table(model: LoadedModel, layer: Layer, progress: bool) -> str | None:
+    """``layer``'s first-position table where not cached (a line where it was built, None else). Position 0 at every
+    layer below it is then ranked with it (:func:`.tables.first_table_for`)."""
+    if table_path(model, layer, "table").is_file():
+        return None
     start = time.perf_counter()
     first_position_table(model, layer, progress=progress)
-    position1_projection(model, layer)
-    calibrate(model, layer)
-    if model.probe.can_screen:
-        screen_calibration(model, layer)
-    seconds = time.perf_counter() - start
-    return (
-        f"first-position table, position-1 map and calibrations at layer {layer.name}: {seconds:.1f} s"
-        if made
-        else None
+    return f"first-position table at layer {layer.name}: {time.perf_counter() - start:.1f} s"
+
+
+def _every_layer(model: LoadedModel) -> list[str]:
+    """Every block layer's position-1 map and calibrations (radii; screening's where the model screens), those not
+    cached made in one pass each (:func:`.tables.second_position_maps`, :func:`.tolerance.calibrate_layers`): what
+    :func:`lminvert.invert.engine.invert_prompts` reads at a layer, which a layer's first prompt would otherwise make
+    (SmolLM2, layer 25: 32 s on a 2-core CPU). A line where any was made."""
+    probe = model.probe
+    layers = probe.layers(list(range(1, probe.n_layers + 1)))
+    start = time.perf_counter()
+    made = _made(model, layers)
+    second_position_maps(model, layers)
+    calibrate_layers(model, layers, screen=probe.can_screen)
+    if not made:
+        return []
+    return [f"position-1 maps and calibrations at layers 1-{probe.n_layers}: {time.perf_counter() - start:.1f} s"]
+
+
+def _made(model: LoadedModel, layers: list[Layer]) -> bool:
+    """Whether any of ``layers`` lacks its position-1 map or calibration on disk."""
+    return any(
+        not table_path(model, layer, kind, device).is_file()
+        for layer in layers
+        for kind, device in (("position1-map", None), (calibration_kind(model), model.device.type))
     )
 
 

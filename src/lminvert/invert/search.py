@@ -40,6 +40,7 @@ from .policies import Policy, SweepPolicy, TablePolicy
 from .results import Clock, PositionResult
 from .sources import ErrorModel
 from .speculation import Speculator
+from .tables import FirstTable
 from .tolerance import FLOOR, Calibration, norm
 
 SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
@@ -57,10 +58,9 @@ class Settings:
     vocab: int
     exhaustive: bool  # verify the whole budget, then decide (the brute-force oracle)
     source: ErrorModel
-    table: torch.Tensor | None  # first-position table (position 0), if used
+    table: FirstTable | None  # what ranks position 0 (a first-position table), if used
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
-    table_norms: torch.Tensor | None = None  # the table's squared row norms (computed once per loaded model)
     deadline: float | None = None  # wall-clock time (time.time()) after which a position stops after its first batch
 
     def late(self) -> bool:
@@ -135,7 +135,7 @@ class PromptSearch:
         )
         table = self.settings.table
         first = t == 0 and table is not None
-        self.active = TablePolicy(table, norms=self.settings.table_norms) if first else self.policy
+        self.active = TablePolicy(table) if first else self.policy
         self.plain: dict[int, float] = {}  # id -> distance of its plain-forward state
         self.confirmed = False  # a confirmation forward ran at this position
         self.exhausted = False

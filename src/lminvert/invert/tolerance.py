@@ -43,7 +43,7 @@ from ..models import Layer, LoadedModel
 from ..models.hf_internals import attn_implementation
 from ..models.observed import attention
 from .context import batch_scale
-from .tables import cached
+from .tables import cached, kept
 
 SAFETY = 4.0
 KIND = "calibration4"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
@@ -145,72 +145,116 @@ def measure(
 ) -> Calibration:
     """Measure the disagreements on ``prompts`` (equal lengths), exactly as the engine verifies and confirms (with
     ``screen``: also as it screens, the same batches over the same prefixes)."""
+    return measure_layers(model, [layer], prompts, seed, screen)[layer]
+
+
+class _Found:
+    """One layer's relative disagreements as :func:`measure_layers` collects them."""
+
+    def __init__(self) -> None:
+        self.cached: list[float] = []
+        self.plain: list[float] = []
+        self.gap: list[float] = []
+        self.screen: list[float] = []
+
+    def calibration(self, screen: bool) -> Calibration:
+        return Calibration(
+            cached=max(self.cached, default=0.0),
+            plain=max(self.plain, default=0.0),
+            gap=min(self.gap) if self.gap else math.inf,
+            samples=len(self.cached),
+            screen=max(self.screen, default=0.0) if screen else None,
+        )
+
+
+def measure_layers(
+    model: LoadedModel, layers: list[Layer], prompts: list[list[int]], seed: int = 0, screen: bool = False
+) -> dict[Layer, Calibration]:
+    """:func:`measure` at each of ``layers`` (block layers: 1..L), in the forwards of the highest one: a lower
+    layer's states there are those of a forward that stops at it, bit for bit (the blocks below it compute the same
+    things on the same inputs in both), and the draws do not depend on the layer."""
     probe = model.probe
-    reference = [p[layer] for p in prompt_states(model, prompts, [layer], progress=False)]
+    top = max(layers)
+    reference = prompt_states(model, prompts, layers, progress=False)
     gen = torch.Generator().manual_seed(seed)
     sizes = _batch_shapes(probe.device)
-    cached_rel, plain_rel, gap_rel, screen_rel = [], [], [], []
-    prefix = probe.prefixes([[]] * len(prompts), layer)
+    found = {layer: _Found() for layer in layers}
+    prefix = probe.prefixes([[]] * len(prompts), top)
     for t in range(len(prompts[0])):
         true = torch.tensor([p[t] for p in prompts])
         others = torch.randint(0, probe.vocab_size, (len(prompts), sizes[t % len(sizes)]), generator=gen)
         ids = torch.cat([true[:, None], others], dim=1)  # [N, 1 + k]
         rows = torch.arange(len(prompts))[:, None].expand_as(ids)
+        flat = {"token_ids": ids.reshape(-1), "rows": rows.reshape(-1), "layers": layers}
         with torch.no_grad():
-            states, new = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1), keys=True)
-        states = states.float().cpu().reshape(*ids.shape, -1)
+            verified, new = probe.continuation(prefix, keys=True, **flat)
         if screen:
             with torch.no_grad(), probe.screening():
-                fast = probe.continuation(prefix, token_ids=ids.reshape(-1), rows=rows.reshape(-1))
-            fast = fast.float().cpu().reshape(*ids.shape, -1)
+                fast = probe.continuation(prefix, **flat)
         extra = torch.randint(0, probe.vocab_size, (len(prompts),), generator=gen).tolist()  # a second row each
         plain_ids = torch.tensor([[*p[:t], x] for p, e in zip(prompts, extra, strict=True) for x in (p[t], e)])
-        plain = probe.states(plain_ids, [layer])[layer][:, -1].float().cpu().reshape(len(prompts), 2, -1)[:, 0]
-        for i in range(len(prompts)):
-            h = reference[i][t].double()
-            norm = float(h.norm())
-            if norm == 0:  # a zero state (quantised activations) has no relative disagreement: its radius is 0
-                continue
-            dist = (states[i].double() - h).norm(dim=1) / norm
-            differs = ids[i] != ids[i, 0]
-            cached_rel.append(float(dist[0]))
-            if differs.any():
-                gap_rel.append(float(dist[differs].min()))
-            plain_rel.append(float((plain[i].double() - h).norm()) / norm)
-            if screen:
-                screen_rel.append(float((fast[i, 0].double() - h).norm()) / norm)
+        plain = probe.states(plain_ids, layers)
+        for layer in layers:
+            states = verified[layer].float().cpu().reshape(*ids.shape, -1)
+            plains = plain[layer][:, -1].float().cpu().reshape(len(prompts), 2, -1)[:, 0]
+            screened = fast[layer].float().cpu().reshape(*ids.shape, -1) if screen else None
+            _record(found[layer], [r[layer][t] for r in reference], ids, states, plains, screened)
         if new is None:  # an empty prefix: the first token's keys by a forward, as the engine does
             prefix, _ = probe.advance_rows(prefix, true.tolist())
         else:  # the true tokens' keys and values from this verification, as the engine grows its prefix
             first = torch.arange(len(prompts), device=new.layers[0][0].device) * ids.shape[1]
             prefix = probe.advance_from(prefix, true.tolist(), new.take(first))
-    cached_rel += _chains(model, layer, prompts, reference)
-    return Calibration(
-        cached=max(cached_rel, default=0.0),
-        plain=max(plain_rel, default=0.0),
-        gap=min(gap_rel) if gap_rel else math.inf,
-        samples=len(cached_rel),
-        screen=max(screen_rel, default=0.0) if screen else None,
-    )
+    for layer, chained in _chains(model, layers, prompts, reference).items():
+        found[layer].cached += chained
+    return {layer: found[layer].calibration(screen) for layer in layers}
 
 
-def _chains(model: LoadedModel, layer: Layer, prompts: list[list[int]], reference: list[torch.Tensor]) -> list[float]:
+def _record(
+    found: _Found,
+    reference: list[torch.Tensor],
+    ids: torch.Tensor,
+    states: torch.Tensor,
+    plain: torch.Tensor,
+    screened: torch.Tensor | None,
+) -> None:
+    """One position's disagreements at one layer: each prompt's true token (column 0 of ``ids``) verified among
+    others (``states`` ``[N, 1 + k, d]``), by the plain forward (``plain`` ``[N, d]``) and screened."""
+    for i, true in enumerate(reference):
+        h = true.double()
+        norm = float(h.norm())
+        if norm == 0:  # a zero state (quantised activations) has no relative disagreement: its radius is 0
+            continue
+        dist = (states[i].double() - h).norm(dim=1) / norm
+        differs = ids[i] != ids[i, 0]
+        found.cached.append(float(dist[0]))
+        if differs.any():
+            found.gap.append(float(dist[differs].min()))
+        found.plain.append(float((plain[i].double() - h).norm()) / norm)
+        if screened is not None:
+            found.screen.append(float((screened[i, 0].double() - h).norm()) / norm)
+
+
+def _chains(
+    model: LoadedModel, layers: list[Layer], prompts: list[list[int]], reference: list[dict[Layer, torch.Tensor]]
+) -> dict[Layer, list[float]]:
     """Relative disagreements of chain states (``CHAIN`` true tokens per prompt in one forward) with the plain
-    forward's, the prefix grown by half of each chain from its keys and values."""
+    forward's, the prefix grown by half of each chain from its keys and values, at each of ``layers``."""
     probe = model.probe
-    found: list[float] = []
+    found: dict[Layer, list[float]] = {layer: [] for layer in layers}
     rows = torch.arange(len(prompts), device=probe.device) if len(prompts) > 1 else None
-    prefix = probe.prefixes([p[:1] for p in prompts], layer)
+    prefix = probe.prefixes([p[:1] for p in prompts], max(layers))
     t = 1
     while t < len(prompts[0]):
         ids = torch.tensor([p[t : t + CHAIN] for p in prompts], device=probe.device)
-        states, new = probe.chains(prefix, ids, rows)
-        states = states.double().cpu()
-        for i in range(len(prompts)):
-            for j in range(ids.shape[1]):
-                h = reference[i][t + j].double()
-                if float(h.norm()) > 0:
-                    found.append(float((states[i, j] - h).norm() / h.norm()))
+        chained, new = probe.chains(prefix, ids, rows, layers=layers)
+        assert isinstance(chained, dict)
+        for layer in layers:
+            states = chained[layer].double().cpu()
+            for i in range(len(prompts)):
+                for j in range(ids.shape[1]):
+                    h = reference[i][layer][t + j].double()
+                    if float(h.norm()) > 0:
+                        found[layer].append(float((states[i, j] - h).norm() / h.norm()))
         for j in range(max(1, ids.shape[1] // 2)):
             tokens = ids[:, j].tolist()
             if new is None:  # no block ran (layer 0): the keys by a forward
@@ -229,19 +273,34 @@ def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
         found = measure(model, layer, prompts)
         with model.probe.always_packed():  # the path of long prefixes, measured on the same short prompts
             packed = measure(model, layer, prompts)
-        return torch.tensor(
-            [
-                max(found.cached, packed.cached),
-                max(found.plain, packed.plain),
-                min(found.gap, packed.gap),
-                found.samples,  # the same positions, measured on both paths
-            ],
-            dtype=torch.float64,
-        )
+        return _radii(found, packed)
 
-    kind = KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
-    values = cached(model, layer, kind, build, per_device=True).tolist()
+    values = cached(model, layer, calibration_kind(model), build, per_device=True).tolist()
     return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
+
+
+def calibration_kind(model: LoadedModel) -> str:
+    """The cache's name for :func:`calibrate`'s figures on this model's device."""
+    return KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
+
+
+def _radii(found: Calibration, packed: Calibration) -> torch.Tensor:
+    """What :func:`calibrate` keeps of the measurements on both paths."""
+    return torch.tensor(
+        [
+            max(found.cached, packed.cached),
+            max(found.plain, packed.plain),
+            min(found.gap, packed.gap),
+            found.samples,  # the same positions, measured on both paths
+        ],
+        dtype=torch.float64,
+    )
+
+
+def _screened(found: Calibration, packed: Calibration) -> torch.Tensor:
+    """What :func:`screen_calibration` keeps of the measurements on both paths."""
+    assert found.screen is not None and packed.screen is not None
+    return torch.tensor([max(found.screen, packed.screen)], dtype=torch.float64)
 
 
 SCREEN_KIND = "screen1"  # the cache's name for the screening disagreement; a new name whenever it is measured anew
@@ -257,10 +316,36 @@ def screen_calibration(model: LoadedModel, layer: Layer) -> float:
         found = measure(model, layer, prompts, screen=True)
         with model.probe.always_packed():
             packed = measure(model, layer, prompts, screen=True)
-        assert found.screen is not None and packed.screen is not None
-        return torch.tensor([max(found.screen, packed.screen)], dtype=torch.float64)
+        return _screened(found, packed)
 
     return float(cached(model, layer, SCREEN_KIND, build, per_device=True)[0])
+
+
+def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> None:
+    """:func:`calibrate` (with ``screen``: and :func:`screen_calibration`) at each of ``layers`` (block layers) where
+    not cached yet, all measured in the forwards of the highest one (:func:`measure_layers`: each layer's figures are
+    those it gets alone, bit for bit; a screened measurement's radii equal a plain one's, its draws are the same):
+    what a layer's first prompt would otherwise measure, seconds at each layer."""
+    kind = calibration_kind(model)
+
+    def missing(layer: Layer) -> bool:
+        return kept(model, layer, kind, per_device=True) is None or (
+            screen and kept(model, layer, SCREEN_KIND, per_device=True) is None
+        )
+
+    wanted = [layer for layer in layers if missing(layer)]
+    if not wanted:
+        return
+    prompts = calibration_prompts(model)
+    found = measure_layers(model, wanted, prompts, screen=screen)
+    with model.probe.always_packed():
+        packed = measure_layers(model, wanted, prompts, screen=screen)
+    for layer in wanted:
+        cached(model, layer, kind, lambda layer=layer: _radii(found[layer], packed[layer]), per_device=True)
+        if screen:
+            cached(
+                model, layer, SCREEN_KIND, lambda layer=layer: _screened(found[layer], packed[layer]), per_device=True
+            )
 
 
 def noise_tolerance(target: torch.Tensor, sigma: float) -> float:

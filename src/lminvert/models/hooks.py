@@ -88,15 +88,20 @@ def forward_layers(probe, layers: Iterable[Layer], whole: bool = False, **kwargs
     return {layer: captured[layer] for layer in wanted}
 
 
-def final_from(probe, states: torch.Tensor, resolved: Layer, cache: Cache | None = None) -> torch.Tensor:
+def final_from(
+    probe, states: torch.Tensor, resolved: Layer, cache: Cache | None = None, upper: Layer | None = None
+) -> torch.Tensor:
     """The last hidden state ``[B, T, d]`` of sequences whose layer-``resolved`` states are ``states`` (the body of
     :meth:`.probe.LayerProbe.final_from`, whose docstring states the contract). ``cache``: the KV cache of the
     sequences' earlier positions in every block, where the blocks below ``resolved`` are skipped (a ValueError
     elsewhere: they would run on placeholders and cache their keys): ``states`` are the next positions', the blocks
-    above ``resolved`` attend to the cache and add their keys and values to it, the blocks below leave it as it is."""
+    above ``resolved`` attend to the cache and add their keys and values to it, the blocks below leave it as it is.
+    ``upper``: a block layer above ``resolved`` whose states to return instead (the blocks above it do not run)."""
     states = states.to(device=probe.device, dtype=probe.dtype)
     if states.dim() == 2:
         states = states[None]
+    if upper is not None and (upper.is_final or int(upper) <= int(resolved) or resolved.is_final):
+        raise ValueError(f"layer {upper} is not a block layer above layer {resolved}")
     if resolved.is_final:
         return states
     if int(resolved) == probe.n_layers:
@@ -123,14 +128,25 @@ def final_from(probe, states: torch.Tensor, resolved: Layer, cache: Cache | None
             block.forward = lambda *args, **kwargs: states
     else:
         handle = probe.blocks[int(resolved) - 1].register_forward_hook(hook)
+    captured: list[torch.Tensor] = []
+    top = None
+    if upper is not None:
+        top = probe.blocks[int(upper) - 1].register_forward_hook(lambda m, a, output: captured.append(_output(output)))
     placeholder = torch.zeros(states.shape[:2], dtype=torch.long, device=probe.device)
     try:  # it only orders candidates: a half model's GEMMs may run as float32 ones here (:mod:`.halfmath`)
-        with torch.no_grad(), probe._cached_math():
+        with (
+            torch.no_grad(),
+            probe._cached_math(),
+            through_block(probe, probe.n_layers if upper is None else int(upper)),
+        ):
             cached = {"use_cache": False} if cache is None else {"past_key_values": cache, "use_cache": True}
-            return probe.base(input_ids=placeholder, **cached).last_hidden_state
+            last = probe.base(input_ids=placeholder, **cached).last_hidden_state
+            return last if upper is None else captured[-1]
     finally:
         if handle is not None:
             handle.remove()
+        if top is not None:
+            top.remove()
         if skipped:
             for block, forward in zip(below, kept, strict=True):
                 if forward is None:

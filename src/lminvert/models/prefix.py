@@ -253,8 +253,8 @@ def continue_prefix(
     wanted = [prefix.layer] if layers is None else probe.layers(layers)
     if max(wanted) > prefix.layer and prefix.cache is not None:
         raise ValueError("continuation layers must not exceed the prefix's layer")
-    if keys and layers is not None:
-        raise ValueError("keys=True returns the states at the prefix's layer only")
+    if keys and max(wanted) != prefix.layer:
+        raise ValueError("keys=True needs the states at the prefix's layer (its blocks' keys come from that forward)")
     kwargs: dict = {"inputs_embeds": embeds.to(probe.dtype), "use_cache": prefix.cache is not None}
     views: list[_FrozenPrefixLayer] = []
     fresh: DynamicCache | None = None  # an empty prefix: the continuations' keys and values are collected here
@@ -265,7 +265,7 @@ def continue_prefix(
             index, kwargs = packing.rows, {**kwargs, **packing.inputs(embeds.to(probe.dtype))}
         views = [_FrozenPrefixLayer(layer, index) for layer in prefix.cache.layers]
         kwargs["past_key_values"] = Cache(layers=views)
-    elif keys and layers is None:
+    elif keys:
         fresh = DynamicCache(config=probe.config)
         kwargs.update(past_key_values=fresh, use_cache=True)
     with torch.set_grad_enabled(embeds.requires_grad), probe._cached_math():

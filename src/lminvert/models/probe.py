@@ -300,6 +300,12 @@ class LayerProbe:
         position, without the prompt."""
         return hooks.final_from(self, states, self.layer(layer))
 
+    def states_above(self, states: torch.Tensor, layer: LayerSpec, upper: LayerSpec) -> torch.Tensor:
+        """As :meth:`final_from`, the states ``[B, T, d]`` at the block layer ``upper`` above ``layer`` instead (the
+        blocks above ``upper`` do not run). A position-0 state alone is its token's first-position state at ``upper``
+        (position 0 attends to itself only), up to the rounding of another forward's shape."""
+        return hooks.final_from(self, states, self.layer(layer), upper=self.layer(upper))
+
     def next_token_logits(self, state: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """The model's next-token logits from states ``[..., d]`` after the last block (``normed``: after the
         final norm already). Output soft-capping, where a model has it, is left out: it does not change the order."""
@@ -320,9 +326,9 @@ class LayerProbe:
         the embedding module's output; gradients flow through them if they require grad). Returns ``[B, d]``
         at ``prefix.layer``, or a dict when ``layers`` (each <= prefix.layer) is given. A prefix of several rows
         needs ``rows`` ``[B]``: the prefix row each continuation extends (so several prompts' candidates share
-        one forward). ``keys=True`` (with ``token_ids``, no ``layers``): returns ``(states, NewKeys)``, the
-        continuations' keys and values in every cached block (None for an empty prefix or where no block ran, at
-        layer 0), for :meth:`advance_from`.
+        one forward). ``keys=True`` (with ``token_ids``; ``layers``, if given, must hold ``prefix.layer``): returns
+        ``(states, NewKeys)``, the continuations' keys and values in every cached block (None for an empty prefix or
+        where no block ran, at layer 0), for :meth:`advance_from`.
         """
         if (token_ids is None) == (embeds is None):
             raise ValueError("give exactly one of token_ids or embeds")
@@ -335,7 +341,7 @@ class LayerProbe:
         out, new = prefix_cache.continue_prefix(self, prefix, embeds[:, None, :], layers, rows, keys)
         out = {layer: state[:, 0, :] for layer, state in out.items()}
         if keys:
-            return out[prefix.layer], new
+            return (out[prefix.layer] if layers is None else out), new
         return out[prefix.layer] if layers is None else out
 
     def chains(
@@ -344,7 +350,8 @@ class LayerProbe:
         token_ids: torch.Tensor,
         rows: torch.Tensor | None = None,
         lengths: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, NewKeys | None]:
+        layers: Sequence[LayerSpec] | None = None,
+    ) -> tuple[torch.Tensor | dict[Layer, torch.Tensor], NewKeys | None]:
         """States ``[B, K, d]`` at positions ``prefix.length .. prefix.length + K - 1`` of B continuations of K
         tokens each (``token_ids`` ``[B, K]``), in one forward over the cached prefix, with their keys and values
         (``[B, heads, K, head_dim]`` per cached block; :meth:`NewKeys.at` takes one position). Causal attention makes
@@ -352,7 +359,8 @@ class LayerProbe:
         (rounded differently: the verification radii measure it, :mod:`lminvert.invert.tolerance`). ``rows``: as in
         :meth:`continuation`. ``lengths``: chains of different lengths (row ``b`` holds ``lengths[b]`` tokens, the
         rest of it is padding whose states are not to be read); where :meth:`packs_chains` they are packed and only
-        their own tokens are computed, elsewhere the padded rows run whole."""
+        their own tokens are computed, elsewhere the padded rows run whole. ``layers`` (holding ``prefix.layer``):
+        a dict of the states at each of them instead."""
         if token_ids.dim() != 2:
             raise ValueError("chains takes token ids [B, K]")
         if lengths is not None and (
@@ -364,8 +372,8 @@ class LayerProbe:
         self.check_ids(token_ids)
         embeds = self.embed(token_ids.reshape(-1)).reshape(*token_ids.shape, -1)
         with torch.no_grad():
-            out, new = prefix_cache.continue_prefix(self, prefix, embeds, None, rows, keys=True, lengths=lengths)
-        return out[prefix.layer], new
+            out, new = prefix_cache.continue_prefix(self, prefix, embeds, layers, rows, keys=True, lengths=lengths)
+        return (out[prefix.layer] if layers is None else out), new
 
     def packs_chains(self, prefix: Prefix) -> bool:
         """Whether chains of different lengths over ``prefix`` run packed (their own tokens only; :meth:`chains`)."""
