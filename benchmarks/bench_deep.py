@@ -65,9 +65,11 @@ def main() -> int:
         os.environ["LMINVERT_CACHE"] = tempfile.mkdtemp(prefix="lminvert-fresh-")
         start = time.perf_counter()
         command = [sys.executable, "-m", "lminvert", "models", "--prepare", args.model, "--dtype", args.dtype]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        made = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
         report["prepare_s"] = time.perf_counter() - start
+        report["prepared"] = made
         print(f"lminvert models --prepare {args.model} on an empty cache: {report['prepare_s']:.1f} s", flush=True)
+        print("\n".join(f"    {line}" for line in made), flush=True)
 
     import lminvert  # after LMINVERT_CACHE is set
     from lminvert.invert.reading import reading_map
