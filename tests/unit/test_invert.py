@@ -609,3 +609,6 @@ def test_a_layer_without_its_own_table_ranks_position_0_with_the_table_of_a_laye
     assert result.positions[0].candidates_checked <= 8  # the lifted target is nearest its own token's row
     assert not table_path(model, low, "table").is_file()  # no forward of the whole vocabulary at layer 1
     assert first_table_for(model, low, progress=False).at == top
+    table_path(model, top, "table").unlink()
+    fresh = lminvert.load_model(name)
+    assert first_table_for(fresh, top, progress=False).at == top  # the last layer: nothing above, its own is built

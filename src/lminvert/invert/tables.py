@@ -217,7 +217,7 @@ def first_table_for(model: LoadedModel, layer: Layer, progress: bool = True) -> 
     below then ranks position 0 with it instead of building its own, one forward of the whole vocabulary: SmolLM2's
     layer 15, 53 s on a 2-core CPU), else the layer's own, built now."""
     at = layer
-    if kept(model, layer, "table") is None and not layer.is_final:
+    if kept(model, layer, "table") is None and not layer.is_final and int(layer) < model.probe.n_layers:
         above = model.probe.layers(list(range(int(layer) + 1, model.probe.n_layers + 1)))
         at = next((upper for upper in above if kept(model, upper, "table") is not None), layer)
     table = first_position_table(model, at, progress=progress)
