@@ -8,7 +8,7 @@ For each dtype and layer, in the same process, every prompt inverted three ways 
 * ``own``   - ``lminvert.encode`` (each prompt alone, plain forward), inverted with ``source="exact"``: the baseline;
 * ``right`` / ``left`` - all prompts in ONE padded batch as a deployment captures them (right, then left padding; the
   prompts cut by 0..3 tokens from their ends so that the batch really pads), the real tokens' rows taken out
-  (:func:`lminvert.invert.tolerance.padded_states`), wrapped as a bare array (``HiddenStates.from_array``) and inverted
+  (:func:`lminvert.invert.layouts.padded_states`), wrapped as a bare array (``HiddenStates.from_array``) and inverted
   with ``source="float"`` (the error model of states computed elsewhere in the same dtype).
 
 Then a noise sweep at ``--noise-layer`` in float32: ``invert(model, own_states, noise=level)`` (relative Gaussian
@@ -44,9 +44,10 @@ import lminvert
 from bench_invert import _summarise
 from evalset import EvalPrompt, evaluation_prompts
 from lminvert.invert.acceptor import UNCERTAIN, VERDICTS
+from lminvert.invert.layouts import foreign_calibration, padded_states
 from lminvert.invert.reader import reading_for
 from lminvert.invert.tables import first_position_table, second_position_map
-from lminvert.invert.tolerance import calibrate, foreign_calibration, padded_states, screen_calibration
+from lminvert.invert.tolerance import calibrate, screen_calibration
 
 LAYOUTS = ("right", "left")
 WARM = 6  # positions of the untimed warm-up inversions

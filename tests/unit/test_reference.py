@@ -8,8 +8,8 @@ import torch
 import lminvert
 from lminvert.invert import Float
 from lminvert.invert.acceptor import UNCERTAIN
+from lminvert.invert.layouts import foreign_calibration
 from lminvert.invert.reference import reference_invert
-from lminvert.invert.tolerance import foreign_calibration
 from lminvert.states import HiddenStates
 
 FAMILIES = ["tiny-llama", "tiny-gpt2", "tiny-gemma3"]  # rotary + RMSNorm, learned positions + LayerNorm, sandwich norms

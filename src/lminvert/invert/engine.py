@@ -30,6 +30,7 @@ import torch
 from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
 from . import acceptor
 from .context import batch_scale
+from .layouts import foreign_calibration
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
 from .reader import reading_for
@@ -39,7 +40,7 @@ from .search import PromptSearch, Settings
 from .sources import ErrorModel, Exact
 from .speculation import Speculator, chains_reproduce
 from .tables import first_table_for
-from .tolerance import calibrate, foreign_calibration, screen_calibration
+from .tolerance import calibrate, screen_calibration
 from .verification import search_position
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,9 @@ from ..models import Layer, LayerSpec, LoadedModel
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .context import wide_dtype
+from .layouts import foreign_calibration
 from .sources import ErrorModel, Exact
-from .tolerance import FLOOR, Calibration, calibrate, foreign_calibration, norm
+from .tolerance import FLOOR, Calibration, calibrate, norm
 
 ORDERS = ("random", "nearest-embedding")
 

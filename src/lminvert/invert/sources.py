@@ -7,7 +7,7 @@ this machine's plain forward of the true prefix + token; :mod:`.acceptor` decide
 
 * ``exact``   - lminvert's own ``encode``: bound 0 (the engine's own rounding is calibrated apart, :mod:`.tolerance`);
 * ``float``   - computed elsewhere in the same dtype (another batch layout, kernel, thread count or library): the
-  largest relative disagreement measured on this machine across such layouts (:func:`.tolerance.foreign_calibration`),
+  largest relative disagreement measured on this machine across such layouts (:func:`.layouts.foreign_calibration`),
   first position and later positions apart, times ``SAFETY``;
 * ``noise:S`` - relative Gaussian noise of level ``S`` (``S * ||h|| * g / sqrt(d)``): its 4-sigma norm bound, plus
   ``float``'s (the noise was added to states computed somewhere; not where lminvert adds it to its own states,
@@ -95,7 +95,7 @@ class ErrorModel:
         return self.elsewhere
 
     def calibrated(self, first: float, rest: float) -> ErrorModel:
-        """This model with the measured foreign disagreements (:func:`.tolerance.foreign_calibration`)."""
+        """This model with the measured foreign disagreements (:func:`.layouts.foreign_calibration`)."""
         return replace(self, first=first, rest=rest)
 
     @property

@@ -106,6 +106,31 @@ def final_from(
         return states
     if int(resolved) == probe.n_layers:
         return states if probe.final_norm is None else probe.final_norm(states)
+    captured: list[torch.Tensor] = []
+    top = None
+    if upper is not None:
+        top = probe.blocks[int(upper) - 1].register_forward_hook(lambda m, a, output: captured.append(_output(output)))
+    placeholder = torch.zeros(states.shape[:2], dtype=torch.long, device=probe.device)
+    try:  # it only orders candidates: a half model's GEMMs may run as float32 ones here (:mod:`.halfmath`)
+        with (
+            _handed_on(probe, states, resolved, cache is not None),
+            torch.no_grad(),
+            probe._cached_math(),
+            through_block(probe, probe.n_layers if upper is None else int(upper)),
+        ):
+            cached = {"use_cache": False} if cache is None else {"past_key_values": cache, "use_cache": True}
+            last = probe.base(input_ids=placeholder, **cached).last_hidden_state
+            return last if upper is None else captured[-1]
+    finally:
+        if top is not None:
+            top.remove()
+
+
+@contextlib.contextmanager
+def _handed_on(probe, states: torch.Tensor, resolved: Layer, skip: bool) -> Iterator[None]:
+    """Within: the blocks below ``resolved`` hand on ``states`` (skipped where the mapping check saw blocks return
+    plain tensors; elsewhere a hook replaces the input of block 1, or the output of block ``resolved``). ``skip``: they
+    must be skipped (a ValueError where they cannot)."""
 
     def pre_hook(module, args, kw):
         if args:
@@ -117,8 +142,9 @@ def final_from(
 
     below = probe.blocks[: int(resolved)]
     skipped = probe._blocks_return_tensors and int(resolved) > 0
-    if cache is not None and not skipped:
+    if skip and not skipped:
         raise ValueError(f"the blocks below layer {resolved} cannot be skipped: give no cache")
+    kept = []
     if int(resolved) == 0:
         handle = probe.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
     elif skipped:  # an instance attribute: nn.Module calls it instead of the class's (one already there is kept)
@@ -128,25 +154,11 @@ def final_from(
             block.forward = lambda *args, **kwargs: states
     else:
         handle = probe.blocks[int(resolved) - 1].register_forward_hook(hook)
-    captured: list[torch.Tensor] = []
-    top = None
-    if upper is not None:
-        top = probe.blocks[int(upper) - 1].register_forward_hook(lambda m, a, output: captured.append(_output(output)))
-    placeholder = torch.zeros(states.shape[:2], dtype=torch.long, device=probe.device)
-    try:  # it only orders candidates: a half model's GEMMs may run as float32 ones here (:mod:`.halfmath`)
-        with (
-            torch.no_grad(),
-            probe._cached_math(),
-            through_block(probe, probe.n_layers if upper is None else int(upper)),
-        ):
-            cached = {"use_cache": False} if cache is None else {"past_key_values": cache, "use_cache": True}
-            last = probe.base(input_ids=placeholder, **cached).last_hidden_state
-            return last if upper is None else captured[-1]
+    try:
+        yield
     finally:
         if handle is not None:
             handle.remove()
-        if top is not None:
-            top.remove()
         if skipped:
             for block, forward in zip(below, kept, strict=True):
                 if forward is None:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ...models import LoadedModel
+from ..layouts import foreign_calibration
 from ..tables import cached
-from ..tolerance import calibration_prompts, foreign_calibration
+from ..tolerance import calibration_prompts
 from .running import Running
 from .screen import SCREEN_FROM, screened_states
 
@@ -31,7 +32,7 @@ class Measured:
 
     rounding: float  # cached forward vs plain forward
     # the deployment's rows vs the plain forward's, at position 0 (with ``layouts``: and the rows that other layouts'
-    # states give, :func:`lminvert.invert.tolerance.foreign_calibration` through the view)
+    # states give, :func:`lminvert.invert.layouts.foreign_calibration` through the view)
     first: float
     rest: float  # the same at later positions
 
