@@ -3,8 +3,11 @@ reading (the preparation's network where one is cached, else the linear map: wha
 the two merged place by place, and the two fused as a product of experts with each ``--fused`` weight.
 
     python benchmarks/bench_first_guess.py --layers 15,30 --prompts 24 --fused 0.25,0.5,1,2
+    python benchmarks/bench_first_guess.py --layers 25,30 --set eval --per-kind 6 --fused 0.5,1
 
-Held-out prompts (``heldout.DEEP``) of 20 tokens, positions 1-19 (position 0 is the first-position table's), SmolLM2.
+Held-out prompts (``heldout.DEEP``; ``--set eval``: the evaluation set's prose, code, chat and random ids,
+``--per-kind`` of each, drawn from the embedded corpora with ``--seed``) of 20 tokens, positions 1-19 (position 0 is the
+first-position table's), SmolLM2.
 Printed per layer and source: the share of positions whose true token it ranks within its first 1, 8 and 64, and
 the mean ``log2(2 + rank)`` (a rank beyond the first 2,048 counted as 4,096).
 """
@@ -37,6 +40,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=len(DEEP))
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument("--fused", default="0.25,0.5,1,2", help="the reading's weights in the fused source")
+    parser.add_argument("--set", default="deep", choices=("deep", "eval"), help="heldout.DEEP or the evaluation set")
+    parser.add_argument("--per-kind", type=int, default=6, help="--set eval: prompts of each kind")
+    parser.add_argument("--seed", type=int, default=0, help="--set eval: the draw")
     args = parser.parse_args()
 
     import lminvert
@@ -45,7 +51,13 @@ def main() -> int:
     from lminvert.invert.reader import load_reader, reading_for
 
     model = lminvert.load_model(args.model)
-    prompts = [list(model.tokenize(t, args.length)) for t in DEEP[: args.prompts]]
+    if args.set == "deep":
+        prompts = [list(model.tokenize(t, args.length)) for t in DEEP[: args.prompts]]
+    else:
+        from evalset import evaluation_prompts
+
+        kinds = ["prose", "code", "chat", "random"]
+        prompts = [list(p.ids) for p in evaluation_prompts(model, args.per_kind, args.length, args.seed, kinds=kinds)]
     weights = [float(w) for w in args.fused.split(",")]
     for spec in args.layers.split(","):
         layer = model.probe.layer(spec)
