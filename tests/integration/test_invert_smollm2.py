@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lminvert.forward import encode
@@ -130,3 +131,24 @@ def test_a_positions_own_fit_ranks_its_later_batches_and_never_changes_the_answe
     assert [r.token_ids for r in results] == [rand, rand]
     assert all(r.uncertain_positions == [] for r in results)
     assert any(fits[0]) and not any(fits[1])
+
+
+def test_position_0_at_a_layer_without_its_own_table_is_ranked_with_a_kept_table_above(smollm2, monkeypatch):
+    """Layer 5 has no first-position table of its own: position 0 is ranked with layer 6's (its observed state lifted
+    there through block 6), verified at layer 5 and certified, and no forward of the whole vocabulary runs."""
+    from lminvert.invert import tables
+
+    below, above = smollm2.probe.layer(LAYER - 1), smollm2.probe.layer(LAYER)
+    if tables.kept(smollm2, below, "table") is not None:
+        pytest.skip("this cache holds layer 5's own table")
+    tables.first_position_table(smollm2, above, progress=False)  # this module's layer: built once, kept
+    read = []
+    real = tables.first_position_table
+    monkeypatch.setattr(
+        tables, "first_position_table", lambda m, layer, **kw: read.append(layer) or real(m, layer, **kw)
+    )
+    ids = smollm2.tokenize("The ferry to the northern islands leaves twice a day.")
+    (result,) = invert(smollm2, encode(smollm2, [ids], below))
+    assert result.token_ids == ids and set(result.verdicts) == {"certified"}
+    assert result.positions[0].candidates_checked <= 8  # the lifted state is nearest its own token's row
+    assert read == [above] and tables.kept(smollm2, below, "table") is None
