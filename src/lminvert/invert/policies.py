@@ -52,9 +52,9 @@ class RandomPolicy(Policy):
 
 class TablePolicy(Policy):
     """Position 0 only: the first-position table's rows closest to the target in angle (in half precision the table,
-    computed one token per sequence, differs from the observer's state most in its norm: :class:`.search.PromptSearch`
-    confirms contenders in the same order); a table of a layer above the target's ranks the target lifted there
-    (:class:`.tables.FirstTable`)."""
+    computed one token per sequence, differs from the observer's state most in its norm: the acceptor orders
+    contenders the same way, :func:`.acceptor.contenders`); a table of a layer above the target's ranks the target
+    lifted there (:class:`.tables.FirstTable`)."""
 
     name = "table"
 
@@ -63,7 +63,7 @@ class TablePolicy(Policy):
         self._order: torch.Tensor | None = None
 
     def propose(self, ctx: PositionContext) -> torch.Tensor | None:
-        if not ctx.rounds:  # by angle (one matrix-vector product), not distance: see PromptSearch._contenders
+        if not ctx.rounds:  # by angle (one matrix-vector product), not distance: see acceptor.contenders
             tables = self.tables
             score = tables.table @ tables.lift(ctx.target).to(tables.table.device)
             self._order = score.div_(tables.norms.sqrt().clamp_min(1e-30)).argsort(descending=True)
