@@ -591,7 +591,7 @@ def test_a_ranking_is_scores_or_an_order():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
-def test_a_layer_without_its_own_table_ranks_position_0_with_the_table_of_a_layer_above(name, isolated_cache):
+def test_a_layer_without_its_own_table_ranks_position_0_with_the_table_of_a_layer_above(name, isolated_cache, caplog):
     from lminvert.invert.tables import first_position_table, first_table_for, table_path
 
     model = lminvert.load_model(name)
@@ -599,8 +599,11 @@ def test_a_layer_without_its_own_table_ranks_position_0_with_the_table_of_a_laye
     top, low = probe.layer(probe.n_layers), probe.layer(1)
     ids = [1234, 77, 9000, 5, 40000]
     states = encode(model, [ids], low)
-    before = first_table_for(model, low, progress=False)  # nothing kept above: the layer's own is built
+    with caplog.at_level("WARNING", logger="lminvert.invert.tables"):
+        before = first_table_for(model, low, progress=False)  # nothing kept above: the layer's own is built
     assert before.at == low and table_path(model, low, "table").is_file()
+    assert f"lminvert models --prepare {name}" in caplog.text  # the user is told how to build it once for all
+    caplog.clear()
     table_path(model, low, "table").unlink()
     model = lminvert.load_model(name)  # a fresh process: nothing held in memory
     first_position_table(model, top, progress=False)  # what the preparation keeps
@@ -608,6 +611,7 @@ def test_a_layer_without_its_own_table_ranks_position_0_with_the_table_of_a_laye
     assert result.token_ids == ids and result.uncertain_positions == []
     assert result.positions[0].candidates_checked <= 8  # the lifted target is nearest its own token's row
     assert not table_path(model, low, "table").is_file()  # no forward of the whole vocabulary at layer 1
+    assert "no first-position table" not in caplog.text
     assert first_table_for(model, low, progress=False).at == top
     table_path(model, top, "table").unlink()
     fresh = lminvert.load_model(name)

@@ -220,6 +220,12 @@ def first_table_for(model: LoadedModel, layer: Layer, progress: bool = True) -> 
     if kept(model, layer, "table") is None and not layer.is_final and int(layer) < model.probe.n_layers:
         above = model.probe.layers(list(range(int(layer) + 1, model.probe.n_layers + 1)))
         at = next((upper for upper in above if kept(model, upper, "table") is not None), layer)
+    if kept(model, at, "table") is None:
+        log.warning(
+            "no first-position table kept at or above layer %s: building layer %s's, once (a forward of every token); "
+            "`lminvert models --prepare %s` keeps the last layer's, which ranks position 0 at every layer",
+            layer.name, at.name, model.name,
+        )  # fmt: skip
     table = first_position_table(model, at, progress=progress)
     return FirstTable(table, squared_norms(model, f"table-{at.name}", table), layer, at, model)
 
