@@ -37,8 +37,8 @@ from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
-from .tables import first_position_table, second_position_maps, table_path, write_tables
-from .tolerance import calibrate_layers, calibration_kind
+from .tables import first_position_table, fit_position1_maps, table_path, write_tables
+from .tolerance import calibrate_layers
 
 log = logging.getLogger(__name__)
 
@@ -100,27 +100,16 @@ def _layer_table(model: LoadedModel, layer: Layer, progress: bool) -> str | None
 
 def _every_layer(model: LoadedModel) -> list[str]:
     """Every block layer's position-1 map and calibrations (radii; screening's where the model screens), those not
-    cached made in one pass each (:func:`.tables.second_position_maps`, :func:`.tolerance.calibrate_layers`): what
+    cached made in one pass each (:func:`.tables.fit_position1_maps`, :func:`.tolerance.calibrate_layers`): what
     :func:`lminvert.invert.engine.invert_prompts` reads at a layer, which a layer's first prompt would otherwise make
     (SmolLM2, layer 25: 32 s on a 2-core CPU). A line where any was made."""
     probe = model.probe
     layers = probe.layers(list(range(1, probe.n_layers + 1)))
     start = time.perf_counter()
-    made = _made(model, layers)
-    second_position_maps(model, layers)
-    calibrate_layers(model, layers, screen=probe.can_screen)
+    made = fit_position1_maps(model, layers) + calibrate_layers(model, layers, screen=probe.can_screen)
     if not made:
         return []
     return [f"position-1 maps and calibrations at layers 1-{probe.n_layers}: {time.perf_counter() - start:.1f} s"]
-
-
-def _made(model: LoadedModel, layers: list[Layer]) -> bool:
-    """Whether any of ``layers`` lacks its position-1 map or calibration on disk."""
-    return any(
-        not table_path(model, layer, kind, device).is_file()
-        for layer in layers
-        for kind, device in (("position1-map", None), (calibration_kind(model), model.device.type))
-    )
 
 
 def _network_data(

@@ -216,66 +216,60 @@ def first_table_for(model: LoadedModel, layer: Layer, progress: bool = True) -> 
     kept one at a block layer above it (the preparation keeps the last layer's: a user's first prompt at any layer
     below then ranks position 0 with it instead of building its own, one forward of the whole vocabulary: SmolLM2's
     layer 15, 53 s on a 2-core CPU), else the layer's own, built now."""
-    at = layer
-    if kept(model, layer, "table") is None and not layer.is_final and int(layer) < model.probe.n_layers:
+    at, own = layer, kept(model, layer, "table")
+    if own is None and not layer.is_final and int(layer) < model.probe.n_layers:
         above = model.probe.layers(list(range(int(layer) + 1, model.probe.n_layers + 1)))
         at = next((upper for upper in above if kept(model, upper, "table") is not None), layer)
-    if kept(model, at, "table") is None:
+    if own is None and at == layer:
         log.warning(
-            "no first-position table kept at or above layer %s: building layer %s's, once (a forward of every token); "
+            "no first-position table kept at or above layer %s: building its own, once (a forward of every token); "
             "`lminvert models --prepare %s` keeps the last layer's, which ranks position 0 at every layer",
-            layer.name, at.name, model.name,
+            layer.name, model.name,
         )  # fmt: skip
-    table = first_position_table(model, at, progress=progress)
+    table = first_position_table(model, at, progress=progress)  # kept: read from memory
     return FirstTable(table, squared_norms(model, f"table-{at.name}", table), layer, at, model)
 
 
-def second_position_map(
-    model: LoadedModel, layer: Layer, contexts: int = 12, samples: int = 256, seed: int = 0, outlier: float = 4.0
-) -> torch.Tensor:
-    """A secant linear map ``J`` [d, d] from input vectors to position-1 states, for random first tokens.
-
-    A ridge fit over ``contexts`` random first tokens x ``samples`` random second tokens (centred per context,
-    attention-sink outliers dropped). Built once per model and layer, cached (:func:`second_position_maps`: several
-    layers in one pass).
-    """
-    return second_position_maps(model, [layer], contexts, samples, seed, outlier)[layer]
+POSITION1 = "position1-map"  # the cache's name for the position-1 map
 
 
-def second_position_maps(
-    model: LoadedModel,
-    layers: list[Layer],
-    contexts: int = 12,
-    samples: int = 256,
-    seed: int = 0,
-    outlier: float = 4.0,
-) -> dict[Layer, torch.Tensor]:
-    """:func:`second_position_map` at each of ``layers``, those not kept yet fitted on one pass of the same draws up
-    to the highest of them (each layer's map is the one it would get alone: the draws do not depend on the layer)."""
-    missing = [layer for layer in layers if kept(model, layer, "position1-map") is None]
-    if missing:
-        probe = model.probe
-        gen = torch.Generator().manual_seed(seed)
-        vocab = probe.vocab_matrix().cpu().double()
-        xs: dict[Layer, list] = {layer: [] for layer in missing}
-        hs: dict[Layer, list] = {layer: [] for layer in missing}
-        for first in torch.randint(0, probe.vocab_size, (contexts,), generator=gen).tolist():
-            ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
-            ((_, states),) = vocabulary_states(model, [first], missing, tokens=ids, batch=samples)
-            for layer in missing:
-                h = states[layer].double()
-                keep = h.norm(dim=1) <= outlier * h.norm(dim=1).median()
-                x, h = centre(vocab[ids][keep], h[keep])
-                xs[layer].append(x)
-                hs[layer].append(h)
+def second_position_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
+    """A secant linear map ``J`` [d, d] from input vectors to position-1 states, for random first tokens
+    (:func:`fit_position1_maps`). Built once per model and layer, cached."""
+    fit_position1_maps(model, [layer])
+    jac = kept(model, layer, POSITION1)
+    assert jac is not None
+    return jac
+
+
+def fit_position1_maps(
+    model: LoadedModel, layers: list[Layer], contexts: int = 12, samples: int = 256, seed: int = 0, outlier: float = 4.0
+) -> list[Layer]:
+    """The position-1 map of each of ``layers`` not kept yet, kept: a ridge fit over ``contexts`` random first tokens x
+    ``samples`` random second tokens (centred per context, attention-sink outliers dropped), all layers from one pass
+    of the same draws up to the highest of them (each layer's map is the one it would get alone: the draws do not
+    depend on the layer). Returns the layers fitted."""
+    missing = [layer for layer in layers if kept(model, layer, POSITION1) is None]
+    if not missing:
+        return []
+    probe = model.probe
+    gen = torch.Generator().manual_seed(seed)
+    vocab = probe.vocab_matrix().cpu().double()
+    xs: dict[Layer, list] = {layer: [] for layer in missing}
+    hs: dict[Layer, list] = {layer: [] for layer in missing}
+    for first in torch.randint(0, probe.vocab_size, (contexts,), generator=gen).tolist():
+        ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
+        ((_, states),) = vocabulary_states(model, [first], missing, tokens=ids, batch=samples)
         for layer in missing:
-            fitted = fit_secant_map(torch.cat(xs[layer]), torch.cat(hs[layer]), ridge=1e-3)
-            cached(model, layer, "position1-map", lambda fitted=fitted: fitted)
-    return {layer: cached(model, layer, "position1-map", _unreachable) for layer in layers}
-
-
-def _unreachable() -> torch.Tensor:
-    raise AssertionError("kept above")
+            h = states[layer].double()
+            keep = h.norm(dim=1) <= outlier * h.norm(dim=1).median()
+            x, h = centre(vocab[ids][keep], h[keep])
+            xs[layer].append(x)
+            hs[layer].append(h)
+    for layer in missing:
+        fitted = fit_secant_map(torch.cat(xs[layer]), torch.cat(hs[layer]), ridge=1e-3)
+        cached(model, layer, POSITION1, lambda fitted=fitted: fitted)
+    return missing
 
 
 def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -264,40 +264,15 @@ def _chains(
 
 def calibrate(model: LoadedModel, layer: Layer) -> Calibration:
     """The measured :class:`Calibration` of ``model`` at ``layer`` (cached beside the tables, per device type)."""
-
-    def build() -> torch.Tensor:
-        prompts = calibration_prompts(model)
-        found = measure(model, layer, prompts)
-        with model.probe.always_packed():  # the path of long prefixes, measured on the same short prompts
-            packed = measure(model, layer, prompts)
-        return _radii(found, packed)
-
-    values = cached(model, layer, calibration_kind(model), build, per_device=True).tolist()
-    return Calibration(cached=values[0], plain=values[1], gap=values[2], samples=int(values[3]))
+    calibrate_layers(model, [layer], screen=False)
+    values = kept(model, layer, calibration_kind(model), per_device=True)
+    assert values is not None
+    return Calibration(cached=float(values[0]), plain=float(values[1]), gap=float(values[2]), samples=int(values[3]))
 
 
 def calibration_kind(model: LoadedModel) -> str:
     """The cache's name for :func:`calibrate`'s figures on this model's device."""
     return KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
-
-
-def _radii(found: Calibration, packed: Calibration) -> torch.Tensor:
-    """What :func:`calibrate` keeps of the measurements on both paths."""
-    return torch.tensor(
-        [
-            max(found.cached, packed.cached),
-            max(found.plain, packed.plain),
-            min(found.gap, packed.gap),
-            found.samples,  # the same positions, measured on both paths
-        ],
-        dtype=torch.float64,
-    )
-
-
-def _screened(found: Calibration, packed: Calibration) -> torch.Tensor:
-    """What :func:`screen_calibration` keeps of the measurements on both paths."""
-    assert found.screen is not None and packed.screen is not None
-    return torch.tensor([max(found.screen, packed.screen)], dtype=torch.float64)
 
 
 SCREEN_KIND = "screen1"  # the cache's name for the screening disagreement; a new name whenever it is measured anew
@@ -307,22 +282,19 @@ def screen_calibration(model: LoadedModel, layer: Layer) -> float:
     """The measured relative disagreement of screened states (:attr:`Calibration.screen`) of ``model`` at ``layer``:
     the calibration prompts' true tokens among random candidates, as :func:`calibrate` verifies them, on both paths
     (cached beside the tables, per device type)."""
-
-    def build() -> torch.Tensor:
-        prompts = calibration_prompts(model)
-        found = measure(model, layer, prompts, screen=True)
-        with model.probe.always_packed():
-            packed = measure(model, layer, prompts, screen=True)
-        return _screened(found, packed)
-
-    return float(cached(model, layer, SCREEN_KIND, build, per_device=True)[0])
+    calibrate_layers(model, [layer], screen=True)
+    value = kept(model, layer, SCREEN_KIND, per_device=True)
+    assert value is not None
+    return float(value[0])
 
 
-def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> None:
-    """:func:`calibrate` (with ``screen``: and :func:`screen_calibration`) at each of ``layers`` (block layers) where
-    not cached yet, all measured in the forwards of the highest one (:func:`measure_layers`: each layer's figures are
-    those it gets alone, bit for bit; a screened measurement's radii equal a plain one's, its draws are the same):
-    what a layer's first prompt would otherwise measure, seconds at each layer."""
+def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> list[Layer]:
+    """:func:`calibrate` (with ``screen``: and :func:`screen_calibration`) at each of ``layers`` where not cached yet,
+    measured on both paths (the second with the continuations packed side by side over the shared prefix, as the probe
+    runs them over long prefixes: the radii cover both), all layers in the forwards of the highest one
+    (:func:`measure_layers`: each layer's figures are those it gets alone, bit for bit; a screened measurement's radii
+    equal a plain one's, its draws are the same): what a layer's first prompt would otherwise measure, seconds at each
+    layer. Returns the layers measured."""
     kind = calibration_kind(model)
 
     def missing(layer: Layer) -> bool:
@@ -332,17 +304,20 @@ def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> N
 
     wanted = [layer for layer in layers if missing(layer)]
     if not wanted:
-        return
+        return []
     prompts = calibration_prompts(model)
     found = measure_layers(model, wanted, prompts, screen=screen)
     with model.probe.always_packed():
         packed = measure_layers(model, wanted, prompts, screen=screen)
     for layer in wanted:
-        cached(model, layer, kind, lambda layer=layer: _radii(found[layer], packed[layer]), per_device=True)
+        one, other = found[layer], packed[layer]
+        radii = [max(one.cached, other.cached), max(one.plain, other.plain), min(one.gap, other.gap), one.samples]
+        cached(model, layer, kind, lambda radii=radii: torch.tensor(radii, dtype=torch.float64), per_device=True)
         if screen:
-            cached(
-                model, layer, SCREEN_KIND, lambda layer=layer: _screened(found[layer], packed[layer]), per_device=True
-            )
+            assert one.screen is not None and other.screen is not None
+            worst = max(one.screen, other.screen)
+            cached(model, layer, SCREEN_KIND, lambda w=worst: torch.tensor([w], dtype=torch.float64), per_device=True)
+    return wanted
 
 
 def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
