@@ -152,11 +152,13 @@ def _as_prompts(path: Path, value: Any) -> list[torch.Tensor]:
         raise LminvertError(f"{path.name}: the states entry is a {type(value).__name__}, not a tensor")
     if not value.is_floating_point():
         raise LminvertError(f"states must be floating point, got {value.dtype}")
+    if value.dim() == 1:  # one vector (a last-position leak)
+        return [value.detach()[None]]
     if value.dim() == 2:
         return [value.detach()]
     if value.dim() == 3:
         return [p.detach() for p in value]
-    raise LminvertError(f"states must have shape [T, d] or [N, T, d], got {list(value.shape)}")
+    raise LminvertError(f"states must have shape [d], [T, d] or [N, T, d], got {list(value.shape)}")
 
 
 def _one(path: Path, tensor: torch.Tensor) -> torch.Tensor:

@@ -158,10 +158,12 @@ class HiddenStates:
         if isinstance(array, torch.Tensor):
             if not array.is_floating_point():
                 raise LminvertError(f"states must be floating point, got {array.dtype}")
+            if array.dim() == 1:  # one position's state (one vector: a last-position leak)
+                array = array[None]
             if array.dim() == 2:
                 array = array[None]
             if array.dim() != 3:
-                raise LminvertError(f"states must have shape [T, d] or [N, T, d], got {list(array.shape)}")
+                raise LminvertError(f"states must have shape [d], [T, d] or [N, T, d], got {list(array.shape)}")
             if array.shape[0] == 0 or array.shape[1] == 0:
                 raise LminvertError(f"states array is empty (shape {list(array.shape)})")
             if array.dtype in (torch.bfloat16, torch.float16):  # a half-precision array says how it was computed

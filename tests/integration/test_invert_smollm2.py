@@ -152,3 +152,17 @@ def test_position_0_at_a_layer_without_its_own_table_is_ranked_with_a_kept_table
     assert result.token_ids == ids and set(result.verdicts) == {"certified"}
     assert result.positions[0].candidates_checked <= 8  # the lifted state is nearest its own token's row
     assert read == [above] and tables.kept(smollm2, below, "table") is None
+
+
+def test_one_vector_gives_back_a_short_prompt_certified_and_claims_nothing_longer(smollm2):
+    """``leak="last"`` on SmolLM2's layer 1: a two-token prompt from its last state alone, raw and normalised, is
+    certified (reproduced bit for bit); a five-token prompt, longer than the search tries, is uncertain."""
+    short = smollm2.tokenize("Hello world")
+    longer = smollm2.tokenize("The ferry leaves twice daily")[:5]
+    vectors = [encode(smollm2, [ids], 1).states[0][-1].float() for ids in (short, longer)]
+    for normalised in (False, True):
+        vector = vectors[0] / vectors[0].norm() if normalised else vectors[0]
+        (result,) = invert(smollm2, vector, 1, leak="last", normalised=normalised, max_seconds=30, max_length=3)
+        assert result.token_ids == short and set(result.verdicts) == {"certified"}, (normalised, result.text)
+    (result,) = invert(smollm2, vectors[1], 1, leak="last", max_seconds=10, max_length=3)
+    assert len(result.token_ids) <= 3 and set(result.verdicts) == {"uncertain"}

@@ -616,3 +616,23 @@ def test_a_layer_without_its_own_table_ranks_position_0_with_the_table_of_a_laye
     table_path(model, top, "table").unlink()
     fresh = lminvert.load_model(name)
     assert first_table_for(fresh, top, progress=False).at == top  # the last layer: nothing above, its own is built
+
+
+def test_the_final_layer_ranks_position_0_with_the_last_blocks_table_through_the_final_norm(isolated_cache):
+    """With only the last block's table kept (what the preparation keeps), the final layer's ranking is that table
+    through the final norm: every token's own final state alone, up to rounding, and no table of its own is built."""
+    from lminvert.invert.tables import first_position_table, first_table_for, table_path
+
+    model = lminvert.load_model("tiny-llama")
+    probe = model.probe
+    last, final = probe.layer(probe.n_layers), probe.layer("final")
+    first_position_table(model, last, progress=False)
+    ranked = first_table_for(model, final, progress=False)
+    assert ranked.at == final and not table_path(model, final, "table").is_file()
+    tokens = torch.tensor([[3], [17], [250]])
+    alone = probe.states(tokens, [final])[final][:, 0].float()
+    assert torch.allclose(ranked.table[tokens[:, 0]].float(), alone, rtol=1e-4, atol=1e-5)
+    ids = [12, 345, 6]
+    (result,) = invert(model, encode(model, [ids], final))
+    assert result.token_ids == ids and result.uncertain_positions == []
+    assert result.positions[0].candidates_checked <= 8

@@ -147,15 +147,6 @@ def test_defended_states_take_the_rows_search_and_claim_nothing_wrong(tiny, seed
         assert token == truth or verdict not in CLAIMED, (result.token_ids, prompts[0], result.verdicts)
 
 
-def test_one_vector_is_a_guess_of_the_last_token(tiny):
-    """``leak="last"`` reads the last row alone: one token, the first-position table's nearest, never claimed."""
-    layer = 1
-    ids = _prompts(tiny, 1, 3, 7)[0]
-    states = tiny.probe.states(torch.tensor(ids), [layer])[tiny.probe.layer(layer)][0].float()
-    (result,) = lminvert.invert(tiny, HiddenStates.from_array(states), layer, leak="last")
-    assert len(result.token_ids) == 1 and result.verdicts == ["uncertain"]
-
-
 def test_only_block_1s_rows_are_alone_and_move_back_to_position_0(tiny):
     """Block 1 reads the input vectors: a token's row at position t, its keys rotated back, is its row at position 0
     (up to rounding); deeper blocks' rows read the tokens before them, and a states view's rows are not alone."""

@@ -33,6 +33,7 @@ EXAMPLES = """examples:
   lminvert invert leak.pt --model smollm2-135m --layer 15 --dtype bfloat16 --source noise:0.01
   lminvert invert cache.pt --model smollm2-135m --leak kv --layer 15   # transformers' past_key_values, block 15
   lminvert invert cache.pt --model smollm2-135m --leak kv --layer 14 --source-library hf   # cache.layers[14]
+  lminvert invert vector.npy --model smollm2-135m --leak last --layer 15 --normalised  # one pooled vector
 """
 
 
@@ -73,8 +74,9 @@ def _add_leak_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         choices=list(VIEWS),
         help="what the file holds: states (every position's state at --layer), kv (a block's KV cache as "
-        "transformers saves it: --layer is the block, 1..L, transformers' cache.layers[B-1]), last (the last "
-        "position's state: a guess of the last token); default: kv for a file that holds keys and values, else states",
+        "transformers saves it: --layer is the block, 1..L, transformers' cache.layers[B-1]), last (one vector per "
+        "prompt, its last position's state: a [d] or [N, d] array, or each prompt's last row of a states file; whole "
+        "prompts up to --max-length tokens are tried); default: kv for a file that holds keys and values, else states",
     )
     group.add_argument(
         "--source-library",
@@ -92,6 +94,11 @@ def _add_leak_args(group: argparse._ArgumentGroup) -> None:
         "(default: exact for a states file from encode, float for a bare array)",
     )
     group.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")
+    group.add_argument(
+        "--normalised",
+        action="store_true",
+        help="--leak last: the vector was scaled to unit length, as embedding APIs return it (directions compared)",
+    )
     group.add_argument(
         "--check",
         action=argparse.BooleanOptionalAction,
@@ -148,17 +155,24 @@ def _add_search_args(group: argparse._ArgumentGroup) -> None:
         help="verify the next positions' first guesses in the same forward as a position's candidates (speed only)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders and of --noise")
+    group.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="--leak last: the longest prompt tried, in tokens (default 8; --max-seconds bounds each vector, default "
+        "60)",
+    )
 
 
 def options_from_args(args: argparse.Namespace, kind: str) -> tuple[Leak, Search, Run]:
     """The three option groups of :func:`lminvert.invert` as the command's options give them, checked (one-line
     errors before anything is loaded)."""
     return grouped(
-        Leak(kind=kind, source=args.source, noise=args.noise, check=args.check),
+        Leak(kind=kind, source=args.source, noise=args.noise, check=args.check, normalised=args.normalised),
         Search(
             method=args.method, policy=args.policy, max_candidates=args.max_candidates, max_seconds=args.max_seconds,
             tolerance_scale=args.tolerance_scale, certify=args.certify, screen=args.screen, speculate=args.speculate,
-            seed=args.seed,
+            seed=args.seed, max_length=args.max_length,
         ),
         Run(together=args.together, executor=executor_from_args(args), progress=not args.json),
     )  # fmt: skip
@@ -218,11 +232,14 @@ def _summary(results) -> None:
         flag = f"  uncertain positions: {r.uncertain_positions}" if r.uncertain_positions else ""
         counts = ", ".join(f"{n} {v}" for v, n in r.verdict_counts.items() if n)
         print(f"[{i}] {r.text!r}")
-        print(
-            f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
-            f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
-            f"{'; certified against the whole vocabulary' if r.certified else ''}"
-        )
+        if r.policy == "last":  # one vector: whole prompts were verified, not candidates per position
+            print(f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s ({r.dtype} on {r.device})")
+        else:
+            print(
+                f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
+                f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
+                f"{'; certified against the whole vocabulary' if r.certified else ''}"
+            )
         print(f"    verdicts ({r.source} source): {counts}{flag}")
         for note in r.notes:
             print(f"    note: {note}")

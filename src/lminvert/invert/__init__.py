@@ -22,6 +22,7 @@ from ..models.ties import tied_token_groups
 from ..states import HiddenStates
 from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
+from .last import LastOptions
 from .layerfit import resolve_layer
 from .leaks import DEFENDED, invert_leak, kv_states, view_layer
 from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
@@ -62,11 +63,12 @@ def invert(
     (:mod:`lminvert.invert.engine`): up to ``together`` prompts at once, one batched forward per verification step, on
     ``executor``'s workers in chunks. A KV cache (``kind="kv"``: block ``layer``'s keys after the rotary embedding
     then values, ``[T, 2 * kv_heads * head_dim]`` per prompt, as :func:`lminvert.kv_captures.read_kv` reads a saved
-    cache; block ``b`` is transformers' ``cache.layers[b - 1]``; a :class:`lminvert.KVCapture` is one), one vector
-    (``kind="last"``: a guess of the last token) and states whose ``source`` is ``noise:S`` or ``quant:B`` are
-    searched in the rows' own space with the leak's error model (:mod:`lminvert.invert.rows`: the first token and
-    ambiguous positions chosen by the next rows), which takes none of the engine's budgets or executors (a one-line
-    error names what it refuses). ``noise`` is added to the states here, for robustness studies of the engine.
+    cache; block ``b`` is transformers' ``cache.layers[b - 1]``; a :class:`lminvert.KVCapture` is one) and states whose
+    ``source`` is ``noise:S`` or ``quant:B`` are searched in the rows' own space with the leak's error model
+    (:mod:`lminvert.invert.rows`: the first token and ambiguous positions chosen by the next rows), which takes none of
+    the engine's budgets or executors (a one-line error names what it refuses). One vector (``kind="last"``: a bare
+    ``[d]`` or ``[N, d]`` array's rows, a states file's last rows) is searched for whole prompts of up to
+    ``max_length`` tokens, ``max_seconds`` each (:mod:`lminvert.invert.last`). ``noise`` is added here, for studies.
 
     Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of
     ``source``; no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call:
@@ -85,11 +87,21 @@ def invert(
     _check_screen(model, search.screen)
     error_model = _source(states, leak.source, leak.noise)
     if kind != "states" or (leak.noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's
-        return _invert_rows(model, states, layer, kind, error_model, leak.check, search.screen, offsets)
+        last = _last_options(leak, search)
+        return _invert_rows(model, states, layer, kind, error_model, leak.check, search.screen, offsets, last)
     resolved, found = _layer(model, states, layer, error_model, leak.check)
     config = _config(model, search, run, error_model, deadline)
     flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
     return _with_notes(model, states, found, flat)
+
+
+def _last_options(leak: Leak, search: Search) -> LastOptions:
+    """One vector's search options (:mod:`.last`) of a call's: ``max_length``, and ``max_seconds`` per vector."""
+    return LastOptions(
+        max_length=search.max_length or LastOptions.max_length,
+        normalised=leak.normalised,
+        seconds=search.max_seconds or LastOptions.seconds,
+    )
 
 
 def _config(model: LoadedModel, search: Search, run: Run, source: ErrorModel, deadline: float | None) -> InvertConfig:
@@ -201,13 +213,15 @@ def _invert_rows(
     check: bool,
     screen: bool | None,
     offsets: list[int] | None = None,
+    last: LastOptions | None = None,
 ) -> list[InversionResult]:
-    """A leak searched in its rows' space (:func:`.leaks.invert_leak`) at the layer asked for or found."""
+    """A leak searched in its rows' space, or one vector's (:func:`.leaks.invert_leak`) at the layer asked for or
+    found."""
     if leak == "states":
         resolved, notes = _layer(model, states, layer, source, check)
     else:
         resolved, notes = view_layer(model, states, layer, leak, source)
-    return invert_leak(model, states, resolved, notes, leak, source, screen, offsets)
+    return invert_leak(model, states, resolved, notes, leak, source, screen, offsets, last)
 
 
 def _layer(

@@ -22,7 +22,8 @@ Verdicts, never better than the evidence:
   under the same error model: ``benchmarks/bench_foreign.py``); or a first token that its own row does not choose
   (several fit), where the next row fits under it alone (:func:`chosen_by_next` on :class:`NextRow` evidence, with the
   rule's false-confident rate measured at 0 on calibration prompts under the same error model);
-* ``uncertain`` - anything else: several candidates fit, none fits within the budget, the token has a tied twin
+* ``uncertain`` - anything else (and whole prompts, one vector's candidates, that do not reproduce it): several
+  candidates fit, none fits within the budget, the token has a tied twin
   (bit-identical input vector: no state separates them), or an earlier position was such a guess (several fit, or
   none: every later position was found given a token that may be wrong).
 """
@@ -78,6 +79,7 @@ FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
+WHOLE = "the nearest prompt tried, not reproduced: prompts not tried are not ruled out"
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: the separation test needs runner-ups (a wrong token alone within a loose error bound would
 # pass it; SmolLM2 layer 15, foreign bfloat16 states: a chain's single wrong guess lay within the bound)
@@ -136,6 +138,9 @@ class Evidence:
     # candidates that fit all lie beyond it, the search goes on past ``RIVALS`` up to ``FAR``
     expected: float = math.inf
     guessed: bool = False  # an earlier position of the prompt was a guess (several fit, or none)
+    # the candidates are whole prompts (one vector: :mod:`.last`), not the vocabulary at a position: the prompts not
+    # tried are not ruled out by those that were, so only a reproduction certifies and nothing is ``confident``
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -289,6 +294,8 @@ def _unsure(evidence: Evidence, radii: Radii, bound: float, skip: set[int]) -> l
 def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
     """The verdict of a separated contender."""
     distance = evidence.plain[best]
+    if evidence.whole:  # not reproduced (that is certified before this): a prompt not tried may lie as near
+        return Decision(best, UNCERTAIN, guess=True, reason=WHOLE)
     if evidence.reproducible:
         # where the plain radius is wider than the gap between tokens, a token not verified yet could match as well
         # as this one unless it reproduces the observation within half that gap (Theorem 3.2's Delta/2)

@@ -10,6 +10,7 @@ from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
 from ..states import HiddenStates
 from .blockfit import resolve_block
+from .last import LastOptions, invert_last
 from .results import InversionResult
 from .rows.route import invert_rows
 from .sources import ErrorModel
@@ -27,10 +28,12 @@ def invert_leak(
     source: ErrorModel,
     screen: bool | None,
     offsets: list[int] | None = None,
+    last: LastOptions | None = None,
 ) -> list[InversionResult]:
     """``states``' rows as leak ``leak`` at layer ``resolved`` (a KV cache's block), searched in their own space
-    (:mod:`lminvert.invert.rows`); ``notes``: what every result carries first; one-line errors for rows of another
-    width or dtype than the view's."""
+    (:mod:`lminvert.invert.rows`), or one vector per prompt (``last``: :mod:`.last`, with ``last``'s options);
+    ``notes``: what every result carries first; one-line errors for rows of another width or dtype than the
+    view's."""
     view = make_view(leak, model, resolved)
     if states.hidden_size != view.width:
         raise LminvertError(
@@ -40,8 +43,16 @@ def invert_leak(
     check_dtype(states.dtype, model, "rows")
     rows = list(states.states)
     if leak == "last":
-        rows = [r[-1:] for r in rows]
+        return invert_last(model, last_vectors(states), resolved, source, last or LastOptions(), notes)
     return invert_rows(model, rows, view, source, notes, screen, offsets)
+
+
+def last_vectors(states: HiddenStates) -> list:
+    """The vectors of a ``last`` leak: every row of a bare array of one item (``[d]`` or ``[N, d]``: N vectors), else
+    each prompt's last row (a states file from ``lminvert encode``, or ``[N, T, d]``)."""
+    if states.weights_hash is None and len(states.states) == 1:
+        return list(states.states[0])
+    return [s[-1] for s in states.states]
 
 
 def kv_states(

@@ -30,12 +30,14 @@ class Leak:
     position's state). ``source`` (``--source``): the states' error model, as a name or an
     :class:`~lminvert.invert.sources.ErrorModel` (``None``: what the states say). ``noise`` (``--noise``): relative
     Gaussian noise added here, for robustness studies (modelled, so not with ``source``). ``check`` (``--check``): score
-    a bare array against every layer first."""
+    a bare array against every layer first. ``normalised`` (``--normalised``, ``last`` only): the vector was scaled to
+    unit length, as embedding APIs return it (directions are compared)."""
 
     kind: str = "states"
     source: str | ErrorModel | None = None
     noise: float = 0.0
     check: bool = True
+    normalised: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in VIEWS:
@@ -49,6 +51,8 @@ class Leak:
             )
         if isinstance(self.source, str):
             parse_source(self.source)  # a bad name fails here
+        if self.normalised and self.kind != "last":
+            raise LminvertError("normalised (--normalised) describes one vector: give it with --leak last")
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,9 @@ class Search:
     multiplies the measured acceptance radii. ``certify``: verify the whole vocabulary at every position (``None``:
     where the model has forward hooks). ``screen``: bfloat16 screening of a float32 model's batches (``None``: where
     it pays). ``speculate``: verify the next positions' first guesses in the same forward. ``first_table``: rank
-    position 0 with the first-position table. ``seed``: of the random orders and of ``noise``."""
+    position 0 with the first-position table. ``seed``: of the random orders and of ``noise``. ``max_length``
+    (``--max-length``, a ``last`` leak only): the longest prompt tried (default 8); there ``max_seconds`` bounds each
+    vector's search (default 60)."""
 
     method: str = "sipit"
     policy: str = "linear"
@@ -72,8 +78,11 @@ class Search:
     speculate: bool = True
     first_table: bool = True
     seed: int = 0
+    max_length: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise LminvertError("max_length (--max-length) must be at least 1 (tokens)")
         if self.method not in METHODS:
             raise LminvertError(f"unknown method '{self.method}': use one of {', '.join(METHODS)}")
         if self.policy not in POLICIES:
@@ -141,11 +150,13 @@ def grouped(
 def check_rows_options(leak: Leak, search: Search, run: Run) -> None:
     """A one-line error for the engine's options given with a leak that the rows search inverts (``kv``, ``last``),
     which it does not take."""
+    if leak.kind != "last" and search.max_length is not None:
+        raise LminvertError("max_length (--max-length) is for one vector: use it with --leak last")
     if leak.kind == "states":
         return
     given = {
         "--method": search.method != Search.method, "--policy": search.policy != Search.policy,
-        "--noise": leak.noise > 0, "--max-seconds": search.max_seconds is not None,
+        "--noise": leak.noise > 0, "--max-seconds": search.max_seconds is not None and leak.kind != "last",
         "--max-candidates": search.max_candidates is not None, "--certify": bool(search.certify),
         "--ray": run.executor not in (None, "inprocess"), "--tolerance-scale": search.tolerance_scale != 1.0,
     }  # fmt: skip

@@ -215,8 +215,12 @@ def first_table_for(model: LoadedModel, layer: Layer, progress: bool = True) -> 
     """Position 0's ranking at ``layer``: the layer's own first-position table where one is kept, else the nearest
     kept one at a block layer above it (the preparation keeps the last layer's: a user's first prompt at any layer
     below then ranks position 0 with it instead of building its own, one forward of the whole vocabulary: SmolLM2's
-    layer 15, 53 s on a 2-core CPU), else the layer's own, built now."""
+    layer 15, 53 s on a 2-core CPU; the final layer ranks with the last block's through the final norm), else the
+    layer's own, built now."""
     at, own = layer, kept(model, layer, "table")
+    last = model.probe.layer(model.probe.n_layers)
+    if own is None and layer.is_final and model.probe.final_norm is not None and kept(model, last, "table") is not None:
+        return _normed_table(model, last, layer)
     if own is None and not layer.is_final and int(layer) < model.probe.n_layers:
         above = model.probe.layers(list(range(int(layer) + 1, model.probe.n_layers + 1)))
         at = next((upper for upper in above if kept(model, upper, "table") is not None), layer)
@@ -228,6 +232,19 @@ def first_table_for(model: LoadedModel, layer: Layer, progress: bool = True) -> 
         )  # fmt: skip
     table = first_position_table(model, at, progress=progress)  # kept: read from memory
     return FirstTable(table, squared_norms(model, f"table-{at.name}", table), layer, at, model)
+
+
+def _normed_table(model: LoadedModel, last: Layer, final: Layer) -> FirstTable:
+    """The final layer's ranking from the last block's kept table run through the final norm (it acts on each row
+    alone: a token's state alone at ``final`` is its state at ``last`` normed, up to rounding); kept in memory."""
+    key = ("normed-table", model.dtype)
+    if key not in model.memo:
+        probe = model.probe
+        with torch.no_grad():
+            table = probe.final_norm(first_position_table(model, last, progress=False).to(probe.dtype)).float()
+        model.memo[key] = (table, squared_norms(model, "table-normed", table))
+    table, norms = model.memo[key]
+    return FirstTable(table, norms, final, final, model)
 
 
 POSITION1 = "position1-map"  # the cache's name for the position-1 map
