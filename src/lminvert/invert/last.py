@@ -1,22 +1,19 @@
 """One vector (``--leak last``): the prompt whose last position's state at one layer is a given vector, its length
 unknown (an embedding API that pools the last token, a service that keeps one vector per prompt).
 
-The vector determines the whole prompt (distinct prompts give distinct last states: the paper's theorem, measured by
+The vector determines the prompt (distinct prompts give distinct last states: the paper's theorem, measured by
 ``lminvert collisions``), but no reading of it names the earlier tokens position by position (docs/results.md, "One
 vector"). So the candidates are whole prompts, tried by length (1, 2, .. ``max_length``) and verified in batched
-forwards over shared prefix caches (:meth:`lminvert.models.LayerProbe.prefixes` and
-:meth:`~lminvert.models.LayerProbe.continuation`, the engine's):
+forwards over shared prefix caches (the probe's :meth:`~lminvert.models.LayerProbe.prefixes` and ``continuation``):
+length 1 by the first-position table (:func:`.tables.first_table_for`); longer ones from prefixes the model's prior
+proposes (:class:`Prior`), each followed by what the vector reads as (:mod:`.reading`) and the prefix's likeliest next
+tokens, and where all but one token of a prompt found may be right, that token searched alone
+(:meth:`_Search._first_tokens`, :meth:`_Search._refined`).
 
-* length 1: the tokens whose first-position states lie nearest the vector (:func:`.tables.first_table_for`);
-* longer: prefixes proposed by the model's own prior (:class:`Prior`: first tokens after a document boundary, the most
-  likely first; for length 2 as many of them as the time allows, then a beam of the likeliest extensions), each followed
-  by the tokens the vector reads as (:mod:`.reading`) and by the prefix's likeliest next tokens.
-
-Every verdict is the acceptor's (:func:`.acceptor.decide`, told that its candidates are whole prompts:
-:attr:`.acceptor.Evidence.whole`): ``certified`` where a forward of the candidate alone reproduces the vector to
-float32's resolution (a different prompt could only by a collision), else ``uncertain``, with the nearest prompt
-found. A whole prompt is never ``confident``: the prompts tried do not rule out those that were not. With
-``normalised`` the vector was scaled to unit length (as embedding APIs return it) and directions are compared.
+Every verdict is the acceptor's, told that its candidates are whole prompts (:attr:`.acceptor.Evidence.whole`):
+``certified`` where a forward of the candidate alone reproduces the vector to float32's resolution, else
+``uncertain`` with the nearest prompt found, never ``confident`` (the prompts tried do not rule out those that were
+not). With ``normalised`` the vector was scaled to unit length, as embedding APIs return it: directions are compared.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ from .reading import reading_orders
 from .results import InversionResult, PositionResult
 from .rows.rankers import Ridge
 from .sources import ErrorModel
-from .tables import first_table_for
+from .tables import first_position_table, first_table_for
 from .tolerance import FLOOR, calibrate, norm
 
 log = logging.getLogger(__name__)
@@ -56,6 +53,9 @@ REFINE = 4  # nearest prefixes of each length after which the engine searches th
 RANKED = 256  # candidates the engine may verify for it; first tokens per batch (:meth:`_Search._first_tokens`)
 SAMPLES = 1024  # random first tokens whose states start that ridge fit
 SWEEP = 0.4  # the part of a length's time its sweep or beam takes
+UNIT = 1e-5  # a normalised vector whose norm is within this of 1 is compared as given
+NORMALISED = 4.0  # float32's resolution of a unit vector, in its eps: two normalisations (the vector's, a candidate's)
+# by different kernels each round a coordinate by a unit in the last place or two
 TABLE = 64  # length 1: the tokens whose first-position states lie nearest the vector
 
 
@@ -150,10 +150,17 @@ class _Search:
             states = states / states.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         return states
 
+    def _target(self, vector: torch.Tensor) -> torch.Tensor:
+        """The vector as compared: a normalised one as given where it is of unit length already (normalising it again
+        would round it once more), else scaled to it."""
+        if self.options.normalised and abs(float(vector.double().norm()) - 1) < UNIT:
+            return vector.float().cpu()
+        return self.unit(vector)
+
     def run(self, vector: torch.Tensor, notes: tuple[str, ...]) -> InversionResult:
         start = time.perf_counter()
         deadline = start + self.options.seconds
-        target = self.unit(vector)
+        target = self._target(vector)
         tried = _Tried([], torch.empty(0, dtype=torch.float64), torch.empty(0, target.numel()))
         decision = acceptor.PENDING
         for prompts in self._candidates(target, deadline, tried):
@@ -200,18 +207,20 @@ class _Search:
                 yield refined
 
     def _firsts(self, target: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
-        """Length 1's candidates: the tokens whose first-position states lie nearest (and those the vector reads as)."""
+        """Length 1's candidates: the tokens whose first-position states lie nearest (and those the vector reads as).
+        A normalised vector has lost the norm a lift to a table of a layer above needs (a state's norm changes what the
+        blocks between add to it): it is compared by direction with the layer's own table (built once where none is
+        kept: a forward of every token)."""
         probe, layer = self.probe, self.layer
         table = first_table_for(self.model, layer, progress=False)
-        observed = target
-        if self.options.normalised:  # a first-position state's norm at this layer, from one token's own forward
-            one = probe.states(torch.tensor([[0]]), [layer])[layer][0, 0].float().cpu()
-            observed = target * float(one.norm())
-        rows = table.table.float()
-        lifted = table.lift(observed.to(probe.device)).to(rows.device)
-        if self.options.normalised:
-            rows, lifted = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30), lifted / lifted.norm()
-        nearest = (rows - lifted).norm(dim=1).topk(TABLE, largest=False).indices.cpu()
+        if self.options.normalised and table.at != layer:
+            rows = first_position_table(self.model, layer, progress=False).float()
+            rows, lifted = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30), target.to(rows.device)
+        else:
+            rows, lifted = table.table.float(), table.lift(target.to(probe.device)).float()
+            if self.options.normalised:  # the layer's own (or the final layer's normed) table: directions
+                rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        nearest = (rows - lifted.to(rows.device)).norm(dim=1).topk(TABLE, largest=False).indices.cpu()
         return torch.cat([nearest, reads]).unique(sorted=False)
 
     def _reads(self, target: torch.Tensor) -> torch.Tensor:
@@ -335,7 +344,8 @@ class _Search:
         no gap (whole prompts: no ball is decisive)."""
         rounding = self.calibration.confirm_radius(target)
         bound = self.source.bound(target, length - 1)
-        return Radii(rounding + bound, rounding + bound, bound, rounding, 0.0, FLOOR * norm(target))
+        resolution = (NORMALISED if self.options.normalised else 1.0) * FLOOR * norm(target)
+        return Radii(rounding + bound, rounding + bound, bound, rounding, 0.0, resolution)
 
     def _decide(self, tried: _Tried, target: torch.Tensor, exhausted: bool) -> acceptor.Decision:
         """The acceptor's decision on the nearest prompts verified, re-measuring those it asks for by a forward of each
