@@ -314,3 +314,23 @@ def test_a_quick_network_that_reads_worse_than_the_map_is_not_kept(isolated_cach
     assert network >= linear
     assert not table_path(model, last, QUICK_KIND).is_file()
     assert load_reader(lminvert.load_model("tiny-llama"), last) is None
+
+
+def test_the_final_layer_reads_with_the_last_blocks_network_through_the_final_norm(isolated_cache):
+    """A final state divided by the final norm's gain has the last block's direction: the last block's network reads
+    the final layer's states as it reads the last block's (a random network kept as the preparation keeps one)."""
+    from lminvert.invert.reader import QUICK_KIND, _network, keep, reading_for
+    from lminvert.invert.reading import read
+
+    model = lminvert.load_model("tiny-llama")
+    probe = model.probe
+    last, final = probe.layer(probe.n_layers), probe.layer("final")
+    torch.manual_seed(0)
+    net = _network(2 * probe.hidden_size + 1, 32, probe.hidden_size).eval()
+    keep(model, last, net, QUICK_KIND)
+    model = lminvert.load_model("tiny-llama")  # a fresh process: the network read from the cache
+    ids = torch.tensor([5, 900, 31, 7])
+    states = probe.states(ids, [last, final])
+    at_final = read(reading_for(model, final), states[final][0].float())
+    at_last = read(reading_for(model, last), states[last][0].float())
+    assert torch.allclose(at_final, at_last, rtol=1e-3, atol=1e-4)

@@ -132,10 +132,42 @@ def lend(model: LoadedModel, layer: Layer, source: Layer) -> None:
 
 
 def reading_for(model: LoadedModel, layer: Layer) -> Reading:
-    """What the proposal reads each position's token with: the reading network where one is cached, else the linear
-    reading map (built and cached on first use)."""
+    """What the proposal reads each position's token with: the reading network where one is cached (at the final
+    layer without one, the last block's through the final norm: :func:`through_final_norm`), else the linear reading
+    map (built and cached on first use)."""
     network = load_reader(model, layer)
+    if network is None and layer.is_final:
+        network = through_final_norm(model)
     return network if network is not None else reading_map(model, layer)
+
+
+def through_final_norm(model: LoadedModel) -> Reading | None:
+    """The last block's network reading final-layer states: a final state is the last block's state scaled to unit
+    RMS and multiplied by the norm's gain coordinate by coordinate, so divided by the gain it has the last block's
+    direction, and the network reads unit states (:func:`.reading.features`). None where the last block has no
+    network or the final norm is not such a scaling (a LayerNorm centres its input; a zero gain loses a coordinate)."""
+    probe = model.probe
+    network = load_reader(model, probe.layer(probe.n_layers))
+    if network is None or probe.final_norm is None:
+        return None
+    with torch.no_grad():
+        width = probe.hidden_size
+        gain = probe.final_norm(torch.ones(1, width, device=probe.device, dtype=probe.dtype)).float()[0]
+        probe_state = torch.randn(1, width, generator=torch.Generator().manual_seed(0)).to(probe.device)
+        normed = probe.final_norm(probe_state.to(probe.dtype)).float()
+        scaled = gain * probe_state / probe_state.square().mean().sqrt()
+    if bool((gain == 0).any()) or not torch.allclose(normed, scaled, rtol=1e-2, atol=1e-3 * float(scaled.abs().max())):
+        return None
+    half = (width,)
+
+    def read(inputs: torch.Tensor) -> torch.Tensor:
+        state, before, one = inputs.split([*half, *half, 1], dim=1)
+        state, before = state / gain, before / gain
+        unit = [x / x.norm(dim=1, keepdim=True).clamp_min(1e-30) for x in (state, before)]
+        unit[1] = torch.where(before.abs().sum(1, keepdim=True) > 0, unit[1], before)  # no state before position 0
+        return network(torch.cat([*unit, one], dim=1))
+
+    return read
 
 
 def training_prompts(
