@@ -10,6 +10,7 @@ from pathlib import Path
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, Leak, Run, Search, grouped, invert
+from ..invert.last import ROUTE as LAST_ROUTE
 from ..invert.views import VIEWS
 from ..kv_captures import is_kv_file, read_kv
 from ..paths import atomic_file, check_output_file
@@ -232,7 +233,7 @@ def _summary(results) -> None:
         flag = f"  uncertain positions: {r.uncertain_positions}" if r.uncertain_positions else ""
         counts = ", ".join(f"{n} {v}" for v, n in r.verdict_counts.items() if n)
         print(f"[{i}] {r.text!r}")
-        if r.policy == "last":  # one vector: whole prompts were verified, not candidates per position
+        if r.policy == LAST_ROUTE:  # one vector: whole prompts were verified, not candidates per position
             print(f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s ({r.dtype} on {r.device})")
         else:
             print(

@@ -18,11 +18,10 @@ not). With ``normalised`` the vector was scaled to unit length, as embedding API
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,8 +38,6 @@ from .rows.rankers import Ridge
 from .sources import ErrorModel
 from .tables import first_position_table, first_table_for
 from .tolerance import FLOOR, calibrate, norm
-
-log = logging.getLogger(__name__)
 
 ROUTE = "last"  # what results name as their policy
 KEEP = 64  # nearest verified prompts kept as the acceptor's evidence (the others lie farther than every contender)
@@ -84,6 +81,7 @@ class _Tried:
     states: torch.Tensor
     checked: int = 0
     longest: int = 0  # the longest prompts verified
+    plain: dict[tuple[int, ...], float] = field(default_factory=dict)  # distances of forwards of a prompt alone
 
     def add(self, prompts: list[tuple[int, ...]], dists: torch.Tensor, states: torch.Tensor) -> None:
         every = self.prompts + prompts
@@ -125,9 +123,7 @@ def invert_last(
 ) -> list[InversionResult]:  # fmt: skip
     """Each vector ``[d]`` (a prompt's last state at ``layer``, under ``source``) inverted to a prompt (see the module
     docstring); ``notes``: what every result carries first."""
-    for v in vectors:
-        if not bool(torch.isfinite(v).all()):
-            raise LminvertError("the vector holds NaN or infinite values: give the vector as the model computed it")
+    for v in vectors:  # NaN and inf are refused where the states are read (:class:`lminvert.states.HiddenStates`)
         if options.normalised and float(v.float().norm()) == 0:
             raise LminvertError("a zero vector has no direction: drop --normalised or give the vector itself")
     search = _Search(model, layer, source, options)
@@ -352,9 +348,9 @@ class _Search:
         alone (at most a few rounds)."""
         if not tried.prompts:
             return acceptor.PENDING
-        plain: dict[int, float] = {}
         radii = self._radii(target, len(tried.prompts[0]))
-        while True:
+        while True:  # the re-measured kept by prompt: a later decision asks for none of them again
+            plain = {i: tried.plain[p] for i, p in enumerate(tried.prompts) if p in tried.plain}
             evidence = Evidence(
                 torch.arange(len(tried.prompts)), tried.dists, tried.states, target, plain, radii.cached,
                 self.source.reproducible, exhausted=exhausted, checked=tried.checked, whole=True,
@@ -363,7 +359,8 @@ class _Search:
             if not decision.confirm:
                 return decision
             for i in decision.confirm:
-                plain[i] = float((self._alone(tried.prompts[i]).double() - target.double()).norm())
+                prompt = tried.prompts[i]
+                tried.plain[prompt] = float((self._alone(prompt).double() - target.double()).norm())
 
     def _result(
         self, tried: _Tried, decision: acceptor.Decision, target: torch.Tensor, seconds: float, notes: tuple[str, ...]

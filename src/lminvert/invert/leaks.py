@@ -41,10 +41,9 @@ def invert_leak(
             f"{model.name} has {view.width}: check --leak and --layer"
         )
     check_dtype(states.dtype, model, "rows")
-    rows = list(states.states)
     if leak == "last":
         return invert_last(model, last_vectors(states), resolved, source, last or LastOptions(), notes)
-    return invert_rows(model, rows, view, source, notes, screen, offsets)
+    return invert_rows(model, list(states.states), view, source, notes, screen, offsets)
 
 
 def last_vectors(states: HiddenStates) -> list:

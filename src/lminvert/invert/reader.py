@@ -150,21 +150,20 @@ def through_final_norm(model: LoadedModel) -> Reading | None:
     network = load_reader(model, probe.layer(probe.n_layers))
     if network is None or probe.final_norm is None:
         return None
-    with torch.no_grad():
-        width = probe.hidden_size
+    width = probe.hidden_size
+    with torch.no_grad():  # the gain, and whether the norm is a scaling by it: one random state checked
         gain = probe.final_norm(torch.ones(1, width, device=probe.device, dtype=probe.dtype)).float()[0]
-        probe_state = torch.randn(1, width, generator=torch.Generator().manual_seed(0)).to(probe.device)
-        normed = probe.final_norm(probe_state.to(probe.dtype)).float()
-        scaled = gain * probe_state / probe_state.square().mean().sqrt()
+        state = torch.randn(1, width, generator=torch.Generator().manual_seed(0)).to(probe.device)
+        normed = probe.final_norm(state.to(probe.dtype)).float()
+        scaled = gain * state / state.square().mean().sqrt()
     if bool((gain == 0).any()) or not torch.allclose(normed, scaled, rtol=1e-2, atol=1e-3 * float(scaled.abs().max())):
         return None
-    half = (width,)
 
     def read(inputs: torch.Tensor) -> torch.Tensor:
-        state, before, one = inputs.split([*half, *half, 1], dim=1)
-        state, before = state / gain, before / gain
-        unit = [x / x.norm(dim=1, keepdim=True).clamp_min(1e-30) for x in (state, before)]
-        unit[1] = torch.where(before.abs().sum(1, keepdim=True) > 0, unit[1], before)  # no state before position 0
+        """:func:`.reading.features` of final states as the last block's: its unit parts divided by the gain and made
+        unit again (a zero row, before position 0, stays zero)."""
+        state, before, one = inputs.split([width, width, 1], dim=1)
+        unit = [x / x.norm(dim=1, keepdim=True).clamp_min(1e-30) for x in (state / gain, before / gain)]
         return network(torch.cat([*unit, one], dim=1))
 
     return read
