@@ -28,7 +28,9 @@ def tiny():
 @pytest.fixture(scope="module")
 def run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("audit")
-    doc = audit(out, model="tiny-llama", quick=True, kinds=["random"], defences=DEFENCES, progress=False)
+    doc = audit(
+        out, model="tiny-llama", quick=True, kinds=["random"], defences=DEFENCES, progress=False, last_seconds=0.5
+    )
     return doc, out
 
 
@@ -159,7 +161,28 @@ def test_no_wrong_token_is_ever_claimed_and_heavy_noise_is_uncertain(run):
     assert heavy and all(r["verdicts"]["uncertain"] == r["length"] for r in heavy if r["leak"] != "last")
     dropped = _cells(doc["rows"], defence="drop:0.25", leak="states")
     assert all(r["verdicts"]["uncertain"] >= 2 for r in dropped)  # 2 of 8 positions missing: guessed, uncertain
-    assert all(r["verdicts"]["uncertain"] == 1 for r in _cells(doc["rows"], leak="last"))
+    last = _cells(doc["rows"], leak="last")  # 8 tokens: longer than one vector's search finds in half a second
+    assert last and all(r["verdicts"]["uncertain"] == len(r["recovered"]) and not r["exact"] for r in last)
+    assert {r["route"] for r in last} == {"last", "last-table"}  # projected or permuted: the last token guessed
+
+
+def test_the_last_leak_gives_back_a_short_prompt_whole_through_the_one_vector_search(tiny, tmp_path):
+    """The audit's ``last`` leak runs ``lminvert invert --leak last``'s search: a short prompt's last state gives it
+    back whole and certified with no defence, never a wrong prompt claimed under noise; a permuted vector falls back
+    to the last token's guess."""
+    prompts = tmp_path / "short.txt"
+    prompts.write_text("Hi\nOK go\n")
+    doc = audit(
+        tmp_path / "out", model="tiny-llama", quick=True, prompts_file=str(prompts), leaks=["last"],
+        defences=["none", "noise:0.01", "permute"], progress=False, last_seconds=5,
+    )  # fmt: skip
+    rows = doc["rows"]
+    truth = [list(tiny.tokenize(text)) for text in ("Hi", "OK go")]
+    assert all(len(ids) <= 2 for ids in truth)
+    none = _cells(rows, defence="none")
+    assert none and all(r["exact"] and r["verdicts"]["certified"] == r["length"] for r in none)
+    assert all(r["wrong_claimed"] == 0 for r in rows) and all(r["route"] == "last" for r in none)
+    assert all(r["route"] == "last-table" and len(r["recovered"]) == 1 for r in _cells(rows, defence="permute"))
 
 
 def test_the_report_holds_the_leak_matrix_and_a_verdict_per_layer(run):
@@ -176,6 +199,7 @@ def test_the_command_refuses_bad_input_before_any_work(tmp_path):
         ["--leaks", "cache"],
         ["--leaks", "kv", "--layers", "0"],
         ["--prompts", str(tmp_path / "missing.txt")],
+        ["--size", "last_seconds=-1"],
     ):
         result = run_cli("audit", "--model", "tiny-llama", "--quick", *args, "--out", str(tmp_path / "o"))
         assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)

@@ -141,19 +141,21 @@ def test_the_command_inverts_a_saved_vector_and_an_array_of_them(tiny, tmp_path)
     assert out.returncode != 0 and out.stderr.count("\n") == 1 and "--leak last" in out.stderr
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     dists=st.lists(st.floats(0, 10), min_size=1, max_size=12),
     plain=st.lists(st.one_of(st.none(), st.floats(0, 10)), min_size=12, max_size=12),
     radius=st.floats(0, 5),
+    gap=st.one_of(st.just(0.0), st.floats(0, 40)),
     reproducible=st.booleans(),
     exhausted=st.booleans(),
 )
-def test_whole_prompts_are_certified_only_where_reproduced_and_never_confident(
-    dists, plain, radius, reproducible, exhausted
+def test_whole_prompts_are_certified_only_where_reproduced_and_confident_only_within_half_the_gap(
+    dists, plain, radius, gap, reproducible, exhausted
 ):
-    """The acceptor on whole prompts (``Evidence.whole``): whatever the distances, radii and source, a decision is
-    never ``confident``, and ``certified`` only for a candidate whose forward alone reproduced the vector."""
+    """The acceptor on whole prompts (``Evidence.whole``): whatever the distances, radii, gap and source, ``certified``
+    only for a candidate whose forward alone reproduced the vector, ``confident`` only for one whose re-measured
+    distance lies within the error bound with twice it and the bound under the gap, no other candidate within it."""
     n, resolution = len(dists), 1e-6
     target = torch.zeros(4)
     states = torch.randn(n, 4)
@@ -162,8 +164,46 @@ def test_whole_prompts_are_certified_only_where_reproduced_and_never_confident(
         torch.arange(n), torch.tensor(dists, dtype=torch.float64), states, target, measured, radius, reproducible,
         exhausted=exhausted, checked=n, whole=True,
     )  # fmt: skip
-    radii = Radii(radius, radius, 0.0, radius / 2, 0.0, resolution)
+    radii = Radii(radius, radius, 0.0, radius / 2, gap, resolution)
     decision = acceptor.decide(evidence, radii)
-    assert decision.verdict != acceptor.CONFIDENT
     if decision.verdict == acceptor.CERTIFIED:
         assert measured.get(decision.token, math.inf) <= resolution
+    if decision.verdict == acceptor.CONFIDENT:
+        distance = measured[decision.token]
+        assert distance <= radius and 2 * (distance + radius) < gap
+        others = [d for i, d in measured.items() if i != decision.token]
+        assert all(d > radius for d in others) or not others
+
+
+def test_a_whole_prompt_within_the_bound_is_confident_only_where_the_gap_rules_out_every_other():
+    """The rule the property above bounds, on one case each way: the nearest prompt fits, another verified one lies
+    far; confident with the gap wide enough, uncertain with it too narrow or with another prompt inside the bound."""
+    target, states = torch.zeros(4), torch.randn(2, 4)
+
+    def verdict(plain: dict[int, float], gap: float) -> str | None:
+        evidence = Evidence(
+            torch.arange(2), torch.tensor([plain[0], plain[1]], dtype=torch.float64), states, target, plain,
+            0.1, False, exhausted=True, checked=2, whole=True,
+        )  # fmt: skip
+        return acceptor.decide(evidence, Radii(0.1, 0.1, 0.09, 0.01, gap, 1e-6)).verdict
+
+    assert verdict({0: 0.01, 1: 5.0}, 1.0) == acceptor.CONFIDENT
+    assert verdict({0: 0.01, 1: 5.0}, 0.2) == acceptor.UNCERTAIN
+    assert verdict({0: 0.001, 1: 0.05}, 1.0) == acceptor.UNCERTAIN  # separated from it, but inside the bound
+
+
+def test_the_whole_prompt_gap_is_measured_once_and_lies_below_the_nearest_pair_it_saw(isolated_cache, monkeypatch):
+    """:mod:`lminvert.invert.wholegap`: the smallest relative gap between two prompts' last states the calibration saw
+    (and between unit vectors), positive, measured once and kept, and no wider than a pair of prompts it compared."""
+    from lminvert.invert import wholegap
+    from lminvert.invert.tolerance import calibration_prompts
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    raw, unit = wholegap.whole_gap(model, layer), wholegap.whole_gap(model, layer, normalised=True)
+    assert 0 < raw < math.inf and 0 < unit <= 2
+    base = calibration_prompts(model)[0][:2]
+    here, shorter = _last(model, base, 1).double(), _last(model, base[1:], 1).double()
+    assert raw <= float((here - shorter).norm() / here.norm())  # the prompt without its first token: one it saw
+    monkeypatch.setattr(wholegap, "_measure", None)  # a second measurement would fail
+    assert wholegap.whole_gap(lminvert.load_model("tiny-llama"), layer) == raw  # read back from the cache

@@ -247,11 +247,14 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
         "quick reading networks trained and checked",
         "layer 2's reading network lent to 1 of layers 1-1, where it reads held-out prompts better than their maps",
         "first-position table at layer 2",
-        "position-1 maps and calibrations at layers 1-2",
+        "position-1 maps and calibrations at layers 1-2 and final",
     ]
     assert table_path(model, last, "table").is_file() and not table_path(model, first, "table").is_file()
     kinds = (("position1-map", None), (calibration_kind(model), "cpu"))  # every layer's, made in one pass each
-    assert all(table_path(model, layer, kind, device).is_file() for layer in (first, last) for kind, device in kinds)
+    final = model.probe.final  # the final layer's too: its first prompt would otherwise make them
+    assert all(
+        table_path(model, layer, kind, device).is_file() for layer in (first, last, final) for kind, device in kinds
+    )
     alone = measure(model, first, calibration_prompts(model))  # what layer 1 measures alone, bit for bit
     with model.probe.always_packed():
         packed = measure(model, first, calibration_prompts(model))

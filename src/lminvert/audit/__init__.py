@@ -9,6 +9,7 @@ verdict sentences).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ def audit(
 
     ``sizes`` change the preset (``quick`` or full): ``layers`` (e.g. ``[1, "middle", -1]``), ``leaks``
     (``states``, ``kv``, ``last``), ``defences`` (names as :func:`.defences.parse_defence` reads them), ``prompts``,
-    ``length``, ``kinds``, ``prompts_file`` (one prompt a line). Returns the results document."""
+    ``length``, ``kinds``, ``prompts_file`` (one prompt a line), ``last_seconds`` (the ``last`` leak's search budget per
+    prompt). Returns the results document."""
     from ..experiments.runner import run_experiment
     from ..models import load_model
     from ..report.experiments import render_experiment
@@ -44,6 +46,9 @@ def audit(
     experiment = Audit()
     for name in sizes.get("defences") or ():
         parse_defence(name)
+    seconds = sizes.get("last_seconds", 1)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
+        raise LminvertError(f"last_seconds must be a positive number of seconds (got {seconds!r})")
     for name in sizes.get("leaks") or ():
         if name not in LEAKS:
             raise LminvertError(f"unknown leak '{name}': use {', '.join(LEAKS)}")

@@ -18,6 +18,7 @@ from ..errors import LminvertError
 from ..experiments.base import Context, Experiment, Row, Unit
 from ..experiments.prompts import evaluation_prompts
 from ..forward import encode
+from ..invert.last import LastOptions
 from ..invert.rows.attack import Attack, Recovered
 from ..invert.tables import first_position_tables
 from ..models import LoadedModel
@@ -26,6 +27,10 @@ from .leaks import Leak, make_leak, outputs
 from .summary import summarise
 
 CLAIMED = ("certified", "confident")
+# the one-vector search's budget per prompt of a ``last`` leak (the size's ``last_seconds``): at the presets' lengths
+# (8 and 20 tokens) the search finds no whole prompt in any budget (docs/results.md, "One vector"), only the last token
+# its first lengths read; short prompts given in a file want more (two tokens: 3-5 s at layer 1 on a 2-core CPU)
+LAST_SECONDS = {"quick": 1.0, "full": 0.5}
 
 
 def _key(text: str) -> str:
@@ -60,22 +65,25 @@ def utility(
     return {"top1": top1, "dloss": float(loss[1] - loss[0])}
 
 
-def _row(token_ids: list[int], leak: str, found: Recovered) -> Row:
-    truth = token_ids[-1:] if leak == "last" else token_ids
-    offset = len(token_ids) - len(truth)
-    right = [a == b for a, b in zip(found.token_ids, truth, strict=True)]
+def _row(token_ids: list[int], found: Recovered) -> Row:
+    """What one prompt's attack recovered, position by position. A ``last`` leak's (one vector: the last position's
+    state) is aligned at the end: a whole prompt of the same length compared position by position, a shorter one's
+    tokens (a last token's guess, route ``last-table``) with the prompt's last ones, a longer one's extra tokens
+    wrong."""
+    offset = len(token_ids) - len(found.token_ids) if found.route.startswith("last") else 0
+    right = [0 <= offset + i < len(token_ids) and t == token_ids[offset + i] for i, t in enumerate(found.token_ids)]
     claimed = [v in CLAIMED for v in found.verdicts]
     return {
         "length": len(token_ids),
         "recovered": found.token_ids,
         "right": sum(right),
-        "exact": all(right) and leak != "last",
-        "positions": [offset + i for i in range(len(truth))],
+        "exact": found.token_ids == token_ids,
+        "positions": [offset + i for i in range(len(found.token_ids))],
         "verdicts": {v: found.verdicts.count(v) for v in ("certified", "confident", "uncertain")},
         "wrong_claimed": sum(c and not r for c, r in zip(claimed, right, strict=True)),
         "seconds": found.seconds,
         "checked_mean": sum(found.checked) / max(len(found.checked), 1),
-        "half_gap": found.half_gaps,
+        "half_gap": [None] if found.route == "last" else found.half_gaps,  # one vector: one row shipped, no gap
         "route": found.route,
     }
 
@@ -91,11 +99,12 @@ class Audit(Experiment):
     quick_size: ClassVar[dict[str, Any]] = {
         "prompts": 2, "length": 8, "kinds": ["prose", "chat"], "layers": [1, "middle"],
         "leaks": ["states", "kv", "last"], "prompts_file": None,
-        "defences": ["none", "noise:0.01", "permute", "project:128"],
+        "defences": ["none", "noise:0.01", "permute", "project:128"], "last_seconds": LAST_SECONDS["quick"],
     }  # fmt: skip
     full_size: ClassVar[dict[str, Any]] = {
         "prompts": 20, "length": 20, "kinds": ["prose", "chat"], "layers": [1, "middle", -1],
         "leaks": ["states", "kv", "last"], "defences": list(DEFAULT), "prompts_file": None,
+        "last_seconds": LAST_SECONDS["full"],
     }  # fmt: skip
     full_duration = (
         "about three hours on SmolLM2 on a 2-core CPU (measured in parts, over three versions of the code: its states "
@@ -148,7 +157,8 @@ class Audit(Experiment):
         prompts = self._prompts(ctx, model)
         ctx.once(("tables", p["model"]), lambda: self._tables(ctx, model))
         leak = make_leak(p["leak"], model, layer)
-        attack = ctx.once(("attack", p["model"], p["leak"], str(layer)), lambda: Attack(leak))
+        last = LastOptions(seconds=float(ctx.size["last_seconds"]))
+        attack = ctx.once(("attack", p["model"], p["leak"], str(layer)), lambda: Attack(leak, last=last))
         for other in ctx.memo.values():  # the states kept for another leak or layer serve no later unit
             if isinstance(other, Attack) and other is not attack and other.memo is not None:
                 other.memo.clear()
@@ -166,7 +176,7 @@ class Audit(Experiment):
         rows = []
         for i, (ids, rows_i, s, f, out) in enumerate(zip(prompts, clean, shipped, found, before, strict=True)):
             row = {"model": p["model"], "leak": p["leak"], "layer": str(layer), "defence": p["defence"], "prompt": i}
-            row |= _row(ids, p["leak"], f)
+            row |= _row(ids, f)
             row["perturbation"] = perturbation(rows_i, s)
             row |= utility(leak, ids, out, rows_i, s.kept)
             rows.append(row)

@@ -64,7 +64,8 @@ DETAILS_NOTE = (
     "bug to report). ‖δ‖: the defence's perturbation of a position's row; Δ/2: half the distance from the chosen "
     "candidate's row to the nearest other verified one (Theorem 3.2's radius where the whole vocabulary was verified, "
     "an upper bound on it elsewhere). Attack: engine (lminvert.invert), rows (search in the shipped rows' space), last "
-    "(nearest first-position state)."
+    "(a search for whole prompts, as lminvert invert --leak last), last-table (the last token guessed from the "
+    "first-position table, where a projection or permutation leaves no prompt's state to compare)."
 )
 DETAILS = ["layer", "defence", "tokens", "exact", "certified", "confident", "uncertain", "wrong, claimed"]
 DETAILS += ["median s / prompt", "cand./pos.", "median ‖δ‖/(Δ/2)", "Δ next-token loss", "attack"]

@@ -17,12 +17,13 @@ Verdicts, never better than the evidence:
   every other token lies outside the error bound (Theorem 3.2);
 * ``confident`` - the nearest verified candidate (the ranking's top ones among them), inside the error bound, with
   every other verified candidate beyond a margin (:func:`margin`: ``SEPARATION`` times farther, or outside the error
-  bound with slack); a wrong state does not come that much nearer to
-  the observation than the right one's error (the rate at which this rule was wrong is measured on calibration prompts
-  under the same error model: ``benchmarks/bench_foreign.py``); or a first token that its own row does not choose
-  (several fit), where the next row fits under it alone (:func:`chosen_by_next` on :class:`NextRow` evidence, with the
-  rule's false-confident rate measured at 0 on calibration prompts under the same error model);
-* ``uncertain`` - anything else (and whole prompts, one vector's candidates, that do not reproduce it): several
+  bound with slack); a wrong state does not come that much nearer to the observation than the right one's error (the
+  rate at which this rule was wrong is measured on calibration prompts under the same error model:
+  ``benchmarks/bench_foreign.py``); or a first token that its own row does not choose (several fit), where the next
+  row fits under it alone (:func:`chosen_by_next` on :class:`NextRow` evidence, with the rule's false-confident rate
+  measured at 0 on calibration prompts under the same error model); or a whole prompt (one vector's candidate) in the
+  error bound, its distance and the bound together under half the smallest gap between two prompts' last states seen;
+* ``uncertain`` - anything else (and other whole prompts that do not reproduce the vector): several
   candidates fit, none fits within the budget, the token has a tied twin
   (bit-identical input vector: no state separates them), or an earlier position was such a guess (several fit, or
   none: every later position was found given a token that may be wrong).
@@ -80,6 +81,7 @@ FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
 WHOLE = "the nearest prompt tried, not reproduced: prompts not tried are not ruled out"
+WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie farther apart (the calibration's gap)"
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: the separation test needs runner-ups (a wrong token alone within a loose error bound would
 # pass it; SmolLM2 layer 15, foreign bfloat16 states: a chain's single wrong guess lay within the bound)
@@ -94,7 +96,7 @@ class Radii:
     plain: float  # the same for a plain distance
     source: float  # the error model's bound on ||observation - true plain state||
     rounding: float  # the cached forward's own rounding (a plain distance is at least cached - rounding)
-    gap: float  # the smallest gap between two tokens' states the calibration saw (inf: none seen)
+    gap: float  # the smallest gap between two tokens' (whole prompts') states the calibration saw (inf: none seen)
     resolution: float  # float32's resolution at the state's norm
 
     @property
@@ -138,8 +140,8 @@ class Evidence:
     # candidates that fit all lie beyond it, the search goes on past ``RIVALS`` up to ``FAR``
     expected: float = math.inf
     guessed: bool = False  # an earlier position of the prompt was a guess (several fit, or none)
-    # the candidates are whole prompts (one vector: :mod:`.last`), not the vocabulary at a position: the prompts not
-    # tried are not ruled out by those that were, so only a reproduction certifies and nothing is ``confident``
+    # the candidates are whole prompts (one vector: :mod:`.last`): those not tried are not ruled out by those tried
+    # (only a reproduction certifies; ``confident``: :func:`_verdict`, with ``Radii.gap`` from :mod:`.wholegap`)
     whole: bool = False
 
 
@@ -203,8 +205,9 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
 
 
 def _fast(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> bool:
-    """A single contender in the inner half of a decisive ball, before any confirmation."""
-    return len(found) == 1 and found[0][1] <= radii.cached / 2 and not evidence.confirmed and radii.decisive
+    """A single contender in the inner half of a decisive ball, before any confirmation (not for whole prompts)."""
+    alone = len(found) == 1 and found[0][1] <= radii.cached / 2 and not evidence.confirmed
+    return alone and radii.decisive and not evidence.whole
 
 
 def _collision(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> Decision | None:
@@ -294,7 +297,11 @@ def _unsure(evidence: Evidence, radii: Radii, bound: float, skip: set[int]) -> l
 def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
     """The verdict of a separated contender."""
     distance = evidence.plain[best]
-    if evidence.whole:  # not reproduced (that is certified before this): a prompt not tried may lie as near
+    if evidence.whole:  # not reproduced (that is certified before this)
+        # another prompt's state lies the gap or more from this one's (as calibrated), so one within the bound needs
+        # gap <= distance + bound: with twice that under the gap, none is (none verified is, or the gap fails here)
+        if 2 * (distance + radii.plain) < radii.gap and _alone(evidence, radii, best):
+            return Decision(best, CONFIDENT, reason=WHOLE_GAP)
         return Decision(best, UNCERTAIN, guess=True, reason=WHOLE)
     if evidence.reproducible:
         # where the plain radius is wider than the gap between tokens, a token not verified yet could match as well

@@ -11,9 +11,11 @@ tokens, and where all but one token of a prompt found may be right, that token s
 (:meth:`_Search._first_tokens`, :meth:`_Search._refined`).
 
 Every verdict is the acceptor's, told that its candidates are whole prompts (:attr:`.acceptor.Evidence.whole`):
-``certified`` where a forward of the candidate alone reproduces the vector to float32's resolution, else
-``uncertain`` with the nearest prompt found, never ``confident`` (the prompts tried do not rule out those that were
-not). With ``normalised`` the vector was scaled to unit length, as embedding APIs return it: directions are compared.
+``certified`` where a forward of the candidate alone reproduces the vector to float32's resolution; ``confident`` where
+it fits the error model with twice its distance and the bound under the smallest gap between two prompts' last states
+the calibration saw (:mod:`.wholegap`); else ``uncertain`` with the nearest prompt found (the prompts tried do not rule
+out those that were not). With ``normalised`` the vector was scaled to unit length, as embedding APIs return it:
+directions are compared.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..models.ties import tied_token_groups
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .engine import InvertConfig, invert_prompt
+from .prefix_prior import Prior
 from .reader import reading_for
 from .reading import reading_orders
 from .results import InversionResult, PositionResult
@@ -38,6 +41,7 @@ from .rows.rankers import Ridge
 from .sources import ErrorModel
 from .tables import first_position_table, first_table_for
 from .tolerance import FLOOR, calibrate, norm
+from .wholegap import whole_gap
 
 ROUTE = "last"  # what results name as their policy
 KEEP = 64  # nearest verified prompts kept as the acceptor's evidence (the others lie farther than every contender)
@@ -92,31 +96,6 @@ class _Tried:
         self.checked += len(prompts)
 
 
-class Prior:
-    """The model's next-token prior over prefixes: log-probabilities of every token after each prefix, from a
-    document boundary (the tokenizer's end-of-text token; a proposal, never evidence)."""
-
-    def __init__(self, model: LoadedModel) -> None:
-        self.model = model
-        tokenizer = model.tokenizer
-        start = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self.start = [int(start)] if start is not None else []
-
-    def logprobs(self, prefixes: list[tuple[int, ...]]) -> torch.Tensor:
-        """``[N, V]`` log-probabilities of the next token after each prefix (all of one length)."""
-        rows = [[*self.start, *p] for p in prefixes]
-        if not rows[0]:
-            vocab = self.model.probe.vocab_size
-            return torch.full((len(rows), vocab), -math.log(vocab))
-        out = []
-        with torch.no_grad():
-            for first in range(0, len(rows), 256):
-                ids = torch.tensor(rows[first : first + 256], device=self.model.probe.device)
-                logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
-                out.append(logits.float().log_softmax(-1).cpu())
-        return torch.cat(out)
-
-
 def invert_last(
     model: LoadedModel, vectors: list[torch.Tensor], layer: Layer, source: ErrorModel, options: LastOptions,
     notes: tuple[str, ...] = (),
@@ -138,6 +117,7 @@ class _Search:
         self.calibration = calibrate(model, layer)
         self.ties = {t for group in tied_token_groups(model) for t in group}
         self.ridge = Ridge(self.probe.vocab_matrix(torch.float32).cpu())
+        self.gap = whole_gap(model, layer, options.normalised)
 
     def unit(self, states: torch.Tensor) -> torch.Tensor:
         """States as compared: unit length where the vector was normalised (float32, CPU)."""
@@ -184,7 +164,7 @@ class _Search:
                 return
             share = now + (deadline - now) / (2 if length == 2 else self.options.max_length - length + 1)
             sweep = now + (share - now) * SWEEP  # the rest of the share: the nearest prompts' one wrong token
-            beam = self._grow(beam, length - 1)
+            beam = self._grow(beam, length - 1, deadline)
             done = 0
             while done < len(beam) and time.perf_counter() < sweep:
                 # past the beam (length 2's further first tokens) the prior's next tokens are not asked: a forward of
@@ -198,7 +178,7 @@ class _Search:
                 size = min(MOST, size * 2) if took < 0.5 else max(PREFIXES // 4, size // 2) if took > 2 else size
             if length == 2:
                 yield from self._first_tokens(tried, target, (time.perf_counter() + share) / 2)
-            refined = self._refined(tried, length, target, max(share, time.perf_counter() + 1))
+            refined = self._refined(tried, length, target, max(share, min(time.perf_counter() + 1, deadline)))
             if refined:
                 yield refined
 
@@ -224,15 +204,18 @@ class _Search:
         weights = reading_for(self.model, self.layer)
         return reading_orders(self.model, weights, target[None], self.options.last)[0].cpu()
 
-    def _grow(self, beam: list[tuple[tuple[int, ...], float]], length: int) -> list[tuple[tuple[int, ...], float]]:
+    def _grow(
+        self, beam: list[tuple[tuple[int, ...], float]], length: int, deadline: float
+    ) -> list[tuple[tuple[int, ...], float]]:
         """The prefixes of ``length`` tokens to try, likeliest first: every first token for length 1 (as many as
-        ``firsts``), else the beam's ``extend`` likeliest extensions, ``beam`` of them kept."""
+        ``firsts``), else the beam's ``extend`` likeliest extensions, ``beam`` of them kept (of the prefixes the prior
+        scored before the ``deadline``)."""
         if length == 1:
             order = self.prior.logprobs([()])[0]
             top = order.topk(self.options.firsts or self.probe.vocab_size)
             return [((t,), s) for t, s in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
-        kept = beam[: self.options.beam]
-        logprobs = self.prior.logprobs([p for p, _ in kept])
+        logprobs = self.prior.logprobs([p for p, _ in beam[: self.options.beam]], deadline)
+        kept = beam[: len(logprobs)]  # those scored within the deadline
         top = logprobs.topk(self.options.extend, dim=1)
         grown = [
             ((*p, t), s + v)
@@ -287,6 +270,8 @@ class _Search:
         lasts = list(dict.fromkeys(p[-1] for p in tried.prompts if len(p) == 2))[:REFINE]
         generator = torch.Generator().manual_seed(0)
         for n, last in enumerate(lasts):
+            if time.perf_counter() > deadline:
+                return
             until = time.perf_counter() + (deadline - time.perf_counter()) / (len(lasts) - n)
             ids = torch.randint(0, self.probe.vocab_size, (SAMPLES,), generator=generator)
             states = self._verified(tried, [(int(t), last) for t in ids], target)
@@ -336,12 +321,13 @@ class _Search:
         return self.unit(self.probe.states(ids, [self.layer])[self.layer][0, -1])
 
     def _radii(self, target: torch.Tensor, length: int) -> Radii:
-        """A batched forward's rounding (the calibration's plain radius) and the source's bound around ``target``;
-        no gap (whole prompts: no ball is decisive)."""
+        """A batched forward's rounding (the calibration's plain radius), the source's bound around ``target`` and the
+        smallest gap between two prompts' last states (:mod:`.wholegap`)."""
         rounding = self.calibration.confirm_radius(target)
         bound = self.source.bound(target, length - 1)
         resolution = (NORMALISED if self.options.normalised else 1.0) * FLOOR * norm(target)
-        return Radii(rounding + bound, rounding + bound, bound, rounding, 0.0, resolution)
+        gap = self.gap * norm(target)
+        return Radii(rounding + bound, rounding + bound, bound, rounding, gap, resolution)
 
     def _decide(self, tried: _Tried, target: torch.Tensor, exhausted: bool) -> acceptor.Decision:
         """The acceptor's decision on the nearest prompts verified, re-measuring those it asks for by a forward of each

@@ -17,7 +17,7 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
 * with ``tables``, what a layer's first prompt would otherwise build: the first-position table at the last
   :attr:`Preparation.deep` layers (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's
   first prompt on an AVX-512 CPU, 132 s on an AVX2 one), which ranks position 0 at every layer below them too (a
-  position-0 state lifted to the table's layer, :func:`.tables.first_table_for`), and every block layer's position-1
+  position-0 state lifted to the table's layer, :func:`.tables.first_table_for`), and every layer's position-1
   map and radii's calibrations, each kind measured for all layers in one pass.
 
 Like every reading, these only order candidates: each one is verified and the acceptor alone gives verdicts, so they
@@ -99,17 +99,18 @@ def _layer_table(model: LoadedModel, layer: Layer, progress: bool) -> str | None
 
 
 def _every_layer(model: LoadedModel) -> list[str]:
-    """Every block layer's position-1 map and calibrations (radii; screening's where the model screens), those not
+    """Every layer's position-1 map and calibrations (radii; screening's where the model screens), those not
     cached made in one pass each (:func:`.tables.fit_position1_maps`, :func:`.tolerance.calibrate_layers`): what
     :func:`lminvert.invert.engine.invert_prompts` reads at a layer, which a layer's first prompt would otherwise make
     (SmolLM2, layer 25: 32 s on a 2-core CPU). A line where any was made."""
     probe = model.probe
-    layers = probe.layers(list(range(1, probe.n_layers + 1)))
+    layers = probe.layers([*range(1, probe.n_layers + 1), "final"])
     start = time.perf_counter()
     made = fit_position1_maps(model, layers) + calibrate_layers(model, layers, screen=probe.can_screen)
     if not made:
         return []
-    return [f"position-1 maps and calibrations at layers 1-{probe.n_layers}: {time.perf_counter() - start:.1f} s"]
+    seconds = time.perf_counter() - start
+    return [f"position-1 maps and calibrations at layers 1-{probe.n_layers} and final: {seconds:.1f} s"]
 
 
 def _network_data(

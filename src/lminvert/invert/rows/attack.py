@@ -12,9 +12,10 @@ cache, defended states and one vector, and what ``lminvert audit`` runs on the l
   the comparison made in the shipped rows' space with the leak's error model (``noise:S``, ``quant:B``, ``float``).
   On noisy or quantised states it recovers more than the engine (SmolLM2 layer 15, ``quant:int8``, two 8-token
   prompts: 14 of 16 tokens against the engine's 5: docs/audit.md).
-* The last position alone: the first-position table's nearest row, as a guess (no error model bounds how far the last
-  position's state lies from a token's state alone: the verdict is ``uncertain``). Exact recovery of a prompt from one
-  position is not expected beyond a few tokens.
+* The last position alone: the search for whole prompts of :mod:`lminvert.invert.last` (``last``'s options), which
+  ``lminvert invert --leak last`` runs; where the vector was projected or its dimensions permuted (nothing a candidate
+  prompt computes can be compared with it there), the first-position table's nearest row, compared through the map or
+  by sorted values, as a guess of the last token (route ``last-table``: ``uncertain``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ...models import LoadedModel
 from ...states import HiddenStates
 from .. import acceptor
 from ..acceptor import Evidence, Radii
+from ..last import LastOptions, invert_last
 from ..sources import ErrorModel, Exact, Float, parse_source
 from ..tables import cached, first_position_table
 from ..views import View
@@ -78,7 +80,7 @@ class Recovered:
     seconds: float
     checked: list[int]
     half_gaps: list[float | None]
-    route: str  # which attack ran (engine, rows, last)
+    route: str  # which attack ran (engine, rows, last: a search for whole prompts, last-table: a last token's guess)
     distances: list[float]
     margins: list[float]
     tolerances: list[float]
@@ -128,7 +130,7 @@ class Attack:
 
     def __init__(
         self, leak: View, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
-        secant: bool = True, reuse: bool = True, screen: bool | None = None,
+        secant: bool = True, reuse: bool = True, screen: bool | None = None, last: LastOptions | None = None,
     ) -> None:  # fmt: skip
         """``reading``: a states leak's rows searches take half of each position's rankers' order from what the row
         reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
@@ -141,8 +143,9 @@ class Attack:
         ``lookahead`` which first token is guessed, whose verdict stays ``uncertain`` either way. ``screen``: the rows
         searches screen large later batches with bfloat16 GEMMs (:mod:`.screen`; None: where it pays,
         :attr:`lminvert.models.LayerProbe.can_screen`; True on a model it cannot run on: a ValueError), which changes
-        which candidates are verified in full."""
+        which candidates are verified in full. ``last``: the one-vector search's options (a ``last`` leak)."""
         self.leak, self.reading, self.lookahead, self.first, self.secant = leak, reading, lookahead, first, secant
+        self.last = last or LastOptions()
         self.reuse = reuse
         self.model: LoadedModel = leak.model
         refusal = self.model.probe.screen_refusal
@@ -175,7 +178,7 @@ class Attack:
         gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``)."""
         first = shipped[0]
         if self.leak.name == "last":
-            return [self._last(s) for s in shipped]
+            return self._last(shipped)
         whole = all(not torch.isnan(s.rows).any() for s in shipped) and first.public is None
         undone = [unpermute(s.rows, self.table, self.sorted_table) if s.permuted else (s.rows, None) for s in shipped]
         rows = [r for r, _ in undone]
@@ -278,7 +281,35 @@ class Attack:
             )
         return out
 
-    def _last(self, shipped: Shipped) -> Recovered:
+    def _last(self, shipped: list[Shipped]) -> list[Recovered]:
+        """Each prompt's last row: searched for the whole prompt where a candidate's state can be compared with it
+        (one search for all such prompts of a source), else the last token guessed from the first-position table."""
+        searched = [
+            i for i, s in enumerate(shipped)
+            if s.public is None and not s.permuted and not torch.isnan(s.rows[-1]).any()
+        ]  # fmt: skip
+        out: list[Recovered | None] = [None if i in searched else self._last_token(s) for i, s in enumerate(shipped)]
+        by_source: dict[str, list[int]] = {}
+        for i in searched:
+            by_source.setdefault(str(shipped[i].source), []).append(i)
+        for indices in by_source.values():
+            source = shipped[indices[0]].source
+            source = Float() if source is None else source if isinstance(source, ErrorModel) else parse_source(source)
+            vectors = [shipped[i].rows[-1].float() for i in indices]
+            found = invert_last(self.model, vectors, self.leak.layer, source, self.last)
+            for i, result in zip(indices, found, strict=True):
+                positions = result.positions
+                out[i] = Recovered(
+                    list(result.token_ids), [p.verdict for p in positions], result.seconds,
+                    [p.candidates_checked for p in positions], [None] * len(positions), "last",
+                    [p.distance for p in positions], [p.margin for p in positions], [p.tolerance for p in positions],
+                    [p.reason for p in positions],
+                )  # fmt: skip
+        return [r for r in out if r is not None]
+
+    def _last_token(self, shipped: Shipped) -> Recovered:
+        """The first-position table's nearest row to the last row (through the public map, or by sorted values), as a
+        guess of the last token (``uncertain``: nothing bounds how far the last state lies from its token's alone)."""
         target, table = shipped.rows[-1].float(), self.table
         if shipped.public is not None:
             table = shipped.public(table)
@@ -292,5 +323,6 @@ class Attack:
         d = float(dists[decision.token])
         margin = float(torch.cat([dists[: decision.token], dists[decision.token + 1 :]]).min())
         return Recovered(
-            [decision.token], [verdict], 0.0, [len(ids)], [None], "last", [d], [margin], [math.nan], [decision.reason]
-        )
+            [decision.token], [verdict], 0.0, [len(ids)], [None], "last-table", [d], [margin], [math.nan],
+            [decision.reason],
+        )  # fmt: skip
