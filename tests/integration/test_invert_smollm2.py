@@ -166,3 +166,21 @@ def test_one_vector_gives_back_a_short_prompt_certified_and_claims_nothing_longe
         assert result.token_ids == short and set(result.verdicts) == {"certified"}, (normalised, result.text)
     (result,) = invert(smollm2, vectors[1], 1, leak="last", max_seconds=10, max_length=3)
     assert len(result.token_ids) <= 3 and set(result.verdicts) == {"uncertain"}
+
+
+def test_one_vector_from_a_padded_batch_is_confident_where_right_and_claims_nothing_longer(smollm2):
+    """Last states computed elsewhere (a right-padded batch: not lminvert's forward bit for bit, given as ``float``):
+    one- and two-token prompts come back ``confident`` (within the measured bound, far under the calibrated gap
+    between two prompts' last states); a six-token prompt, longer than the search tries, is uncertain."""
+    from lminvert.invert.layouts import padded_states
+
+    prompts = [smollm2.tokenize("Hello"), smollm2.tokenize("Hello world"), smollm2.tokenize("The ferry leaves twice")]
+    batch = padded_states(smollm2.probe, smollm2.probe.layer(1), [*prompts, list(range(100, 110))], "right")
+    own = encode(smollm2, [prompts[1]], 1).states[0][-1].float()
+    assert not torch.equal(batch[1][-1], own)  # another computation's rounding: no forward reproduces it
+    for ids, rows in zip(prompts, batch, strict=False):
+        (result,) = invert(smollm2, rows[-1], 1, leak="last", source="float", max_seconds=15, max_length=2)
+        if len(ids) <= 2:
+            assert result.token_ids == ids and set(result.verdicts) == {"confident"}, (ids, result.verdicts)
+        else:
+            assert set(result.verdicts) == {"uncertain"}, result.text

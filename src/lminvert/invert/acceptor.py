@@ -22,7 +22,7 @@ Verdicts, never better than the evidence:
   ``benchmarks/bench_foreign.py``); or a first token that its own row does not choose (several fit), where the next
   row fits under it alone (:func:`chosen_by_next` on :class:`NextRow` evidence, with the rule's false-confident rate
   measured at 0 on calibration prompts under the same error model); or a whole prompt (one vector's candidate) in the
-  error bound, its distance and the bound together under half the smallest gap between two prompts' last states seen;
+  bound, its distance and the bound together far under half the smallest gap between two prompts' last states seen;
 * ``uncertain`` - anything else (and other whole prompts that do not reproduce the vector): several
   candidates fit, none fits within the budget, the token has a tied twin
   (bit-identical input vector: no state separates them), or an earlier position was such a guess (several fit, or
@@ -82,9 +82,10 @@ NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
 WHOLE = "the nearest prompt tried, not reproduced: prompts not tried are not ruled out"
 WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie farther apart (the calibration's gap)"
+GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-55x the exhaustive test's (:mod:`.wholegap`)
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
-# outside a decisive ball: the separation test needs runner-ups (a wrong token alone within a loose error bound would
-# pass it; SmolLM2 layer 15, foreign bfloat16 states: a chain's single wrong guess lay within the bound)
+# outside a decisive ball: the separation test needs runner-ups (a wrong token alone in a loose error bound passes it;
+# SmolLM2 layer 15, foreign bfloat16 states: a chain's wrong guess lay within the bound)
 POPULATION = 16
 
 
@@ -298,9 +299,8 @@ def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
     """The verdict of a separated contender."""
     distance = evidence.plain[best]
     if evidence.whole:  # not reproduced (that is certified before this)
-        # another prompt's state lies the gap or more from this one's (as calibrated), so one within the bound needs
-        # gap <= distance + bound: with twice that under the gap, none is (none verified is, or the gap fails here)
-        if 2 * (distance + radii.plain) < radii.gap and _alone(evidence, radii, best):
+        # another prompt fitting would need gap <= distance + bound (its state lies the gap or more from this one's)
+        if 2 * (distance + radii.plain) * GAP_SAFETY < radii.gap and _alone(evidence, radii, best):
             return Decision(best, CONFIDENT, reason=WHOLE_GAP)
         return Decision(best, UNCERTAIN, guess=True, reason=WHOLE)
     if evidence.reproducible:

@@ -83,7 +83,7 @@ class InvertConfig:
         return self.method == "bruteforce" or self.certify
 
 
-def _bound_source(model: LoadedModel, layer: Layer, source: ErrorModel) -> ErrorModel:
+def bound_source(model: LoadedModel, layer: Layer, source: ErrorModel) -> ErrorModel:
     """``source`` with this model's measured foreign disagreements where its bound needs them (cached)."""
     if not source.needs_calibration:
         return source
@@ -195,7 +195,7 @@ def _settings(
         budget=vocab if config.max_candidates is None or config.certify else max(1, min(vocab, config.max_candidates)),
         vocab=vocab,
         exhaustive=exhaustive,
-        source=_bound_source(model, layer, config.source),
+        source=bound_source(model, layer, config.source),
         table=table,
         ties=ties or {},
         scale=config.batch_scale or batch_scale(probe.device, count),

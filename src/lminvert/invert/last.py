@@ -32,7 +32,7 @@ from ..models import Layer, LoadedModel
 from ..models.ties import tied_token_groups
 from . import acceptor
 from .acceptor import Evidence, Radii
-from .engine import InvertConfig, invert_prompt
+from .engine import InvertConfig, bound_source, invert_prompt
 from .prefix_prior import Prior
 from .reader import reading_for
 from .reading import reading_orders
@@ -44,6 +44,7 @@ from .tolerance import FLOOR, calibrate, norm
 from .wholegap import whole_gap
 
 ROUTE = "last"  # what results name as their policy
+CLAIMED = (acceptor.CERTIFIED, acceptor.CONFIDENT)  # verdicts that end a vector's search (no other prompt fits)
 KEEP = 64  # nearest verified prompts kept as the acceptor's evidence (the others lie farther than every contender)
 CHUNK = 4096  # candidate prompts per verification forward
 PREFIXES = 64  # prefixes whose candidates are verified together at first (then about a second's worth: the deadline
@@ -105,7 +106,7 @@ def invert_last(
     for v in vectors:  # NaN and inf are refused where the states are read (:class:`lminvert.states.HiddenStates`)
         if options.normalised and float(v.float().norm()) == 0:
             raise LminvertError("a zero vector has no direction: drop --normalised or give the vector itself")
-    search = _Search(model, layer, source, options)
+    search = _Search(model, layer, bound_source(model, layer, source), options)
     return [search.run(v.float().reshape(-1), notes) for v in vectors]
 
 
@@ -142,9 +143,9 @@ class _Search:
         for prompts in self._candidates(target, deadline, tried):
             self._verified(tried, prompts, target)
             decision = self._decide(tried, target, exhausted=False)
-            if decision.verdict == acceptor.CERTIFIED or time.perf_counter() > deadline:
+            if decision.verdict in CLAIMED or time.perf_counter() > deadline:
                 break
-        if decision.verdict != acceptor.CERTIFIED:  # the search is over: the acceptor's verdict on all it verified
+        if decision.verdict not in CLAIMED:  # the search is over: the acceptor's verdict on all it verified
             decision = self._decide(tried, target, exhausted=True)
         return self._result(tried, decision, target, time.perf_counter() - start, notes)
 

@@ -26,7 +26,7 @@ from ..models import Layer, LayerSpec, LoadedModel
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .context import wide_dtype
-from .layouts import foreign_calibration
+from .engine import bound_source
 from .sources import ErrorModel, Exact
 from .tolerance import FLOOR, Calibration, calibrate, norm
 
@@ -62,8 +62,7 @@ def reference_invert(
     probe = model.probe
     layer = probe.layer(layer)
     source = source or Exact()
-    if source.needs_calibration:  # as the engine binds it (engine._bound_source)
-        source = source.calibrated(*foreign_calibration(model, layer))
+    source = bound_source(model, layer, source)
     calibration = calibrate(model, layer)
     token_ids: list[int] = []
     verdicts: list[str] = []
