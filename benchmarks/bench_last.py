@@ -35,6 +35,7 @@ from lminvert.invert.layouts import padded_states
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--layers", default="1,15,30,final")
     parser.add_argument("--lengths", default="1,2,4,8")
     parser.add_argument("--kinds", default="prose,code,random")
@@ -49,7 +50,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
-    model = lminvert.load_model(args.model)
+    model = lminvert.load_model(args.model, dtype=args.dtype)
     kinds = args.kinds.split(",")
     print(f"{'layer':>6} {'len':>4} {'kind':>7} {'exact':>6} {'tokens':>7} {'cert':>5} {'conf':>5} {'unc':>5} "
           f"{'wrong':>5} {'median s':>9} {'max s':>7}")  # fmt: skip

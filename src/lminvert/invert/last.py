@@ -118,7 +118,7 @@ class _Search:
         self.calibration = calibrate(model, layer)
         self.ties = {t for group in tied_token_groups(model) for t in group}
         self.ridge = Ridge(self.probe.vocab_matrix(torch.float32).cpu())
-        self.gap = whole_gap(model, layer, options.normalised)
+        self.gap: float | None = None  # :mod:`.wholegap`'s, measured where a prompt first fits (once per layer)
 
     def unit(self, states: torch.Tensor) -> torch.Tensor:
         """States as compared: unit length where the vector was normalised (float32, CPU)."""
@@ -321,13 +321,16 @@ class _Search:
         ids = torch.tensor([list(prompt)], device=self.probe.device)
         return self.unit(self.probe.states(ids, [self.layer])[self.layer][0, -1])
 
-    def _radii(self, target: torch.Tensor, length: int) -> Radii:
-        """A batched forward's rounding (the calibration's plain radius), the source's bound around ``target`` and the
-        smallest gap between two prompts' last states (:mod:`.wholegap`)."""
+    def _radii(self, target: torch.Tensor, length: int, nearest: float = math.inf) -> Radii:
+        """A batched forward's rounding (the calibration's plain radius), the source's bound around ``target`` and,
+        where the ``nearest`` prompt's distance lies within them, the smallest gap between two prompts' last states
+        (:mod:`.wholegap`; else 0: nothing fits, and the gap is not measured)."""
         rounding = self.calibration.confirm_radius(target)
         bound = self.source.bound(target, length - 1)
         resolution = (NORMALISED if self.options.normalised else 1.0) * FLOOR * norm(target)
-        gap = self.gap * norm(target)
+        if nearest <= rounding + bound and self.gap is None:
+            self.gap = whole_gap(self.model, self.layer, self.options.normalised)
+        gap = (self.gap or 0.0) * norm(target)
         return Radii(rounding + bound, rounding + bound, bound, rounding, gap, resolution)
 
     def _decide(self, tried: _Tried, target: torch.Tensor, exhausted: bool) -> acceptor.Decision:
@@ -335,7 +338,7 @@ class _Search:
         alone (at most a few rounds)."""
         if not tried.prompts:
             return acceptor.PENDING
-        radii = self._radii(target, len(tried.prompts[0]))
+        radii = self._radii(target, len(tried.prompts[0]), float(tried.dists.min()))
         while True:  # the re-measured kept by prompt: a later decision asks for none of them again
             plain = {i: tried.plain[p] for i, p in enumerate(tried.prompts) if p in tried.plain}
             evidence = Evidence(
