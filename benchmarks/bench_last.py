@@ -5,10 +5,11 @@ Prompts of exactly ``--lengths`` tokens of each of ``--kinds`` (:func:`lminvert.
 prose and code sampled from the bundled corpora, random token ids; the search's only knobs are its budgets), each
 encoded by lminvert at each of ``--layers``; the last position's state (unit length with ``--normalised``) is given
 to ``lminvert.invert(..., leak="last")`` with ``max_seconds`` per vector. Printed per cell: exact prompts, token
-accuracy (recovered tokens equal to the prompt's at the same position, over the prompt's length), verdicts, wrong
-prompts claimed ``certified`` or ``confident`` (must be 0), median and slowest seconds. The anchors the issue names
-(SODA 79.5% of short prompts exact from logits; Rep2Text about half the tokens of 16-token prompts) are published
-figures on other models, not measured here.
+accuracy (recovered tokens equal to the prompt's at the same position, over the prompt's length; ``end``: positions
+counted from the end, as the audit aligns a last leak), verdicts, wrong prompts claimed ``certified`` or
+``confident`` (must be 0), median and slowest seconds. The anchors the issue names (SODA 79.5% of short prompts exact
+from logits; Rep2Text about half the tokens of 16-token prompts) are published figures on other models, not measured
+here.
 
     python benchmarks/bench_last.py --layers 1,15,30,final --lengths 1,2,4,8 --per-kind 3 --seconds 30
     python benchmarks/bench_last.py --layers 15 --lengths 2,4 --per-kind 3 --seconds 30 --normalised
@@ -52,8 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     model = lminvert.load_model(args.model, dtype=args.dtype)
     kinds = args.kinds.split(",")
-    print(f"{'layer':>6} {'len':>4} {'kind':>7} {'exact':>6} {'tokens':>7} {'cert':>5} {'conf':>5} {'unc':>5} "
-          f"{'wrong':>5} {'median s':>9} {'max s':>7}")  # fmt: skip
+    print(f"{'layer':>6} {'len':>4} {'kind':>7} {'exact':>6} {'tokens':>7} {'end':>5} {'cert':>5} {'conf':>5} "
+          f"{'unc':>5} {'wrong':>5} {'median s':>9} {'max s':>7}")  # fmt: skip
     for name in args.layers.split(","):
         layer = model.probe.layer(name if name == "final" else int(name))
         for length in [int(n) for n in args.lengths.split(",")]:
@@ -64,7 +65,7 @@ def main() -> None:
 
 
 def _cell(model, layer, length: int, kind: str, prompts: list, args: argparse.Namespace) -> None:
-    exact = tokens = certified = confident = uncertain = wrong = 0
+    exact = tokens = ends = certified = confident = uncertain = wrong = 0
     seconds = []
     prompts = [list(ids) for ids in prompts]
     vectors = [lminvert.encode(model, [ids], layer).states[0][-1].float() for ids in prompts]
@@ -85,6 +86,7 @@ def _cell(model, layer, length: int, kind: str, prompts: list, args: argparse.Na
         right = result.token_ids == ids
         exact += right
         tokens += sum(a == b for a, b in zip(result.token_ids, ids, strict=False))
+        ends += sum(a == b for a, b in zip(result.token_ids[::-1], ids[::-1], strict=False))
         sure = result.verdicts[0] != "uncertain" if result.verdicts else False
         certified += result.verdicts.count("certified") == len(result.verdicts) and bool(result.verdicts)
         confident += result.verdicts.count("confident") == len(result.verdicts) and bool(result.verdicts)
@@ -92,8 +94,9 @@ def _cell(model, layer, length: int, kind: str, prompts: list, args: argparse.Na
         wrong += sure and not right
     n = len(prompts)
     print(
-        f"{layer.name:>6} {length:>4} {kind:>7} {exact:>3}/{n:<2} {tokens / (n * length):>7.2f} {certified:>5} "
-        f"{confident:>5} {uncertain:>5} {wrong:>5} {statistics.median(seconds):>9.2f} {max(seconds):>7.2f}",
+        f"{layer.name:>6} {length:>4} {kind:>7} {exact:>3}/{n:<2} {tokens / (n * length):>7.2f} "
+        f"{ends / (n * length):>5.2f} {certified:>5} {confident:>5} {uncertain:>5} {wrong:>5} "
+        f"{statistics.median(seconds):>9.2f} {max(seconds):>7.2f}",
         flush=True,
     )
 
