@@ -167,6 +167,9 @@ class _Search:
             sweep = now + (share - now) * SWEEP  # the rest of the share: the nearest prompts' one wrong token
             beam = self._grow(beam, length - 1, deadline)
             done = 0
+            # a sweep shorter than a second starts with fewer prefixes (a batch of PREFIXES: about a second at a
+            # middle layer), so that a small budget is kept to
+            size = max(PREFIXES // 16, min(size, int(PREFIXES * (sweep - time.perf_counter()))))
             while done < len(beam) and time.perf_counter() < sweep:
                 # past the beam (length 2's further first tokens) the prior's next tokens are not asked: a forward of
                 # every prefix through every block for each would cost more than the candidates it proposes
