@@ -82,7 +82,7 @@ NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
 WHOLE = "the nearest prompt tried, not reproduced: prompts not tried are not ruled out"
 WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie farther apart (the calibration's gap)"
-GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-55x the exhaustive test's (:mod:`.wholegap`)
+GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: the separation test needs runner-ups (a wrong token alone in a loose error bound passes it;
 # SmolLM2 layer 15, foreign bfloat16 states: a chain's wrong guess lay within the bound)

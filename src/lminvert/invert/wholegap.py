@@ -7,7 +7,7 @@ Here the near pairs are sought where they are likeliest: short calibration promp
 tokens put in front and without the first token; the smallest distance between any two of each such group, relative
 to the farther state's norm (and between unit vectors, for ``--normalised``), is kept per layer. It is a sample's
 minimum, not a bound: the exhaustive test's minimum over 1.2e9 pairs (every token appended to one prefix; SmolLM2:
-docs/results.md, "Collisions per layer") lies 4-55 times below this sample's at layers 1, 15 and 30, so the acceptor
+docs/results.md, "Collisions per layer") lies 4-57 times below this sample's at layers 1, 15 and 30, so the acceptor
 asks for a margin of :data:`.acceptor.GAP_SAFETY` times beyond it, and never says ``certified`` on it.
 """
 

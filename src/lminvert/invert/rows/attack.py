@@ -87,6 +87,12 @@ class Recovered:
     reasons: list[str]
 
 
+def _error_model(source: str | ErrorModel | None) -> ErrorModel:
+    """A shipped prompt's error model: ``float`` where none is said (rows computed elsewhere), else as given or
+    parsed."""
+    return Float() if source is None else source if isinstance(source, ErrorModel) else parse_source(source)
+
+
 def unpermute(rows: torch.Tensor, table: torch.Tensor, ordered: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Rows ``[T, k]`` under a secret permutation of their dimensions, with it undone from position 0 and ``table``
     ``[V, k]`` (every token's row at position 0), and the first token it matched. ``ordered``: the table's rows sorted
@@ -198,8 +204,7 @@ class Attack:
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
         and error model; ``measured``: its radii, else measured through its map)."""
         public = first.public
-        source = first.source
-        source = Float() if source is None else source if isinstance(source, ErrorModel) else parse_source(source)
+        source = _error_model(first.source)
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
         measured = measured or self._measure(public, source.boxed)
@@ -293,8 +298,7 @@ class Attack:
         for i in searched:
             by_source.setdefault(str(shipped[i].source), []).append(i)
         for indices in by_source.values():
-            source = shipped[indices[0]].source
-            source = Float() if source is None else source if isinstance(source, ErrorModel) else parse_source(source)
+            source = _error_model(shipped[indices[0]].source)
             vectors = [shipped[i].rows[-1].float() for i in indices]
             found = invert_last(self.model, vectors, self.leak.layer, source, self.last)
             for i, result in zip(indices, found, strict=True):
