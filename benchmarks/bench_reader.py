@@ -6,9 +6,15 @@ held-out prompts' positions (the linear reading map alongside). Nothing is cache
         --variants "bfloat16=True;bfloat16=False"
 
 Each variant is keyword arguments of ``train_reader`` (``--base``: those shared by all); the training prompts' states
-are computed once. Held out: 20 random-id prompts of 20 tokens and the text windows of 40 sampled mixed prompts of at
-most 20 tokens (those of at least 10), positions 1 on; per kind the median rank of the true token among the
-vocabulary by the proposal's distance, the mean log2(2 + rank), and the fractions at rank 0 and below 64.
+are computed once per ``--states`` (``float32``: a plain forward; ``bfloat16``: its products in bfloat16, as the
+preparation's quick network trains where those are native; each forward timed), and every variant is trained on each.
+Held out: 20 random-id prompts of 20 tokens, the text windows of 40 sampled mixed prompts of at most 20 tokens (those
+of at least 10), and the deep benchmark's held-out texts (``heldout.DEEP``, 20 tokens), positions 1 on; per kind the
+median rank of the true token among the vocabulary by the proposal's distance, the mean log2(2 + rank), and the
+fractions at rank 0, below 8 and below 64.
+
+    python benchmarks/bench_reader.py --layer 30 --base "text=1000,random=500,hidden=1024,negatives=2048,lr=3e-3" \
+        --states float32,bfloat16 --variants "epochs=9"
 """
 
 import argparse
@@ -20,6 +26,7 @@ import time
 import torch
 
 import lminvert
+from heldout import DEEP
 from lminvert.corpora import sample_prompts
 from lminvert.forward import prompt_states
 from lminvert.invert import reader
@@ -40,6 +47,9 @@ def main() -> None:
         "--variants", required=True, help="';'-separated train_reader options, e.g. 'epochs=3;hidden=1024'"
     )
     parser.add_argument("--base", default="", help="train_reader options shared by every variant")
+    parser.add_argument(
+        "--states", default="float32", help="the training prompts' forwards: float32 and/or bfloat16 (comma-separated)"
+    )
     args = parser.parse_args()
     model = lminvert.load_model(args.model)
     layer = model.probe.layer(args.layer)
@@ -48,6 +58,7 @@ def main() -> None:
     held = {"random": torch.randint(0, model.probe.vocab_size, (20, 20), generator=gen).tolist()}
     windows, _ = sample_prompts(model.tokenizer, "mixed", 40, max_tokens=20, seed=777)
     held["text"] = [list(p.ids) for p in windows if len(p.ids) >= 10]
+    held["deep"] = [list(model.tokenize(text, 20)) for text in DEEP]
     observed = {
         kind: [s[layer] for s in prompt_states(model, ps, [layer], progress=False)] for kind, ps in held.items()
     }
@@ -57,22 +68,27 @@ def main() -> None:
         for kind, prompts in held.items():
             ranks = reader.held_out_ranks(model, weights, prompts, observed[kind])
             log2 = statistics.mean(math.log2(2 + r) for r in ranks)
-            top1, top64 = (sum(r < k for r in ranks) / len(ranks) for k in (1, 64))
+            top1, top8, top64 = (sum(r < k for r in ranks) / len(ranks) for k in (1, 8, 64))
             median = statistics.median(ranks)
-            parts.append(f"{kind} median {median:5.0f} log2 {log2:5.2f} top1 {top1:.2f} top64 {top64:.2f}")
+            parts.append(
+                f"{kind} median {median:5.0f} log2 {log2:5.2f} top1 {top1:.2f} top8 {top8:.2f} top64 {top64:.2f}"
+            )
         print(f"  {name:<40} {seconds:6.0f} s | " + " | ".join(parts), flush=True)
 
     print(f"{args.model} layer {layer.name}, threads={torch.get_num_threads()}; rank of the true token, held out:")
     show("linear reading map", reading_map(model, layer), 0.0)
-    start = time.perf_counter()
     prompts = reader.training_prompts(model, **{k: base[k] for k in ("text", "random", "length", "seed") if k in base})
-    states = prompt_states(model, prompts, [layer], progress=False)
-    print(f"  forwards of the {len(prompts)} training prompts: {time.perf_counter() - start:.0f} s", flush=True)
-    for variant in variants:
+    for kind in args.states.split(","):
         start = time.perf_counter()
-        settings = {**base, **variant}
-        net = reader.train_reader(model, layer, progress=False, data=(prompts, states), cache=False, **settings)
-        show(", ".join(f"{k}={v}" for k, v in variant.items()), net, time.perf_counter() - start)
+        states = reader._training_states(model, prompts, [layer], {"float32": False, "bfloat16": True}[kind], False)
+        seconds = time.perf_counter() - start
+        print(f"  forwards of the {len(prompts)} training prompts, {kind}: {seconds:.0f} s", flush=True)
+        for variant in variants:
+            start = time.perf_counter()
+            settings = {**base, **variant}
+            net = reader.train_reader(model, layer, progress=False, data=(prompts, states), cache=False, **settings)
+            name = f"{kind} states, " + ", ".join(f"{k}={v}" for k, v in variant.items())
+            show(name, net, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

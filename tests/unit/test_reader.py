@@ -142,6 +142,36 @@ def test_training_runs_its_products_in_bfloat16_where_they_are_fast(isolated_cac
     assert hits[False] >= 80 and hits[True] >= 0.9 * hits[False], hits
 
 
+def test_the_training_prompts_forward_runs_in_bfloat16_where_native_and_its_states_stay_near(
+    isolated_cache, monkeypatch
+):
+    """The training prompts' states from a forward whose products run in bfloat16 (where those are native, for a
+    float32 model): float32, within a few percent of the float32 forward's, not equal to them; a half model's forward
+    and ``bfloat16=False`` stay as they are."""
+    from lminvert.invert import reader
+    from lminvert.models import halfmath
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(2)
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not reader._half_states(model, None)
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert reader._half_states(model, None) and not reader._half_states(model, False)
+    assert not reader._half_states(lminvert.load_model("tiny-llama", dtype="bfloat16"), True)
+    prompts = reader.training_prompts(model, 0, 6, 10, reader.SEED)
+    exact = prompt_states(model, prompts, [layer], progress=False)
+    assert all(
+        torch.equal(a[layer], b[layer])
+        for a, b in zip(exact, reader._training_states(model, prompts, [layer], False, False), strict=True)
+    )
+    half = reader._training_states(model, prompts, [layer], True, False)
+    off = torch.cat(
+        [(h[layer] - e[layer]).norm(dim=1) / e[layer].norm(dim=1) for h, e in zip(half, exact, strict=True)]
+    )
+    assert all(h[layer].dtype == torch.float32 for h in half)
+    assert 0 < float(off.max()) < 0.05, off  # bfloat16 keeps 8 bits: about 0.4% a product, a few of them per block
+
+
 @pytest.mark.parametrize(
     "option",
     [

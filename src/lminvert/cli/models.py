@@ -84,8 +84,9 @@ def _add_reader_args(parser: argparse.ArgumentParser) -> None:
         "--products",
         choices=["auto", "float32", "bfloat16"],
         default=None,
-        help="with --reader: the precision of training's products (default auto: bfloat16 on a GPU and on a CPU with "
-        "native bfloat16 GEMMs, 2-2.7x faster there and the same held-out ranks; float32 elsewhere)",
+        help="with --reader: the precision of training's products, and of the training prompts' forward for a float32 "
+        "model (default auto: bfloat16 on a GPU and on a CPU with native bfloat16 GEMMs, 2-2.7x faster there and the "
+        "same held-out ranks; float32 elsewhere)",
     )
 
 

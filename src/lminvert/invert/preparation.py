@@ -5,12 +5,14 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
   computes all layers at once (built on first use, it costs that forward per layer: seconds at layer 1, a minute at
   SmolLM2's last);
 * a quick reading network (:mod:`.reader`, cached as :data:`.reader.QUICK_KIND`) at the last :attr:`Preparation.deep`
-  layers, where the linear map reads the token worst: fewer training prompts, a smaller network and fewer vocabulary
-  rows per step than ``--reader``'s, trained in the preparation's time, on its own prompts and the maps' (their states
-  come from the maps' forward); a network ``--reader`` trained is used before it. Inversion reads with a network
-  *instead of* the linear map, so a network is kept only where it reads held-out prompts better than the map (a lower
-  mean ``log2(2 + rank)`` of the true token; prompts drawn with their own seed): a quick network trained too briefly
-  read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md);
+  layers, where the linear map reads the token worst: fewer training prompts (3,000 against 5,000), a smaller network
+  and fewer vocabulary rows per step than ``--reader``'s, trained in the preparation's time, on its own prompts and the
+  maps' (their states come from the maps' forward; its own prompts' forward runs its products in bfloat16 where those
+  are native, :func:`.reader.train_readers`, which doubled its prompts for the same forward time: SmolLM2's layer 30
+  inverted in 0.81x the time, docs/results.md); a network ``--reader`` trained is used before it. Inversion reads with a
+  network *instead of* the linear map, so a network is kept only where it reads held-out prompts better than the map (a
+  lower mean ``log2(2 + rank)`` of the true token; prompts drawn with their own seed): a quick network trained too
+  briefly read SmolLM2's last layer worse than the map and doubled its candidates (docs/results.md);
 * the quick network lent to the layers of the model's upper half that it reads better than their own linear maps
   (checked on the same held-out prompts, once per layer; :func:`.reader.lend`): a network trained on the last layer's
   states reads the layers just below it too, where the linear map is nearly as weak;
@@ -55,7 +57,7 @@ class Preparation:
     deep: int = 1
     network: dict[str, float] = field(
         default_factory=lambda: {
-            "text": 1000, "random": 500, "hidden": 1024, "epochs": 9, "negatives": 2048, "lr": 3e-3,
+            "text": 2000, "random": 1000, "hidden": 1024, "epochs": 7, "negatives": 2048, "lr": 3e-3,
         }
     )  # fmt: skip
     check: int = 40
