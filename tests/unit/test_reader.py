@@ -172,6 +172,26 @@ def test_the_training_prompts_forward_runs_in_bfloat16_where_native_and_its_stat
     assert 0 < float(off.max()) < 0.05, off  # bfloat16 keeps 8 bits: about 0.4% a product, a few of them per block
 
 
+def test_the_preparations_checks_rank_with_bfloat16_products_nearly_as_float32_ranks(isolated_cache):
+    """``held_out_ranks(half=True)`` (the preparation's checks, where bfloat16 is native): the vocabulary product on a
+    bfloat16 copy, its distances within a small part of the float32 ones and the ranks nearly the same; a proposal
+    (``half=False``, the default) is untouched."""
+    from lminvert.invert import reader
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(2)
+    prompts = reader.training_prompts(model, 0, 6, 12, 5)
+    states = [s[layer] for s in prompt_states(model, prompts, [layer], progress=False)]
+    weights = reading_map(model, layer)
+    read = reading.read(weights, states[0])
+    full, half = reading.input_distances(model, read), reading.input_distances(model, read, half=True)
+    assert full.dtype == half.dtype == torch.float32 and not torch.equal(full, half)
+    assert float((full - half).abs().max()) <= 0.02 * float(full.abs().max())
+    exact = reader.held_out_ranks(model, weights, prompts, states)
+    close = reader.held_out_ranks(model, weights, prompts, states, half=True)
+    assert sum(abs(a - b) <= max(2, 0.01 * a) for a, b in zip(exact, close, strict=True)) >= 0.9 * len(exact)
+
+
 @pytest.mark.parametrize(
     "option",
     [
@@ -260,7 +280,7 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     model = lminvert.load_model("tiny-llama")
     first, last = model.probe.layer(1), model.probe.layer(model.probe.n_layers)
     # the network reads the held-out prompts better than the map (the gate itself: the next test)
-    monkeypatch.setattr(preparation, "held_out_ranks", lambda m, weights, p, s: [0] if callable(weights) else [9])
+    monkeypatch.setattr(preparation, "held_out_ranks", lambda m, weights, p, s, **kw: [0] if callable(weights) else [9])
     given: dict = {}
     train = preparation.train_readers
     spy = lambda m, layers, **kw: given.update(kw) or train(m, layers, **kw)  # noqa: E731

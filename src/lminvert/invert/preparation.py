@@ -37,6 +37,7 @@ import torch
 
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
+from ..models.halfmath import native_bfloat16
 from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
 from .tables import first_position_table, fit_position1_maps, table_path, write_tables
@@ -157,8 +158,11 @@ def _check_prompts(model: LoadedModel, layers: list[Layer], count: int) -> tuple
 
 
 def _score(model: LoadedModel, weights, prompts: list[list[int]], states: list[dict], layer: Layer) -> float:
-    """The mean ``log2(2 + rank)`` of the true token where ``weights`` (a map or a network) reads ``layer``'s states."""
-    ranks = held_out_ranks(model, weights, prompts, [s[layer] for s in states])
+    """The mean ``log2(2 + rank)`` of the true token where ``weights`` (a map or a network) reads ``layer``'s states;
+    the products with the vocabulary in bfloat16 where those are native (:func:`.reader.held_out_ranks`: the
+    lending's checks at SmolLM2's 15 layers took 18.8 s, 12.0 s of them in those products)."""
+    half = native_bfloat16(model.probe.device)
+    ranks = held_out_ranks(model, weights, prompts, [s[layer] for s in states], half=half)
     return sum(math.log2(2 + r) for r in ranks) / len(ranks)
 
 

