@@ -270,3 +270,27 @@ def test_a_later_position_where_several_fit_is_certified_only_by_a_replay_that_r
     ran.clear()
     assert decide(Replay(capture, Noise(sigma=0.01)))[0].verdict == "uncertain" and ran == []
     assert not Replay(None, Float()).later(prefix, length, seen, seen.dists[0], ids, Radii(2, 2, 0, 2, 0, 0))
+
+
+def test_the_ridge_fits_order_in_bfloat16_is_the_float32_orders_near_its_top(monkeypatch):
+    """The rows search's ridge ranker (a proposal: every candidate it orders is verified) takes its product with the
+    vocabulary in bfloat16 where that is native (``rankers.HALF``) and in float32 with the switch off; the two orders
+    put the same tokens first, up to near ties."""
+    from lminvert.invert.rows import rankers
+    from lminvert.models import halfmath
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = torch.randn(4096, 64, generator=gen)
+    mix = torch.randn(64, 48, generator=gen)
+    ids = torch.randperm(4096, generator=gen)[:300]
+    rows = vocab[ids] @ mix + 0.01 * torch.randn(300, 48, generator=gen)
+    target = vocab[17] @ mix
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    half = rankers.Ridge(vocab)
+    assert half.low is not None and half.low.dtype == torch.bfloat16
+    monkeypatch.setattr(rankers, "HALF", False)
+    full = rankers.Ridge(vocab)
+    assert full.low is None
+    a, b = full.order(ids, rows, target), half.order(ids, rows, target)
+    assert int(a[0]) == 17 and int(b[0]) == 17  # the token whose row the target is, first either way
+    assert len(set(a[:64].tolist()) & set(b[:64].tolist())) >= 56

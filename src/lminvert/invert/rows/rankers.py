@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...models import LoadedModel
+from ...models.halfmath import native_bfloat16
 from ..context import PositionContext
 from ..rankers import SecantRanker
 from ..reader import reading_for
@@ -16,6 +17,7 @@ from ..reading import nearest_inputs, read
 
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
+HALF = True  # the ridge prediction's product with the vocabulary in bfloat16 where native (False: float32)
 
 
 class Secant:
@@ -66,6 +68,8 @@ class Ridge:
 
     def __init__(self, vocab: torch.Tensor) -> None:
         self.vocab = vocab  # [V, d] float32
+        # a bfloat16 copy for the prediction's product (:data:`HALF`): it only orders candidates, each one verified
+        self.low = vocab.bfloat16() if HALF and native_bfloat16(vocab.device) else None
 
     def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Every token, the nearest predicted row first. The prediction of input ``v`` is ``v W + b`` with
@@ -86,7 +90,9 @@ class Ridge:
         if len(alpha) < alpha.shape[1]:  # fewer samples than the rows' dimensions: measure in alpha's row span
             basis = torch.linalg.qr(alpha.T).Q  # [k, n]
             weights, offset = weights @ basis, offset @ basis
-        # the prediction itself in float32: it only orders candidates
+        # the prediction in float32, its product in bfloat16 where native (HALF): it only orders candidates
+        if self.low is not None:
+            return ((self.low @ weights.bfloat16()).float() + offset.float()).norm(dim=1).argsort()
         return (self.vocab @ weights.float() + offset.float()).norm(dim=1).argsort()
 
 
