@@ -80,7 +80,7 @@ def main() -> None:
     prompts = reader.training_prompts(model, **{k: base[k] for k in ("text", "random", "length", "seed") if k in base})
     for kind in args.states.split(","):
         start = time.perf_counter()
-        states = reader._training_states(model, prompts, [layer], {"float32": False, "bfloat16": True}[kind], False)
+        states = reader.training_states(model, prompts, [layer], {"float32": False, "bfloat16": True}[kind], False)
         seconds = time.perf_counter() - start
         print(f"  forwards of the {len(prompts)} training prompts, {kind}: {seconds:.0f} s", flush=True)
         for variant in variants:

@@ -285,12 +285,13 @@ def test_the_ridge_fits_order_in_bfloat16_is_the_float32_orders_near_its_top(mon
     ids = torch.randperm(4096, generator=gen)[:300]
     rows = vocab[ids] @ mix + 0.01 * torch.randn(300, 48, generator=gen)
     target = vocab[17] @ mix
+    model = lminvert.load_model("tiny-llama")
     monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
-    half = rankers.Ridge(vocab)
-    assert half.low is not None and half.low.dtype == torch.bfloat16
+    kept = rankers.Ridge.of(model.probe).low
+    assert kept is model.probe.vocab_matrix(torch.bfloat16)  # the probe's kept copy, not a new one per search
     monkeypatch.setattr(rankers, "HALF", False)
-    full = rankers.Ridge(vocab)
-    assert full.low is None
+    assert rankers.Ridge.of(model.probe).low is None
+    full, half = rankers.Ridge(vocab), rankers.Ridge(vocab, vocab.bfloat16())
     a, b = full.order(ids, rows, target), half.order(ids, rows, target)
     assert int(a[0]) == 17 and int(b[0]) == 17  # the token whose row the target is, first either way
     assert len(set(a[:64].tolist()) & set(b[:64].tolist())) >= 56

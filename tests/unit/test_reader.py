@@ -162,9 +162,9 @@ def test_the_training_prompts_forward_runs_in_bfloat16_where_native_and_its_stat
     exact = prompt_states(model, prompts, [layer], progress=False)
     assert all(
         torch.equal(a[layer], b[layer])
-        for a, b in zip(exact, reader._training_states(model, prompts, [layer], False, False), strict=True)
+        for a, b in zip(exact, reader.training_states(model, prompts, [layer], False, False), strict=True)
     )
-    half = reader._training_states(model, prompts, [layer], True, False)
+    half = reader.training_states(model, prompts, [layer], True, False)
     off = torch.cat(
         [(h[layer] - e[layer]).norm(dim=1) / e[layer].norm(dim=1) for h, e in zip(half, exact, strict=True)]
     )

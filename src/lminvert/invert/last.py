@@ -117,7 +117,7 @@ class _Search:
         self.prior = Prior(model)
         self.calibration = calibrate(model, layer)
         self.ties = {t for group in tied_token_groups(model) for t in group}
-        self.ridge = Ridge(self.probe.vocab_matrix(torch.float32).cpu())
+        self.ridge = Ridge.of(self.probe)
         self.gap: float | None = None  # :mod:`.wholegap`'s, measured where a prompt first fits (once per layer)
 
     def unit(self, states: torch.Tensor) -> torch.Tensor:

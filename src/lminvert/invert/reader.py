@@ -202,14 +202,14 @@ def train_reader(
     vocabulary (two separate runs). ``data``: the training prompts and their states at ``layer`` (among others),
     computed already (:func:`train_readers` computes them once for several layers; ``text``, ``random`` and ``length``
     are then unused). ``bfloat16``: the products in bfloat16, the training prompts' forward's too
-    (:func:`_training_states`; None: where :func:`bfloat16_training` says they are fast, the forward's where the model
+    (:func:`training_states`; None: where :func:`bfloat16_training` says they are fast, the forward's where the model
     is float32 too). ``cache=False``: neither written to the cache nor used by this model's inversions (an experiment's
     network). ``kind``: the cache entry it is written to (:data:`QUICK_KIND`: the preparation's)."""
     start = time.perf_counter()
     probe = model.probe
     if data is None:
         prompts = training_prompts(model, text, random, length, seed)
-        data = prompts, _training_states(model, prompts, [layer], _half_states(model, bfloat16), progress)
+        data = prompts, training_states(model, prompts, [layer], _half_states(model, bfloat16), progress)
     prompts, states = data
     inputs = torch.cat([features(s[layer])[1:] for s in states]).float()  # position 0: the first-position table's
     tokens = torch.cat([torch.tensor(p[1:]) for p in prompts]).to(probe.device)
@@ -301,7 +301,7 @@ def train_readers(
     one pass for all 14.5 s (``make readers``' forwards at those layers: ~12 min -> ~2.5 min at the default 5,000).
     ``extra``: more training prompts and their states at every one of ``layers``, computed already (the reading maps'
     forward, :func:`lminvert.invert.preparation.prepare`). ``half_states``: the training prompts' forward with its
-    products in bfloat16 (:func:`_training_states`; None: as ``bfloat16`` says where it is given, else for a float32
+    products in bfloat16 (:func:`training_states`; None: as ``bfloat16`` says where it is given, else for a float32
     model where bfloat16 GEMMs are native)."""
     if not layers:
         return {}
@@ -313,7 +313,7 @@ def train_readers(
     trained: dict[Layer, nn.Module] = {}
     for first in range(0, len(ordered), group):
         chunk = ordered[first : first + group]
-        data = prompts, _training_states(model, prompts, chunk, half, progress) if prompts else []
+        data = prompts, training_states(model, prompts, chunk, half, progress) if prompts else []
         if extra is not None:  # prompts whose states are computed already, at every layer of ``layers``
             data = data[0] + list(extra[0]), list(data[1]) + list(extra[1])
         for layer in chunk:
@@ -330,7 +330,7 @@ def _half_states(model: LoadedModel, asked: bool | None) -> bool:
     return model.probe.dtype == torch.float32 and bfloat16_training(model.probe.device)
 
 
-def _training_states(
+def training_states(
     model: LoadedModel, prompts: list[list[int]], layers: Sequence[Layer], half: bool, progress: bool
 ) -> list[dict[Layer, torch.Tensor]]:
     """The training prompts' float32 states at ``layers``; ``half``: from a forward whose products run in bfloat16

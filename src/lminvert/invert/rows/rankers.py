@@ -66,10 +66,16 @@ class Ridge:
     """Rows predicted from input vectors by a ridge fit on the verified candidates (dual form: fewer samples than
     dimensions), and the vocabulary ordered by how near its predicted rows lie to the target."""
 
-    def __init__(self, vocab: torch.Tensor) -> None:
+    def __init__(self, vocab: torch.Tensor, low: torch.Tensor | None = None) -> None:
         self.vocab = vocab  # [V, d] float32
-        # a bfloat16 copy for the prediction's product (:data:`HALF`): it only orders candidates, each one verified
-        self.low = vocab.bfloat16() if HALF and native_bfloat16(vocab.device) else None
+        self.low = low  # the same in bfloat16 for the prediction's product, or None (float32): it only orders
+
+    @classmethod
+    def of(cls, probe) -> Ridge:
+        """The ridge ranker of ``probe``'s vocabulary, on the CPU, its product on the probe's kept bfloat16 copy where
+        those GEMMs are native there (:data:`HALF`)."""
+        low = probe.vocab_matrix(torch.bfloat16).cpu() if HALF and native_bfloat16(torch.device("cpu")) else None
+        return cls(probe.vocab_matrix(torch.float32).cpu(), low)
 
     def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Every token, the nearest predicted row first. The prediction of input ``v`` is ``v W + b`` with

@@ -115,7 +115,7 @@ class RowSearch:
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
         self.floor = max(FLOOR, float(torch.finfo(probe.dtype).eps))
-        self.ridge = Ridge(probe.vocab_matrix(torch.float32).cpu())
+        self.ridge = Ridge.of(probe)
         if table is None:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
