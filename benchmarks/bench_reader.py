@@ -51,6 +51,8 @@ def main() -> None:
         "--states", default="float32", help="the training prompts' forwards: float32 and/or bfloat16 (comma-separated)"
     )
     args = parser.parse_args()
+    if not set(args.states.split(",")) <= {"float32", "bfloat16"}:
+        parser.error(f"--states takes float32 and/or bfloat16, not {args.states!r}")
     model = lminvert.load_model(args.model)
     layer = model.probe.layer(args.layer)
     base, variants = options(args.base), [options(v) for v in args.variants.split(";")]
