@@ -450,24 +450,6 @@ def test_ranking_settings_change_speed_never_the_answer(settings, monkeypatch):
     assert [r.uncertain_positions for r in varied] == [[], []]
 
 
-def test_a_trusted_first_batch_is_sized_by_the_last_ranks():
-    from lminvert.invert.linear import RECENT, LinearPolicy
-
-    policy = LinearPolicy(trusted=8)
-    assert policy._trusted_size() == 8  # no history yet
-    order = torch.arange(100)
-    for token in [0, 1, 0][:RECENT]:  # the recovered tokens were the proposal's 1st, 2nd, 1st
-        policy._lm_order = order
-        policy.accepted(1, token)
-    assert policy._trusted_size() == 2
-    policy._lm_order = order
-    policy.accepted(1, 5)  # a 6th: the next power of two above it
-    assert policy._trusted_size() == 8
-    policy._lm_order = order
-    policy.accepted(1, 99)  # not in the top 4 * first: the cap
-    assert policy._trusted_size() == 8
-
-
 def test_projected_norms_of_the_secant_ranking():
     """The ranking's ``||x_v J||^2`` from the top eigenpairs of ``J J^T`` and the others' mean: exact for a small
     input dimension, exact when the other eigenvalues are equal, and close to the exact norms of a fitted-like ``J``

@@ -39,7 +39,6 @@ CARRY = 0.75  # the carried ranking's recent hit rate from which its top ``carri
 SOURCE_FLOOR = 1 / 16  # the least weight a source of the proposal's order keeps in the merge (it can recover)
 STREAMS = ("secant", "reread", "proposal")  # the rankings a position's later batches draw from
 STREAM_FLOOR = 1 / 16  # the least part of a later batch a ranking keeps (it can recover)
-RECENT = 3  # positions whose ranks size a trusted first batch: the next power of two above their worst rank
 FUSED = 1.0  # the reading's weight in the fused source of the proposal (0: no fused source; :mod:`.proposal`)
 
 
@@ -51,7 +50,7 @@ class LinearPolicy(Policy):
     each weighted by how often its top ``4 * first`` held the recovered token earlier in the prompt:
     :data:`SOURCE_FLOOR` at least), as many of its top entries as its record has earned, then random entries up to
     ``explore`` (which also anchor the offset). While the proposal keeps hitting (:data:`TRUSTED`) the first batch is
-    its top few alone (:meth:`_trusted_size`); while it does not and the ``carried`` ranking does (:data:`CARRY`), the
+    its top ``trusted`` alone; while it does not and the ``carried`` ranking does (:data:`CARRY`), the
     carried ranking's top ``carried`` join and only ``anchors`` random entries are added. Later rounds take ``first *
     growth**(round-1)`` candidates (at most ``batch``), split between the ``secant`` ranking (half of its part from the
     ``local`` one, where it exists), the ``reread`` ranking and the proposal by their records (:meth:`_stream_shares`);
@@ -117,7 +116,6 @@ class LinearPolicy(Policy):
         self._source_names: list[str] = []  # ... and which source each row is
         self._source_shares: dict[str, float] = {}  # each source's recent success in this prompt (the merge's weights)
         self._lm_share = 1.0  # recent success of the proposal in this prompt (1: always right)
-        self._recent: list[int] = []  # ranks of the last RECENT recovered tokens in the proposal
         self._carried_order: torch.Tensor | None = None  # this position's carried ranking (for its hit rate)
         self._carried_share = 0.0  # recent success of that ranking in this prompt (earned: 0 at first)
         self._first_scores: dict[str, Ranking] = {}  # the later batches' rankings at a position's first ranked round
@@ -144,7 +142,6 @@ class LinearPolicy(Policy):
             ranker.begin_prompt(states, readings)
         self._lm_share = 1.0
         self._source_shares = {}
-        self._recent = []
         self._carried_order, self._carried_share = None, 0.0
         self._first_scores, self._stream_logs = {}, {}
 
@@ -172,7 +169,7 @@ class LinearPolicy(Policy):
         keeps hitting), random entries for the rest: all anchor the offset; with an unhelpful proposal (random token
         ids) this is the secant policy's start."""
         trusted = self._lm_order is not None and self._lm_share >= TRUSTED  # it keeps hitting: its top few alone
-        explore = (self._trusted_size() if trusted else self.explore) * ctx.scale
+        explore = (self.trusted if trusted else self.explore) * ctx.scale
         likely = round(explore * self._lm_share) if self._lm_order is not None else 0
         picks = ctx.unseen(self._lm_order, likely) if likely else ctx.all_ids()[:0]
         carried = None if trusted or self.carrier is None else self.carrier.scores(ctx)
@@ -232,14 +229,6 @@ class LinearPolicy(Policy):
         names = [*STREAMS, *(ranker.name for ranker in self.extra)]
         return {name: max(STREAM_FLOOR, 2.0 ** (best - logs[name])) if name in logs else 1.0 for name in names}
 
-    def _trusted_size(self) -> int:
-        """A trusted first batch: the next power of two above the worst rank the proposal gave the last ``RECENT``
-        tokens, at most ``trusted`` (a verification forward of one candidate costs about half one of eight on a CPU,
-        and at layer 1 of SmolLM2 the reading map's first guess is right at nearly every position)."""
-        if len(self._recent) < RECENT:
-            return self.trusted
-        return min(self.trusted, 1 << max(self._recent).bit_length())
-
     def end_position(self, ctx: PositionContext) -> None:
         for ranker in self.rankers.values():
             ranker.end_position(ctx)
@@ -283,7 +272,6 @@ class LinearPolicy(Policy):
             found = (self._lm_order[: 4 * self.first] == token_id).nonzero()
             hit = len(found) > 0
             self._lm_share = 0.5 * self._lm_share + 0.5 * hit
-            self._recent = [*self._recent, int(found[0, 0]) if hit else 4 * self.first][-RECENT:]
             self._lm_order = None
 
 
