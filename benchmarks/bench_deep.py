@@ -10,7 +10,8 @@ conversion of the model and everything the preparation makes). Per layer, printe
 the layer builds on first use that the preparation did not make is in it), then over every prompt (the first
 included): prompts exact, positions sure (``certified`` or ``confident``), tokens claimed sure that are wrong (must be
 0), median and slowest seconds, candidates verified per position (median / mean), and the layer's median over layer
-15's (or the middle layer's) in the same run. This CPU unless ``--device``; the held-out texts: ``heldout.DEEP``.
+15's (or the middle layer's) in the same run. This CPU unless ``--device``; the held-out texts: ``heldout.DEEP``
+(``--set fresh``: ``heldout.FRESH``).
 
 ``--ab-fused``: each layer again without the proposal's fused source (the next-token prior and the reading combined as
 a product of experts, :mod:`lminvert.invert.proposal`), in the same run.
@@ -34,7 +35,7 @@ import time
 
 import torch
 
-from heldout import DEEP
+from heldout import DEEP, FRESH
 
 SURE = ("certified", "confident")
 
@@ -44,6 +45,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--layers", default="1,15,27,28,29,30")
     parser.add_argument("--prompts", type=int, default=len(DEEP))
+    parser.add_argument("--set", choices=("deep", "fresh"), default="deep", help="heldout.DEEP or FRESH")
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (1: one at a time)")
@@ -75,7 +77,8 @@ def main() -> int:
     from lminvert.invert.reading import reading_map
 
     model = lminvert.load_model(args.model, dtype=args.dtype, device=args.device)
-    prompts = [list(model.tokenize(t, args.length)) for t in DEEP[: args.prompts]]
+    texts = FRESH if args.set == "fresh" else DEEP
+    prompts = [list(model.tokenize(t, args.length)) for t in texts[: args.prompts]]
     print(f"{'layer':>9} {'first s':>8} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7} {'c/p':>11}")
     rows = {}
     for spec in args.layers.split(","):

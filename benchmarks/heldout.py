@@ -1,7 +1,10 @@
 """Held-out texts: written for the benchmarks, used by no experiment, test, training set or tuning; each benchmark cuts
 them to its ``--length`` tokens. Prose, code, secrets, other languages, chat, numbers, URLs, log lines.
 
-``HELD_OUT`` (8) is what ``bench_leaks.py`` runs; ``DEEP`` adds 16 more of the same kinds for ``bench_deep.py``."""
+``HELD_OUT`` (8) is what ``bench_leaks.py`` runs; ``DEEP`` adds 16 more of the same kinds for ``bench_deep.py``.
+``FRESH`` (16) was written after the reading's training texts gained synthetic records (2026-11-29), and had been
+used for nothing before it measured them: other languages than those records hold, other programming languages,
+other formats (``bench_deep.py --set fresh``)."""
 
 HELD_OUT = (
     "The ferry to the northern islands leaves twice a day in summer, but in winter only once, weather permitting.",
@@ -32,4 +35,23 @@ DEEP = (
     "import numpy as np\nx = np.linspace(0, 2 * np.pi, 256)\ny = np.sin(3 * x) * np.exp(-x / 4)\nprint(y.argmax",
     "Il treno regionale per Firenze è in ritardo di quindici minuti a causa di un guasto alla linea elettrica.",
     "lat=52.520008 lon=13.404954 alt=34m hdop=0.9 sats=11 fix=3D speed=4.2kn heading=271.5 t=1717171717",
+)
+
+FRESH = (
+    "Kävimme eilen mökillä, mutta järvi oli vielä jäässä eikä sauna lämmennyt ennen iltaa.",
+    "A tegnapi ülésen a bizottság elhalasztotta a döntést, mert két tag nem jelent meg időben.",
+    "Ședința consiliului a fost amânată pentru luni, deoarece raportul financiar nu era gata.",
+    "Kami berangkat dari Yogyakarta pukul enam pagi dan tiba di Surabaya menjelang makan siang.",
+    "fn parse_port(s: &str) -> Result<u16, ParseIntError> { let p = s.trim().parse::<u16>()?; Ok(p) }",
+    "func (s *Server) Shutdown(ctx context.Context) error { s.mu.Lock(); defer s.mu.Unlock(); return nil }",
+    "replicas: 3\nimage: registry.internal/billing-api:v2.14.1\nenv:\n  - name: DB_PASSWORD\n    value: hunter2-prod",
+    "ssh -i ~/.ssh/id_ed25519 deploy@10.20.4.17 'sudo systemctl restart nginx && tail -n 50 /var/log/nginx/error.log'",
+    "Hi Priya, attached is the signed NDA for the Helios project; please countersign and return it by Friday noon.",
+    "The committee noted that rainfall in the upper catchment had doubled since March, raising the risk of floods.",
+    "assistant: Your booking reference is QX7-22N9. Check-in opens 24 hours before departure. user: can I add a bag?",
+    "BP 142/91, HR 88, SpO2 96% on room air; started lisinopril 10 mg daily, recheck potassium in two weeks.",
+    "CREATE INDEX CONCURRENTLY idx_events_user_ts ON events (user_id, created_at DESC) WHERE deleted_at IS NULL;",
+    "Order #A-99314 shipped via DHL Express, tracking 1Z 999 AA1 01 2345 6784, estimated delivery Tuesday 3 June.",
+    "Sitting by the window, she counted the trams as they passed and wondered whether the letter had arrived yet.",
+    "curl -H 'Authorization: Bearer sk-live-51HxT9aQ2vLmR8pZ' https://api.payments.example.com/v1/charges?limit=5",
 )

