@@ -270,22 +270,31 @@ def _result(
 
 
 def _notes(search: PromptSearch, source: ErrorModel) -> tuple[str, ...]:
-    """What the prompt's result says about its states as a whole."""
-    misfit = sum(p.reason == acceptor.NO_FIT for p in search.positions)
+    """What the prompt's result says about its states as a whole. Positions that fit no candidate from the first one
+    the time bound stopped on are put down to it (a stopped position keeps a candidate that may be wrong, and every
+    later one is searched after it), not to the states."""
+    first = len(search.positions) if search.first_cut is None else search.first_cut
+    misfit = [i for i, p in enumerate(search.positions) if p.reason == acceptor.NO_FIT]
+    before, after = sum(i < first for i in misfit), sum(i >= first for i in misfit)
     notes: tuple[str, ...] = ()
     if search.cut:
         notes += (
             f"the time bound stopped the search at {search.cut} of {len(search.positions)} positions: each kept the "
             "closest candidate of what it had verified",
         )
-    if not misfit:
-        return notes
-    return (
-        *notes,
-        f"{misfit} of {len(search.positions)} positions: no candidate fits the error model '{source.label}': these "
-        "states do not match this model's computation at this layer (another model, layer or dtype, a fine-tuned "
-        "copy, or an error larger than the model allows: try --source noise:LEVEL)",
-    )
+    if after:
+        notes += (
+            f"{after} of {len(search.positions)} positions from position {first} on, where the time bound first "
+            "stopped the search, fit no candidate: a stopped position's candidate may be wrong, and the positions "
+            "after it were searched after it; give more time (--max-seconds) before concluding anything of the states",
+        )
+    if before:
+        notes += (
+            f"{before} of {len(search.positions)} positions: no candidate fits the error model '{source.label}': "
+            "these states do not match this model's computation at this layer (another model, layer or dtype, a "
+            "fine-tuned copy, or an error larger than the model allows: try --source noise:LEVEL)",
+        )
+    return notes
 
 
 def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: list[PromptSearch]) -> tuple[Prefix, bool]:

@@ -95,6 +95,7 @@ class PromptSearch:
         self.reproduced = False
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
+        self.first_cut: int | None = None  # the first of them
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
         self.decision = acceptor.PENDING  # the acceptor's decision at the current position, once final
@@ -175,6 +176,7 @@ class PromptSearch:
         late = ctx.forwarded > 0 and self.settings.late()  # one batch at least, so a closest candidate exists
         if late and not self.exhausted:
             self.cut += 1
+            self.first_cut = ctx.position if self.first_cut is None else self.first_cut
         if ctx.forwarded < self.settings.budget and not late:
             with self.clock("ranking"):
                 ids = self.active.propose(ctx)
