@@ -29,7 +29,7 @@ from .tables import cached, squared_norms
 
 log = logging.getLogger(__name__)
 
-TEXT_PROMPTS = 200  # sampled text windows (mixed code and prose) the map is fitted on
+TEXT_PROMPTS = 200  # sampled text windows the map is fitted on (code, prose and records)
 RANDOM_PROMPTS = 100  # random-id prompts beside them
 LENGTH = 24  # tokens per training prompt
 RIDGE = 1e-6  # relative to the features' energy
