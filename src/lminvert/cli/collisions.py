@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub, "collisions", "exact minimum distances between prompts' hidden states, per layer", __doc__, EXAMPLES
     )
     add_model_args(parser)
-    parser.add_argument("--corpus", default="mixed", help="code, prose, mixed, a file or directory, or hf:NAME")
+    parser.add_argument(
+        "--corpus", default="mixed", help="code, prose, records, mixed, a file or directory, or hf:NAME"
+    )
     parser.add_argument("--n-prompts", type=int, default=1000, help="number of distinct prompts N")
     parser.add_argument("--layers", default="all", help="'all' (1..L) or a comma-separated list, e.g. 1,middle,-1")
     parser.add_argument("--max-tokens", type=int, default=32, help="prompt length K: windows of K tokens")
