@@ -138,23 +138,22 @@ def _code_documents() -> tuple[Document, ...]:
     return tuple(docs)
 
 
-def _packaged_lines(name: str) -> list[str]:
-    """The non-blank lines of the gzipped text file ``name`` carried in ``lminvert/data``."""
+@lru_cache(maxsize=2)
+def _packaged_documents(name: str, label: str) -> tuple[Document, ...]:
+    """One document per non-blank line of the gzipped text file ``name`` carried in ``lminvert/data``, named
+    ``label#i``; windows start at a word."""
     data = resources.files("lminvert").joinpath("data", name)
     with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as handle:
-        return [line.strip() for line in handle if line.strip()]
+        lines = [line.strip() for line in handle if line.strip()]
+    return tuple(Document(f"{label}#{i}", len(text), lambda t=text: t, "word") for i, text in enumerate(lines))
 
 
-@lru_cache(maxsize=1)
 def _prose_documents() -> tuple[Document, ...]:
-    chapters = _packaged_lines(PROSE_FILE)
-    return tuple(Document(f"prose:kjv#{i}", len(text), lambda t=text: t, "word") for i, text in enumerate(chapters))
+    return _packaged_documents(PROSE_FILE, "prose:kjv")
 
 
-@lru_cache(maxsize=1)
 def _records_documents() -> tuple[Document, ...]:
-    records = _packaged_lines(RECORDS_FILE)
-    return tuple(Document(f"records#{i}", len(text), lambda t=text: t, "word") for i, text in enumerate(records))
+    return _packaged_documents(RECORDS_FILE, "records")
 
 
 def _file_documents(path: Path) -> tuple[Document, ...]:

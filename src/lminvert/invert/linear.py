@@ -269,8 +269,7 @@ class LinearPolicy(Policy):
             self._carried_share = 0.5 * self._carried_share + 0.5 * hit
             self._carried_order = None
         if self._lm_order is not None:  # how well did the proposal rank this token? (random ids: badly)
-            found = (self._lm_order[: 4 * self.first] == token_id).nonzero()
-            hit = len(found) > 0
+            hit = bool((self._lm_order[: 4 * self.first] == token_id).any())
             self._lm_share = 0.5 * self._lm_share + 0.5 * hit
             self._lm_order = None
 

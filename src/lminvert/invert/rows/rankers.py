@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models import LoadedModel
+from ...models import LayerProbe, LoadedModel
 from ...models.halfmath import native_bfloat16
 from ..context import PositionContext
 from ..rankers import SecantRanker
@@ -71,7 +71,7 @@ class Ridge:
         self.low = low  # the same in bfloat16 for the prediction's product, or None (float32): it only orders
 
     @classmethod
-    def of(cls, probe) -> Ridge:
+    def of(cls, probe: LayerProbe) -> Ridge:
         """The ridge ranker of ``probe``'s vocabulary, on the CPU, its product on the probe's kept bfloat16 copy where
         those GEMMs are native there (:data:`HALF`)."""
         low = probe.vocab_matrix(torch.bfloat16).cpu() if HALF and native_bfloat16(torch.device("cpu")) else None
