@@ -33,6 +33,7 @@ from ..models.ties import tied_token_groups
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .engine import InvertConfig, bound_source, invert_prompt
+from .firstblock import first_block
 from .prefix_prior import Prior
 from .reader import reading_for
 from .reading import reading_orders
@@ -59,6 +60,8 @@ UNIT = 1e-5  # a normalised vector whose norm is within this of 1 is compared as
 NORMALISED = 4.0  # float32's resolution of a unit vector, in its eps: two normalisations (the vector's, a candidate's)
 # by different kernels each round a coordinate by a unit in the last place or two
 TABLE = 64  # length 1: the tokens whose first-position states lie nearest the vector
+FIRST = 0.6  # after the first block: the part of the time its tokens' algebra may take (:mod:`.firstblock`)
+LASTS = 2  # ... and the vector's readings it takes for the last token
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class _Search:
         self.ties = {t for group in tied_token_groups(model) for t in group}
         self.ridge = Ridge.of(self.probe)
         self.gap: float | None = None  # :mod:`.wholegap`'s, measured where a prompt first fits (once per layer)
+        self.first = first_block(model) if layer == 1 and not options.normalised else None
 
     def unit(self, states: torch.Tensor) -> torch.Tensor:
         """States as compared: unit length where the vector was normalised (float32, CPU)."""
@@ -157,6 +161,9 @@ class _Search:
         the last tokens its nearest prefixes rank first (:meth:`_refined`; ``tried``: what was verified so far)."""
         reads = self._reads(target)
         yield [(t,) for t in self._firsts(target, reads).tolist()]
+        if self.first is not None:  # the first block's algebra (:mod:`.firstblock`), then the search below
+            share = time.perf_counter() + (deadline - time.perf_counter()) * FIRST
+            yield from self.first.proposals(target, reads[:LASTS].tolist(), self.options.max_length, share)
         beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         size = PREFIXES
         for length in range(2, self.options.max_length + 1):

@@ -1,0 +1,261 @@
+"""One vector after the first block: the prompt's tokens read from its attention's mixture of value vectors.
+
+After one block, a prompt's last state is ``h = x + mlp(norm2(x))`` with ``x = e_T + o_proj(z)``: the last token's
+embedding plus, for every head, a convex combination (the attention weights) of the value vectors
+``v_proj(norm1(e_t))`` of the prompt's tokens. Values do not depend on position (the rotary embedding turns queries
+and keys only), so:
+
+1. **The residual** ``x`` is found from ``h`` by Levenberg-Marquardt in float64 (:func:`_preimage`), from the states
+   of the last token after a few random contexts; the one whose tokens fit best is kept. The MLP's Jacobian has a few
+   weak directions in which float32's rounding of ``h`` leaves ``x`` undetermined (SmolLM2: its smallest singular
+   value about 1e-3 against 1 for most): they are left free in the next step.
+2. **The tokens** (as a set): ``z = o_proj^-1(x - e_T)`` is fitted, head by head, with weights summing to one over a
+   support of tokens grown one at a time (simultaneous orthogonal matching pursuit over the vocabulary's value
+   vectors, every head sharing the support; :func:`_support`). The prompt's distinct tokens are all in it once the
+   fit's residual falls to the noise.
+3. **Their order** from the fitted weights (:mod:`.firstorder`): a token's weight in each head is the softmax of its
+   query-key logit at its position, known for every token and position.
+
+SmolLM2, float32, held-out 8-token texts (``benchmarks/bench_last.py``): docs/results.md. Everything here proposes
+whole prompts; they are verified by a forward and judged by the acceptor like any other (:mod:`.last`).
+Blocks of another shape (other norms around the MLP, query or key norms) are declined (:meth:`FirstBlock.of` checks
+the decomposition against the model's own forward).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import jacrev
+
+from ..models import LoadedModel
+from .firstorder import orders
+
+log = logging.getLogger(__name__)
+
+STARTS = 4  # preimage solves per last token, each from the state after another random context
+CONTEXT = 7  # tokens in each such context
+STEPS = 40  # Levenberg-Marquardt iterations per solve at most
+WEAK = 8  # the MLP's weakest input directions left free in the token fit
+EXTRA = 4  # support tokens beyond the longest prompt tried (the pursuit's first picks are not always the prompt's)
+SUM = 10.0  # weight of each head's "weights sum to one" row in the fits
+CHECK = 1e-3  # relative disagreement with the model's own first block above which the decomposition is declined
+
+
+@dataclass(frozen=True)
+class FirstBlock:
+    """The first block's parts (float64 copies of its attention and MLP; the vocabulary's value vectors)."""
+
+    model: LoadedModel
+    attention: nn.Module
+    mlp: nn.Module
+    norm1: nn.Module
+    norm2: nn.Module
+    rotary: nn.Module
+    values: torch.Tensor  # [V, kv_heads, head_dim] float32: every token's value vectors
+    o_inverse: torch.Tensor  # [d, d] float64
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: LoadedModel) -> FirstBlock | None:
+        """The first block as this module reads it, or None where its shape is not ``x = e + attn(norm1(e))``, ``h =
+        x + mlp(norm2(x))`` with rotary queries and keys (checked on a short prompt against the model's forward)."""
+        probe = model.probe
+        block = probe.blocks[0]
+        attention = getattr(block, "self_attn", None)
+        parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+        rotary = getattr(probe.base, "rotary_emb", None)
+        if attention is None or rotary is None or any(not hasattr(attention, p) for p in parts):
+            return None
+        if not all(hasattr(block, p) for p in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return None
+        if any(hasattr(attention, p) for p in ("q_norm", "k_norm")) or hasattr(block, "pre_feedforward_layernorm"):
+            return None
+        config = probe.config
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        o_weight = attention.o_proj.weight.detach().double().cpu()
+        if o_weight.shape[0] != o_weight.shape[1] or getattr(attention.o_proj, "bias", None) is not None:
+            return None
+        double = copy.deepcopy(nn.ModuleDict({"a": attention, "m": block.mlp, "n1": block.input_layernorm,
+                                              "n2": block.post_attention_layernorm})).double().cpu()  # fmt: skip
+        with torch.no_grad():
+            normed = double["n1"](probe.embedding.weight.detach().double().cpu())
+            values = double["a"].v_proj(normed).float().view(-1, kv_heads, head_dim)
+        found = cls(
+            model, double["a"], double["m"], double["n1"], double["n2"], rotary, values,
+            torch.linalg.inv(o_weight), heads, kv_heads, head_dim,
+        )  # fmt: skip
+        return found if found._agrees() else None
+
+    # ------------------------------------------------------------------ the block's pieces
+    def embeds(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.probe.embedding(torch.tensor(ids, device=self.model.probe.device)).double().cpu()
+
+    def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + mlp(norm2(x))``: the layer-1 state of a residual ``x`` (float64)."""
+        return x + self.mlp(self.norm2(x))
+
+    def _rotated(self, rows: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """``rows [..., n, head_dim]`` turned by the rotary embedding at ``positions`` (one per row)."""
+        shape = torch.zeros(1, len(positions), self.head_dim, dtype=torch.float32)
+        cos, sin = self.rotary(shape, torch.tensor([positions]))
+        cos, sin = cos[0].double().cpu(), sin[0].double().cpu()
+        half = rows.shape[-1] // 2
+        turned = torch.cat([-rows[..., half:], rows[..., :half]], dim=-1)
+        return rows * cos + turned * sin
+
+    def logits(self, tokens: list[int], last: int, length: int) -> torch.Tensor:
+        """``[heads, len(tokens), length]``: the attention logit of the last position (``last`` at ``length - 1``)
+        on each token at each position."""
+        attention, group = self.attention, self.heads // self.kv_heads
+        with torch.no_grad():
+            normed = self.norm1(self.embeds([last, *tokens]))
+            query = attention.q_proj(normed[:1]).view(1, self.heads, self.head_dim).transpose(0, 1)
+            query = self._rotated(query, [length - 1])[:, 0]  # [heads, head_dim]
+            keys = attention.k_proj(normed[1:]).view(len(tokens), self.kv_heads, self.head_dim).transpose(0, 1)
+            out = torch.empty(self.heads, len(tokens), length, dtype=torch.float64)
+            for j in range(length):
+                turned = self._rotated(keys, [j] * len(tokens))  # [kv_heads, n, head_dim]
+                out[:, :, j] = torch.einsum("hnd,hd->hn", turned.repeat_interleave(group, 0), query)
+        return out * float(getattr(attention, "scaling", self.head_dim**-0.5))
+
+    def residual(self, ids: list[int]) -> torch.Tensor:
+        """The last position's residual ``x`` after the first block's attention, computed here (float64)."""
+        attention, length = self.attention, len(ids)
+        lg = self.logits(ids, ids[-1], length)  # [heads, n, L]: token i at position i is the diagonal
+        weights = torch.softmax(lg[:, torch.arange(length), torch.arange(length)], dim=-1)
+        with torch.no_grad():
+            values = attention.v_proj(self.norm1(self.embeds(ids))).view(length, self.kv_heads, self.head_dim)
+            per_head = values.repeat_interleave(self.heads // self.kv_heads, 1)  # [n, heads, head_dim]
+            z = torch.einsum("hn,nhd->hd", weights, per_head).reshape(-1)
+            return self.embeds(ids[-1:])[0] + attention.o_proj(z)
+
+    def _agrees(self) -> bool:
+        ids = [int(t) for t in torch.randint(0, self.values.shape[0], (5,), generator=torch.Generator().manual_seed(0))]
+        probe = self.model.probe
+        state = probe.states(torch.tensor([ids], device=probe.device), [probe.layer(1)])[probe.layer(1)][0, -1]
+        with torch.no_grad():
+            mine = self.mlp_residual(self.residual(ids))
+        gap = float((mine - state.double().cpu()).norm() / state.double().norm())
+        log.debug("first block decomposition: relative disagreement %.2e", gap)
+        return gap < CHECK
+
+    # ------------------------------------------------------------------ proposals
+    def proposals(
+        self, vector: torch.Tensor, lasts: list[int], max_length: int, deadline: float
+    ) -> Iterator[list[tuple[int, ...]]]:
+        """Candidate prompts of 2..``max_length`` tokens ending in each of ``lasts`` (the vector's readings), one
+        length per batch, until the ``deadline``."""
+        target = vector.double().cpu().reshape(-1)
+        for last in lasts:
+            if time.perf_counter() > deadline:
+                return
+            found = self._tokens(target, last, max_length + EXTRA, deadline)
+            if found is None:
+                continue
+            tokens, weights = found
+            for length in range(2, max_length + 1):
+                if time.perf_counter() > deadline:
+                    return
+                yield orders(self.logits(tokens, last, length), weights, tokens, tokens.index(last))
+
+    def _tokens(
+        self, target: torch.Tensor, last: int, steps: int, deadline: float
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The support of the best fit (the prompt's distinct tokens among others of small weight) and its weights
+        ``[heads, n]``, over ``STARTS`` preimages of ``target``."""
+        best = None
+        for x in self._starts(last):
+            if time.perf_counter() > deadline:
+                break
+            x = _preimage(self.mlp_residual, target, x)
+            weak = torch.linalg.svd(jacrev(self.mlp_residual)(x)).Vh[-WEAK:].T  # [d, WEAK]
+            z = self.o_inverse @ (x - self.embeds([last])[0])
+            fit = _support(self, z, self.o_inverse @ weak, last, steps)
+            if best is None or fit[2] < best[2]:
+                best = fit
+        return None if best is None else (best[0], best[1])
+
+    def _starts(self, last: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(last)
+        contexts = torch.randint(0, self.values.shape[0], (STARTS, CONTEXT), generator=generator)
+        return [self.residual([*c.tolist(), last]) for c in contexts]
+
+
+def first_block(model: LoadedModel) -> FirstBlock | None:
+    """The model's first block as read here (made once per model object), None where it cannot be."""
+    if "first_block" not in model.memo:
+        model.memo["first_block"] = FirstBlock.of(model)
+    return model.memo["first_block"]
+
+
+def _preimage(function, target: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """An ``x`` near ``start`` with ``function(x)`` nearest ``target`` (Levenberg-Marquardt, float64)."""
+    x, damping = start.clone(), 1.0
+    eye = torch.eye(x.numel(), dtype=torch.float64)
+    with torch.no_grad():
+        residual = function(x) - target
+    cost = residual.norm()
+    for _ in range(STEPS):
+        jacobian = jacrev(function)(x)
+        gradient, normal = jacobian.T @ residual, jacobian.T @ jacobian
+        while damping < 1e8:
+            step = torch.linalg.solve(normal + damping * eye, gradient)
+            with torch.no_grad():
+                trial = function(x - step) - target
+            if trial.norm() < cost:
+                x, residual, cost, damping = x - step, trial, trial.norm(), max(damping / 3, 1e-9)
+                break
+            damping *= 4
+        if damping >= 1e8 or cost < 1e-9 * target.norm():
+            break
+    return x.detach()
+
+
+def _fit(block: FirstBlock, z: torch.Tensor, free: torch.Tensor, support: list[int]):
+    """Least squares of ``z`` by each head's combination of the support's values (summing to one), plus any
+    combination of the ``free`` directions: weights ``[heads, n]``, the fitted part, the residual."""
+    n, group, dim = len(support), block.heads // block.kv_heads, block.head_dim
+    size = block.heads * dim
+    system = torch.zeros(size + block.heads, block.heads * n + free.shape[1], dtype=torch.float64)
+    values = block.values[support].double()  # [n, kv_heads, head_dim]
+    for h in range(block.heads):
+        system[h * dim : (h + 1) * dim, h * n : (h + 1) * n] = values[:, h // group].T
+        system[size + h, h * n : (h + 1) * n] = SUM
+    system[:size, block.heads * n :] = free
+    wanted = torch.cat([z, torch.full((block.heads,), SUM, dtype=torch.float64)])
+    solution = torch.linalg.lstsq(system, wanted[:, None]).solution[:, 0]
+    weights = solution[: block.heads * n].view(block.heads, n)
+    fitted = torch.einsum("hn,nhd->hd", weights, values.repeat_interleave(group, 1)).reshape(-1)
+    return weights, fitted, z - fitted - free @ solution[block.heads * n :]
+
+
+def _support(block: FirstBlock, z: torch.Tensor, free: torch.Tensor, last: int, steps: int):
+    """Tokens grown from ``last`` one at a time, each the one whose values (less each head's current fit) best
+    explain every head's residual outside the ``free`` directions: (tokens, weights, residual norm)."""
+    support, group, dim = [last], block.heads // block.kv_heads, block.head_dim
+    basis = torch.linalg.qr(free).Q.float()  # [d, WEAK]
+    for _ in range(steps):
+        weights, fitted, residual = _fit(block, z, free, support)
+        residual, fitted = residual.float(), fitted.float().view(block.heads, dim)
+        along = basis.T @ residual
+        score = torch.zeros(block.values.shape[0])
+        for h in range(block.heads):
+            moved = block.values[:, h // group] - fitted[h]  # [V, head_dim]
+            inside = moved @ basis[h * dim : (h + 1) * dim]  # its part along the free directions
+            dot = moved @ residual[h * dim : (h + 1) * dim] - inside @ along
+            score += dot.clamp(min=0) ** 2 / ((moved * moved).sum(1) - (inside * inside).sum(1)).clamp_min(1e-12)
+        score[support] = -1
+        support.append(int(score.argmax()))
+    weights, _, residual = _fit(block, z, free, support)
+    return support, weights, float(residual.norm())
