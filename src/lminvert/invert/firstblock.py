@@ -5,8 +5,11 @@ embedding plus, for every head, a convex combination (the attention weights) of 
 ``v_proj(norm1(e_t))`` of the prompt's tokens. Values do not depend on position (the rotary embedding turns queries
 and keys only), so:
 
-1. **The residual** ``x`` is found from ``h`` by Levenberg-Marquardt in float64 (:func:`_preimage`), from the states
-   of the last token after a few random contexts; the one whose tokens fit best is kept. The MLP's Jacobian has a few
+1. **The residual** ``x`` is found from ``h`` by Levenberg-Marquardt in float64 (:func:`_preimage`), from the
+   residuals of the last token after a few contexts; the one whose tokens fit best (step 2) is kept. The MLP's
+   landscape has many local minima: a round's contexts are drawn from the best fit's tokens so far, and each round
+   finds more of them (SmolLM2, 8 prose and code windows: 6 of 8 token sets whole after a first round from corpus
+   windows, 8 of 8 after the second or third). The MLP's Jacobian has a few
    weak directions in which float32's rounding of ``h`` leaves ``x`` undetermined (SmolLM2: its smallest singular
    value about 1e-3 against 1 for most): they are left free in the next step.
 2. **The tokens** (as a set): ``z = o_proj^-1(x - e_T)`` is fitted, head by head, with weights summing to one over a
@@ -19,7 +22,7 @@ and keys only), so:
 SmolLM2, float32, held-out 8-token texts (``benchmarks/bench_last.py``): docs/results.md. Everything here proposes
 whole prompts; they are verified by a forward and judged by the acceptor like any other (:mod:`.last`).
 Blocks of another shape (other norms around the MLP, query or key norms) are declined (:meth:`FirstBlock.of` checks
-the decomposition against the model's own forward).
+the decomposition against the model's own forward), and so are states narrower than ``WIDTH``.
 """
 
 from __future__ import annotations
@@ -34,17 +37,22 @@ import torch
 from torch import nn
 from torch.func import jacrev
 
+from ..corpora import sample_prompts
 from ..models import LoadedModel
 from .firstorder import orders
 
 log = logging.getLogger(__name__)
 
-STARTS = 4  # preimage solves per last token, each from the state after another random context
+STARTS = 4  # preimage solves per round, each from the residual of the last token after another context
 CONTEXT = 7  # tokens in each such context
+ROUNDS = 4  # rounds of fits per last token, each started from the best fit's tokens so far
+POOL = 10  # the best fit's strongest tokens the next round's contexts are drawn from
+STRONG = 0.02  # a token whose weight reaches this in some head counts as one of the fit's (a new set: new orders)
 STEPS = 40  # Levenberg-Marquardt iterations per solve at most
 WEAK = 8  # the MLP's weakest input directions left free in the token fit
 EXTRA = 4  # support tokens beyond the longest prompt tried (the pursuit's first picks are not always the prompt's)
 SUM = 10.0  # weight of each head's "weights sum to one" row in the fits
+WIDTH = 256  # narrower states are declined: too few coordinates to single out a prompt's tokens in a vocabulary
 CHECK = 1e-3  # relative disagreement with the model's own first block above which the decomposition is declined
 
 
@@ -80,6 +88,8 @@ class FirstBlock:
         if any(hasattr(attention, p) for p in ("q_norm", "k_norm")) or hasattr(block, "pre_feedforward_layernorm"):
             return None
         config = probe.config
+        if probe.hidden_size < WIDTH:
+            return None
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         o_weight = attention.o_proj.weight.detach().double().cpu()
@@ -155,41 +165,61 @@ class FirstBlock:
         self, vector: torch.Tensor, lasts: list[int], max_length: int, deadline: float
     ) -> Iterator[list[tuple[int, ...]]]:
         """Candidate prompts of 2..``max_length`` tokens ending in each of ``lasts`` (the vector's readings), one
-        length per batch, until the ``deadline``."""
+        length per batch, until the ``deadline``: after each round of fits whose strongest tokens are new."""
         target = vector.double().cpu().reshape(-1)
         for last in lasts:
-            if time.perf_counter() > deadline:
-                return
-            found = self._tokens(target, last, max_length + EXTRA, deadline)
-            if found is None:
-                continue
-            tokens, weights = found
-            for length in range(2, max_length + 1):
+            best, seen = None, set()
+            for round_ in range(ROUNDS):
                 if time.perf_counter() > deadline:
                     return
-                yield orders(self.logits(tokens, last, length), weights, tokens, tokens.index(last))
+                best = self._tokens(target, last, max_length + EXTRA, self._starts(last, best, round_), best)
+                tokens, weights, _ = best
+                strength = weights.abs().max(0).values.tolist()
+                strong = frozenset(t for t, w in zip(tokens, strength, strict=True) if w > STRONG)
+                if strong in seen:
+                    continue
+                seen.add(strong)
+                for length in range(2, max_length + 1):
+                    if time.perf_counter() > deadline:
+                        return
+                    yield orders(self.logits(tokens, last, length), weights, tokens, tokens.index(last))
 
-    def _tokens(
-        self, target: torch.Tensor, last: int, steps: int, deadline: float
-    ) -> tuple[list[int], torch.Tensor] | None:
-        """The support of the best fit (the prompt's distinct tokens among others of small weight) and its weights
-        ``[heads, n]``, over ``STARTS`` preimages of ``target``."""
-        best = None
-        for x in self._starts(last):
-            if time.perf_counter() > deadline:
-                break
+    def _tokens(self, target: torch.Tensor, last: int, steps: int, starts: list[torch.Tensor], best):
+        """The best fit (tokens, weights ``[heads, n]``, residual) over the preimages of ``target`` found from
+        ``starts`` and ``best`` (the best so far, or None)."""
+        for x in starts:
             x = _preimage(self.mlp_residual, target, x)
             weak = torch.linalg.svd(jacrev(self.mlp_residual)(x)).Vh[-WEAK:].T  # [d, WEAK]
             z = self.o_inverse @ (x - self.embeds([last])[0])
             fit = _support(self, z, self.o_inverse @ weak, last, steps)
             if best is None or fit[2] < best[2]:
                 best = fit
-        return None if best is None else (best[0], best[1])
+        return best
 
-    def _starts(self, last: int) -> list[torch.Tensor]:
-        generator = torch.Generator().manual_seed(last)
-        contexts = torch.randint(0, self.values.shape[0], (STARTS, CONTEXT), generator=generator)
-        return [self.residual([*c.tolist(), last]) for c in contexts]
+    def _starts(self, last: int, best, round_: int) -> list[torch.Tensor]:
+        """Residuals to start from: the last token after ``STARTS`` contexts: windows of a corpus at first (records;
+        random ids for a model without a tokenizer), then orders of the best fit's strongest tokens (each round's fit
+        holds more of the prompt's tokens, and a start made of them lies nearer its residual)."""
+        generator = torch.Generator().manual_seed(last * ROUNDS + round_)
+        if best is None:
+            contexts = self._contexts(generator)
+        else:
+            tokens, weights, _ = best
+            strength = weights.abs().max(0).values
+            pool = [tokens[i] for i in strength.argsort(descending=True).tolist() if tokens[i] != last][:POOL]
+            contexts = [[pool[i] for i in torch.randperm(len(pool), generator=generator)[:CONTEXT]] for _ in
+                        range(STARTS)]  # fmt: skip
+        return [self.residual([*c, last]) for c in contexts]
+
+    def _contexts(self, generator: torch.Generator) -> list[list[int]]:
+        tokenizer = self.model.tokenizer
+        if tokenizer is not None:
+            seed = int(torch.randint(0, 2**31, (1,), generator=generator))
+            windows, _ = sample_prompts(tokenizer, "records", 4 * STARTS, max_tokens=CONTEXT, seed=seed)
+            contexts = [list(w.ids) for w in windows if len(w.ids) == CONTEXT][:STARTS]
+            if len(contexts) == STARTS:
+                return contexts
+        return torch.randint(0, self.values.shape[0], (STARTS, CONTEXT), generator=generator).tolist()
 
 
 def first_block(model: LoadedModel) -> FirstBlock | None:

@@ -60,7 +60,7 @@ UNIT = 1e-5  # a normalised vector whose norm is within this of 1 is compared as
 NORMALISED = 4.0  # float32's resolution of a unit vector, in its eps: two normalisations (the vector's, a candidate's)
 # by different kernels each round a coordinate by a unit in the last place or two
 TABLE = 64  # length 1: the tokens whose first-position states lie nearest the vector
-FIRST = 0.6  # after the first block: the part of the time its tokens' algebra may take (:mod:`.firstblock`)
+FIRST = 0.8  # after the first block: the part of the time its tokens' algebra may take (:mod:`.firstblock`)
 LASTS = 2  # ... and the vector's readings it takes for the last token
 
 

@@ -1,0 +1,79 @@
+"""The first block's algebra (:mod:`lminvert.invert.firstblock`): the prompt's tokens and their order read from one
+last state, proposals only (verified and judged elsewhere); blocks of another shape declined."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lminvert
+from lminvert.invert.firstblock import FirstBlock, first_block
+from lminvert.models import LoadedModel
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A random Llama wide enough for the algebra (256) over a small vocabulary: SmolLM2's shape, scaled down."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LoadedModel.wrap("small-llama", LlamaForCausalLM(config))
+
+
+def _ids(model, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(model.probe.vocab_size, generator=gen)[:length].tolist()
+
+
+def _last(model, ids: list[int]) -> torch.Tensor:
+    layer = model.probe.layer(1)
+    return model.probe.states(torch.tensor([ids]), [layer])[layer][0, -1].float()
+
+
+def _proposed(model, ids: list[int], longest: int) -> list[tuple[int, ...]]:
+    batches = first_block(model).proposals(_last(model, ids), [ids[-1]], longest, time.perf_counter() + 60)
+    return [p for batch in batches for p in batch]
+
+
+def test_the_decomposition_reproduces_the_models_first_block_and_other_shapes_are_declined(small):
+    """``x + mlp(norm2(x))`` of the residual computed here is the model's layer-1 state (Llama's shape); GPT-2 (no
+    rotary embedding), Gemma-3 (norms around the MLP, query and key norms) and states too narrow to single out a
+    prompt's tokens (the tiny test Llama, 64 wide) are declined, not misread."""
+    block = first_block(small)
+    assert block is not None and first_block(small) is block  # made once per model
+    ids = _ids(small, 6, 0)
+    with torch.no_grad():
+        mine = block.mlp_residual(block.residual(ids)).float()
+    assert torch.allclose(mine, _last(small, ids), rtol=1e-4, atol=1e-5)
+    for name in ("tiny-gpt2", "tiny-gemma3", "tiny-llama"):
+        assert FirstBlock.of(lminvert.load_model(name)) is None, name
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_proposals_hold_the_prompt_of_distinct_tokens(small, seed):
+    """From a random six-token prompt's layer-1 last state alone: some proposal of six tokens is the prompt; every
+    proposal ends in the last token given, at every length from 2 to the longest asked."""
+    ids = _ids(small, 6, seed)
+    proposed = _proposed(small, ids, 6)
+    assert tuple(ids) in proposed
+    assert all(p[-1] == ids[-1] for p in proposed) and {len(p) for p in proposed} == set(range(2, 7))
+
+
+def test_a_repeated_token_is_placed_twice(small):
+    """A prompt holding a token twice (its weight the sum of two positions'): still among the proposals."""
+    ids = _ids(small, 5, 3)
+    assert tuple([ids[0], ids[1], ids[0], ids[2], ids[3]]) in _proposed(
+        small, [ids[0], ids[1], ids[0], ids[2], ids[3]], 5
+    )
+
+
+def test_one_vector_at_layer_1_comes_back_certified_through_invert(small):
+    """``lminvert.invert(..., leak="last")`` at layer 1: a five-token prompt found by the algebra and certified."""
+    ids = _ids(small, 5, 4)
+    (result,) = lminvert.invert(small, _last(small, ids), 1, leak="last", max_seconds=30, max_length=5)
+    assert result.token_ids == ids and set(result.verdicts) == {"certified"}
