@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import lminvert
 from lminvert.invert.firstblock import FirstBlock, first_block
@@ -23,6 +23,25 @@ def small():
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     return LoadedModel.wrap("small-llama", LlamaForCausalLM(config))
+
+
+def test_a_qwen2_first_block_with_biases_is_read_too():
+    """Qwen2's queries, keys and values carry biases: the decomposition still reproduces its layer-1 state."""
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    network = Qwen2ForCausalLM(config)
+    for projection in ("q_proj", "k_proj", "v_proj"):  # random biases: a zero one would prove nothing
+        torch.nn.init.normal_(getattr(network.model.layers[0].self_attn, projection).bias, std=0.5)
+    model = LoadedModel.wrap("small-qwen2", network)
+    block = first_block(model)
+    assert block is not None
+    ids = _ids(model, 6, 0)
+    with torch.no_grad():
+        mine = block.mlp_residual(block.residual(ids)).float()
+    assert torch.allclose(mine, _last(model, ids), rtol=1e-4, atol=1e-5)
 
 
 def _ids(model, length: int, seed: int) -> list[int]:
