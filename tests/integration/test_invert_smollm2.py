@@ -168,6 +168,18 @@ def test_one_vector_gives_back_a_short_prompt_certified_and_claims_nothing_longe
     assert len(result.token_ids) <= 3 and set(result.verdicts) == {"uncertain"}
 
 
+def test_one_vector_after_the_first_block_gives_back_an_eight_token_prompt_certified(smollm2):
+    """``leak="last"`` at layer 1: an eight-token prompt from its last state alone, by the first block's algebra
+    (:mod:`lminvert.invert.firstblock`), certified; the same vector told the prompts are at most 4 tokens long claims
+    nothing."""
+    ids = smollm2.tokenize("The lighthouse keeper wrote to his sister every Sunday evening.")[:8]
+    vector = encode(smollm2, [ids], 1).states[0][-1].float()
+    (result,) = invert(smollm2, vector, 1, leak="last", max_seconds=60)
+    assert result.token_ids == ids and set(result.verdicts) == {"certified"}, result.text
+    (result,) = invert(smollm2, vector, 1, leak="last", max_seconds=10, max_length=4)
+    assert set(result.verdicts) == {"uncertain"}, result.text
+
+
 def test_one_vector_from_a_padded_batch_is_confident_where_right_and_claims_nothing_longer(smollm2):
     """Last states computed elsewhere (a right-padded batch: not lminvert's forward bit for bit, given as ``float``):
     one- and two-token prompts come back ``confident`` (within the measured bound, far under the calibrated gap
