@@ -39,6 +39,7 @@ from torch.func import jacrev
 
 from ..corpora import sample_prompts
 from ..models import LoadedModel
+from ..models.kv import rotary_turn
 from .firstorder import orders
 
 log = logging.getLogger(__name__)
@@ -115,27 +116,18 @@ class FirstBlock:
         """``x + mlp(norm2(x))``: the layer-1 state of a residual ``x`` (float64)."""
         return x + self.mlp(self.norm2(x))
 
-    def _rotated(self, rows: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """``rows [..., n, head_dim]`` turned by the rotary embedding at ``positions`` (one per row)."""
-        shape = torch.zeros(1, len(positions), self.head_dim, dtype=torch.float32)
-        cos, sin = self.rotary(shape, torch.tensor([positions]))
-        cos, sin = cos[0].double().cpu(), sin[0].double().cpu()
-        half = rows.shape[-1] // 2
-        turned = torch.cat([-rows[..., half:], rows[..., :half]], dim=-1)
-        return rows * cos + turned * sin
-
     def logits(self, tokens: list[int], last: int, length: int) -> torch.Tensor:
         """``[heads, len(tokens), length]``: the attention logit of the last position (``last`` at ``length - 1``)
         on each token at each position."""
-        attention, group = self.attention, self.heads // self.kv_heads
+        attention, group, device = self.attention, self.heads // self.kv_heads, self.model.probe.device
         with torch.no_grad():
             normed = self.norm1(self.embeds([last, *tokens]))
-            query = attention.q_proj(normed[:1]).view(1, self.heads, self.head_dim).transpose(0, 1)
-            query = self._rotated(query, [length - 1])[:, 0]  # [heads, head_dim]
-            keys = attention.k_proj(normed[1:]).view(len(tokens), self.kv_heads, self.head_dim).transpose(0, 1)
+            query = attention.q_proj(normed[:1]).view(1, self.heads, self.head_dim)
+            query = rotary_turn(self.rotary, query, torch.tensor([length - 1]), device=device)[0]  # [heads, head_dim]
+            keys = attention.k_proj(normed[1:]).view(len(tokens), self.kv_heads, self.head_dim)
             out = torch.empty(self.heads, len(tokens), length, dtype=torch.float64)
             for j in range(length):
-                turned = self._rotated(keys, [j] * len(tokens))  # [kv_heads, n, head_dim]
+                turned = rotary_turn(self.rotary, keys, torch.full((len(tokens),), j), device=device).transpose(0, 1)
                 out[:, :, j] = torch.einsum("hnd,hd->hn", turned.repeat_interleave(group, 0), query)
         return out * float(getattr(attention, "scaling", self.head_dim**-0.5))
 
@@ -165,36 +157,34 @@ class FirstBlock:
         self, vector: torch.Tensor, lasts: list[int], max_length: int, deadline: float
     ) -> Iterator[list[tuple[int, ...]]]:
         """Candidate prompts of 2..``max_length`` tokens ending in each of ``lasts`` (the vector's readings), one
-        length per batch, until the ``deadline``: after each round of fits whose strongest tokens are new."""
+        length per batch, until the ``deadline``: after each fit better than the last whose strongest tokens are
+        new (so that the consumer, verifying them, may stop as soon as the prompt is among them)."""
         target = vector.double().cpu().reshape(-1)
         for last in lasts:
             best, seen = None, set()
             for round_ in range(ROUNDS):
-                if time.perf_counter() > deadline:
-                    return
-                best = self._tokens(target, last, max_length + EXTRA, self._starts(last, best, round_), best)
-                tokens, weights, _ = best
-                strength = weights.abs().max(0).values.tolist()
-                strong = frozenset(t for t, w in zip(tokens, strength, strict=True) if w > STRONG)
-                if strong in seen:
-                    continue
-                seen.add(strong)
-                for length in range(2, max_length + 1):
+                for start in self._starts(last, best, round_):
                     if time.perf_counter() > deadline:
                         return
-                    yield orders(self.logits(tokens, last, length), weights, tokens, tokens.index(last))
+                    fit = self._fit(target, last, max_length + EXTRA, start)
+                    if best is not None and fit[2] >= best[2]:
+                        continue
+                    best = fit
+                    tokens, weights, _ = best
+                    strength = weights.abs().max(0).values.tolist()
+                    strong = frozenset(t for t, w in zip(tokens, strength, strict=True) if w > STRONG)
+                    if strong in seen:
+                        continue
+                    seen.add(strong)
+                    for length in range(2, max_length + 1):
+                        yield orders(self.logits(tokens, last, length), weights, tokens, tokens.index(last))
 
-    def _tokens(self, target: torch.Tensor, last: int, steps: int, starts: list[torch.Tensor], best):
-        """The best fit (tokens, weights ``[heads, n]``, residual) over the preimages of ``target`` found from
-        ``starts`` and ``best`` (the best so far, or None)."""
-        for x in starts:
-            x = _preimage(self.mlp_residual, target, x)
-            weak = torch.linalg.svd(jacrev(self.mlp_residual)(x)).Vh[-WEAK:].T  # [d, WEAK]
-            z = self.o_inverse @ (x - self.embeds([last])[0])
-            fit = _support(self, z, self.o_inverse @ weak, last, steps)
-            if best is None or fit[2] < best[2]:
-                best = fit
-        return best
+    def _fit(self, target: torch.Tensor, last: int, steps: int, start: torch.Tensor):
+        """The fit (tokens, weights ``[heads, n]``, residual) of the preimage of ``target`` found from ``start``."""
+        x = _preimage(self.mlp_residual, target, start)
+        weak = torch.linalg.svd(jacrev(self.mlp_residual)(x)).Vh[-WEAK:].T  # [d, WEAK]
+        z = self.o_inverse @ (x - self.embeds([last])[0])
+        return _support(self, z, self.o_inverse @ weak, last, steps)
 
     def _starts(self, last: int, best, round_: int) -> list[torch.Tensor]:
         """Residuals to start from: the last token after ``STARTS`` contexts: windows of a corpus at first (records;

@@ -32,6 +32,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary_turn(
+    rotary: nn.Module,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    sign: float = 1.0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``rows [n, heads, head_dim]`` (on the CPU) with row ``i`` turned by the model's rotary embedding at
+    ``positions[i]`` (``sign`` -1: the turn undone), in the rows' dtype; ``device``: where the rotary module lives."""
+    shape = torch.zeros(1, len(positions), rows.shape[-1], device=device, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = rotary(shape, positions.to(device)[None])
+    cos, sin = cos[0].to(rows.dtype).cpu()[:, None], sin[0].to(rows.dtype).cpu()[:, None]  # [n, 1, head_dim]
+    return rows * cos + sign * _rotate_half(rows) * sin
+
+
 @dataclass(frozen=True)
 class KVBlock:
     """Block ``block``'s keys and values (see the module docstring)."""
@@ -77,11 +93,7 @@ class KVBlock:
             raise LminvertError(f"{self.loaded.name} has no rotary embedding where a Llama-style model keeps it")
         split = self.heads * self.head_dim
         keys = rows[:, :split].float().view(len(rows), self.heads, self.head_dim)
-        shape = torch.zeros(1, len(rows), self.head_dim, device=probe.device, dtype=torch.float32)
-        with torch.no_grad():
-            cos, sin = rotary(shape, positions.to(probe.device)[None])
-        cos, sin = cos[0].float().cpu()[:, None], sin[0].float().cpu()[:, None]  # [n, 1, head_dim]
-        keys = keys * cos + sign * _rotate_half(keys) * sin
+        keys = rotary_turn(rotary, keys, positions, sign, probe.device)
         return torch.cat([keys.flatten(1), rows[:, split:].float()], dim=-1)
 
     def turned(self, rows: torch.Tensor, position: int, back: bool = False) -> torch.Tensor:
