@@ -14,34 +14,39 @@ from lminvert.invert.firstblock import FirstBlock, first_block
 from lminvert.models import LoadedModel
 
 
+def _small(config_class, network_class, seed: int, name: str, biases: bool = False) -> LoadedModel:
+    """A random model of SmolLM2's shape, scaled down: wide enough for the algebra (256), a small vocabulary;
+    ``biases``: random ones on the first block's queries, keys and values (a zero one would prove nothing)."""
+    torch.manual_seed(seed)
+    config = config_class(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    network = network_class(config)
+    for projection in ("q_proj", "k_proj", "v_proj") if biases else ():
+        torch.nn.init.normal_(getattr(network.model.layers[0].self_attn, projection).bias, std=0.5)
+    return LoadedModel.wrap(name, network)
+
+
 @pytest.fixture(scope="module")
 def small():
-    """A random Llama wide enough for the algebra (256) over a small vocabulary: SmolLM2's shape, scaled down."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return LoadedModel.wrap("small-llama", LlamaForCausalLM(config))
+    return _small(LlamaConfig, LlamaForCausalLM, 0, "small-llama")
 
 
-def test_a_qwen2_first_block_with_biases_is_read_too():
-    """Qwen2's queries, keys and values carry biases: the decomposition still reproduces its layer-1 state."""
-    torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    network = Qwen2ForCausalLM(config)
-    for projection in ("q_proj", "k_proj", "v_proj"):  # random biases: a zero one would prove nothing
-        torch.nn.init.normal_(getattr(network.model.layers[0].self_attn, projection).bias, std=0.5)
-    model = LoadedModel.wrap("small-qwen2", network)
+def _assert_decomposes(model) -> FirstBlock:
+    """``x + mlp(norm2(x))`` of the residual computed here is the model's own layer-1 state."""
     block = first_block(model)
     assert block is not None
     ids = _ids(model, 6, 0)
     with torch.no_grad():
         mine = block.mlp_residual(block.residual(ids)).float()
     assert torch.allclose(mine, _last(model, ids), rtol=1e-4, atol=1e-5)
+    return block
+
+
+def test_a_qwen2_first_block_with_biases_is_read_too():
+    """Qwen2's queries, keys and values carry biases: the decomposition still reproduces its layer-1 state."""
+    _assert_decomposes(_small(Qwen2Config, Qwen2ForCausalLM, 1, "small-qwen2", biases=True))
 
 
 def _ids(model, length: int, seed: int) -> list[int]:
@@ -63,12 +68,7 @@ def test_the_decomposition_reproduces_the_models_first_block_and_other_shapes_ar
     """``x + mlp(norm2(x))`` of the residual computed here is the model's layer-1 state (Llama's shape); GPT-2 (no
     rotary embedding), Gemma-3 (norms around the MLP, query and key norms) and states too narrow to single out a
     prompt's tokens (the tiny test Llama, 64 wide) are declined, not misread."""
-    block = first_block(small)
-    assert block is not None and first_block(small) is block  # made once per model
-    ids = _ids(small, 6, 0)
-    with torch.no_grad():
-        mine = block.mlp_residual(block.residual(ids)).float()
-    assert torch.allclose(mine, _last(small, ids), rtol=1e-4, atol=1e-5)
+    assert first_block(small) is _assert_decomposes(small)  # made once per model
     for name in ("tiny-gpt2", "tiny-gemma3", "tiny-llama"):
         assert FirstBlock.of(lminvert.load_model(name)) is None, name
 
@@ -85,10 +85,9 @@ def test_the_proposals_hold_the_prompt_of_distinct_tokens(small, seed):
 
 def test_a_repeated_token_is_placed_twice(small):
     """A prompt holding a token twice (its weight the sum of two positions'): still among the proposals."""
-    ids = _ids(small, 5, 3)
-    assert tuple([ids[0], ids[1], ids[0], ids[2], ids[3]]) in _proposed(
-        small, [ids[0], ids[1], ids[0], ids[2], ids[3]], 5
-    )
+    a, b, c, d = _ids(small, 4, 3)
+    ids = [a, b, a, c, d]
+    assert tuple(ids) in _proposed(small, ids, 5)
 
 
 def test_one_vector_at_layer_1_comes_back_certified_through_invert(small):

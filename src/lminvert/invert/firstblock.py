@@ -144,8 +144,8 @@ class FirstBlock:
 
     def _agrees(self) -> bool:
         ids = [int(t) for t in torch.randint(0, self.values.shape[0], (5,), generator=torch.Generator().manual_seed(0))]
-        probe = self.model.probe
-        state = probe.states(torch.tensor([ids], device=probe.device), [probe.layer(1)])[probe.layer(1)][0, -1]
+        probe, layer = self.model.probe, self.model.probe.layer(1)
+        state = probe.states(torch.tensor([ids], device=probe.device), [layer])[layer][0, -1]
         with torch.no_grad():
             mine = self.mlp_residual(self.residual(ids))
         gap = float((mine - state.double().cpu()).norm() / state.double().norm())
@@ -171,8 +171,7 @@ class FirstBlock:
                         continue
                     best = fit
                     tokens, weights, _ = best
-                    strength = weights.abs().max(0).values.tolist()
-                    strong = frozenset(t for t, w in zip(tokens, strength, strict=True) if w > STRONG)
+                    strong = frozenset(t for t, w in zip(tokens, _strength(weights), strict=True) if w > STRONG)
                     if strong in seen:
                         continue
                     seen.add(strong)
@@ -195,8 +194,7 @@ class FirstBlock:
             contexts = self._contexts(generator)
         else:
             tokens, weights, _ = best
-            strength = weights.abs().max(0).values
-            pool = [tokens[i] for i in strength.argsort(descending=True).tolist() if tokens[i] != last][:POOL]
+            pool = [tokens[i] for i in _strength(weights).argsort(descending=True).tolist() if tokens[i] != last][:POOL]
             contexts = [[pool[i] for i in torch.randperm(len(pool), generator=generator)[:CONTEXT]] for _ in
                         range(STARTS)]  # fmt: skip
         return [self.residual([*c, last]) for c in contexts]
@@ -217,6 +215,11 @@ def first_block(model: LoadedModel) -> FirstBlock | None:
     if "first_block" not in model.memo:
         model.memo["first_block"] = FirstBlock.of(model)
     return model.memo["first_block"]
+
+
+def _strength(weights: torch.Tensor) -> torch.Tensor:
+    """Each support token's largest weight over the heads (``[n]``): how surely the prompt holds it."""
+    return weights.abs().max(0).values
 
 
 def _preimage(function, target: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
