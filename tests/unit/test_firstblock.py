@@ -59,8 +59,12 @@ def _last(model, ids: list[int]) -> torch.Tensor:
     return model.probe.states(torch.tensor([ids]), [layer])[layer][0, -1].float()
 
 
-def _proposed(model, ids: list[int], longest: int) -> list[tuple[int, ...]]:
-    batches = first_block(model).proposals(_last(model, ids), [ids[-1]], longest, time.perf_counter() + 60)
+def _proposed(model, ids: list[int], longest: int, normalised: bool = False) -> list[tuple[int, ...]]:
+    """The proposals from the last state (its direction only where ``normalised``)."""
+    vector, deadline = _last(model, ids), time.perf_counter() + 60
+    if normalised:
+        vector = vector / vector.norm()
+    batches = first_block(model).proposals(vector, [ids[-1]], longest, deadline, normalised=normalised)
     return [p for batch in batches for p in batch]
 
 
@@ -81,6 +85,18 @@ def test_the_proposals_hold_the_prompt_of_distinct_tokens(small, seed):
     proposed = _proposed(small, ids, 6)
     assert tuple(ids) in proposed
     assert all(p[-1] == ids[-1] for p in proposed) and {len(p) for p in proposed} == set(range(2, 7))
+
+
+def test_from_the_direction_alone_the_prompt_is_proposed_and_comes_back_through_invert(small):
+    """A normalised vector (an embedding API's): the state's norm is found with the residual, the prompt is among the
+    proposals, and ``lminvert.invert(..., normalised=True)`` gives it back, every position claimed."""
+    ids = _ids(small, 6, 5)
+    assert tuple(ids) in _proposed(small, ids, 6, normalised=True)
+    vector = _last(small, ids)
+    (result,) = lminvert.invert(
+        small, vector / vector.norm(), 1, leak="last", normalised=True, max_seconds=30, max_length=6
+    )
+    assert result.token_ids == ids and set(result.verdicts) <= {"certified", "confident"}
 
 
 def test_a_repeated_token_is_placed_twice(small):

@@ -8,7 +8,8 @@ forwards over shared prefix caches (the probe's :meth:`~lminvert.models.LayerPro
 length 1 by the first-position table (:func:`.tables.first_table_for`); longer ones from prefixes the model's prior
 proposes (:class:`Prior`), each followed by what the vector reads as (:mod:`.reading`) and the prefix's likeliest next
 tokens, and where all but one token of a prompt found may be right, that token searched alone
-(:meth:`_Search._first_tokens`, :meth:`_Search._refined`).
+(:meth:`_Search._first_tokens`, :meth:`_Search._refined`). After the first block, whole prompts are first read from
+its attention's mixture of value vectors (:mod:`.firstblock`).
 
 Every verdict is the acceptor's, told that its candidates are whole prompts (:attr:`.acceptor.Evidence.whole`):
 ``certified`` where a forward of the candidate alone reproduces the vector to float32's resolution; ``confident`` where
@@ -122,7 +123,7 @@ class _Search:
         self.ties = {t for group in tied_token_groups(model) for t in group}
         self.ridge = Ridge.of(self.probe)
         self.gap: float | None = None  # :mod:`.wholegap`'s, measured where a prompt first fits (once per layer)
-        self.first = first_block(model) if layer == 1 and not options.normalised else None
+        self.first = first_block(model) if layer == 1 else None
 
     def unit(self, states: torch.Tensor) -> torch.Tensor:
         """States as compared: unit length where the vector was normalised (float32, CPU)."""
@@ -163,7 +164,9 @@ class _Search:
         yield [(t,) for t in self._firsts(target, reads).tolist()]
         if self.first is not None:  # the first block's algebra (:mod:`.firstblock`), then the search below
             share = time.perf_counter() + (deadline - time.perf_counter()) * FIRST
-            yield from self.first.proposals(target, reads[:LASTS].tolist(), self.options.max_length, share)
+            yield from self.first.proposals(
+                target, reads[:LASTS].tolist(), self.options.max_length, share, self.options.normalised
+            )
         beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         size = PREFIXES
         for length in range(2, self.options.max_length + 1):
