@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import lminvert
-from lminvert.invert.firstblock import FirstBlock, first_block
+from lminvert.invert.firstblock import FirstBlock, _lengths, first_block
 from lminvert.models import LoadedModel
 
 
@@ -111,3 +111,11 @@ def test_one_vector_at_layer_1_comes_back_certified_through_invert(small):
     ids = _ids(small, 5, 4)
     (result,) = lminvert.invert(small, _last(small, ids), 1, leak="last", max_seconds=30, max_length=5)
     assert result.token_ids == ids and set(result.verdicts) == {"certified"}
+
+
+@pytest.mark.parametrize(("distinct", "longest", "expected"), [
+    (5, 8, [5, 6, 7, 8, 4, 3, 2]), (0, 3, [2, 3]), (1, 2, [2]), (9, 8, [8, 7, 6, 5, 4, 3, 2]),
+])  # fmt: skip
+def test_lengths_are_tried_from_the_fits_distinct_tokens_up_then_down_each_once(distinct, longest, expected):
+    """A prompt holds at least as many tokens as its distinct ones: those lengths first, every length once."""
+    assert _lengths(distinct, longest) == expected

@@ -14,8 +14,8 @@ and keys only), so:
    value about 1e-3 against 1 for most): they are left free in the next step.
 2. **The tokens** (as a set): ``z = o_proj^-1(x - e_T)`` is fitted, head by head, with weights summing to one over a
    support of tokens grown one at a time (simultaneous orthogonal matching pursuit over the vocabulary's value
-   vectors, every head sharing the support; :func:`_support`). The prompt's distinct tokens are all in it once the
-   fit's residual falls to the noise.
+   vectors, every head sharing the support, then exchanges of tokens; :mod:`.firstsupport`). The prompt's distinct
+   tokens are all in it once the fit's residual falls to the noise.
 3. **Their order** from the fitted weights (:mod:`.firstorder`): a token's weight in each head is the softmax of its
    query-key logit at its position, known for every token and position.
 
@@ -41,6 +41,7 @@ from ..corpora import sample_prompts
 from ..models import LoadedModel
 from ..models.kv import rotary_turn
 from .firstorder import orders
+from .firstsupport import strength, support
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ STRONG = 0.02  # a token whose weight reaches this in some head counts as one of
 STEPS = 40  # Levenberg-Marquardt iterations per solve at most
 WEAK = 16  # the MLP's weakest input directions left free in the token fit
 EXTRA = 4  # support tokens beyond the longest prompt tried (the pursuit's first picks are not always the prompt's)
-SUM = 10.0  # weight of each head's "weights sum to one" row in the fits
 WIDTH = 256  # narrower states are declined: too few coordinates to single out a prompt's tokens in a vocabulary
 ALONG = 3  # a normalised vector: token fits per start at most (each moves the residual by the last fit's free part)
 CHECK = 1e-3  # relative disagreement with the model's own first block above which the decomposition is declined
@@ -158,9 +158,10 @@ class FirstBlock:
         self, vector: torch.Tensor, lasts: list[int], max_length: int, deadline: float, normalised: bool = False
     ) -> Iterator[list[tuple[int, ...]]]:
         """Candidate prompts of 2..``max_length`` tokens ending in each of ``lasts`` (the vector's readings), one
-        length per batch, until the ``deadline``: after each fit better than the last whose strongest tokens are
-        new (so that the consumer, verifying them, may stop as soon as the prompt is among them). ``normalised``:
-        the vector is a state's direction only (its norm is found with the residual, :meth:`_fit`)."""
+        length per batch (in :func:`_lengths`' order), until the ``deadline``: after each fit better than the last
+        whose strongest tokens are new (so that the consumer, verifying them, may stop as soon as the prompt is among
+        them). ``normalised``: the vector is a state's direction only (its norm is found with the residual,
+        :meth:`_fit`)."""
         target = vector.double().cpu().reshape(-1)
         if normalised:
             target = target / target.norm()
@@ -175,11 +176,11 @@ class FirstBlock:
                         continue
                     best = fit
                     tokens, weights, _ = best
-                    strong = frozenset(t for t, w in zip(tokens, _strength(weights), strict=True) if w > STRONG)
+                    strong = frozenset(t for t, w in zip(tokens, strength(weights), strict=True) if w > STRONG)
                     if strong in seen:
                         continue
                     seen.add(strong)
-                    for length in range(2, max_length + 1):
+                    for length in _lengths(len(strong), max_length):
                         yield orders(self.logits(tokens, last, length), weights, tokens, tokens.index(last))
 
     def _fit(self, target: torch.Tensor, last: int, steps: int, start: torch.Tensor, normalised: bool = False):
@@ -215,7 +216,7 @@ class FirstBlock:
             tangent = torch.linalg.solve(jacobian, along)
             weak = torch.cat([weak, (tangent / tangent.norm())[:, None]], 1)
         z = self.o_inverse @ (x - self.embeds([last])[0])
-        tokens, weights, residual, free = _support(self, z, self.o_inverse @ weak, last, steps)
+        tokens, weights, residual, free = support(self.values, self.heads, z, self.o_inverse @ weak, last, steps)
         return (tokens, weights, residual), weak @ free
 
     def _starts(self, last: int, best, round_: int) -> list[torch.Tensor]:
@@ -227,7 +228,7 @@ class FirstBlock:
             contexts = self._contexts(generator)
         else:
             tokens, weights, _ = best
-            pool = [tokens[i] for i in _strength(weights).argsort(descending=True).tolist() if tokens[i] != last][:POOL]
+            pool = [tokens[i] for i in strength(weights).argsort(descending=True).tolist() if tokens[i] != last][:POOL]
             contexts = [[pool[i] for i in torch.randperm(len(pool), generator=generator)[:CONTEXT]] for _ in
                         range(STARTS)]  # fmt: skip
         return [self.residual([*c, last]) for c in contexts]
@@ -250,9 +251,11 @@ def first_block(model: LoadedModel) -> FirstBlock | None:
     return model.memo["first_block"]
 
 
-def _strength(weights: torch.Tensor) -> torch.Tensor:
-    """Each support token's largest weight over the heads (``[n]``): how surely the prompt holds it."""
-    return weights.abs().max(0).values
+def _lengths(distinct: int, longest: int) -> list[int]:
+    """Lengths 2..``longest`` in the order tried: from the fit's count of ``distinct`` strong tokens up (a prompt holds
+    at least as many tokens as it has distinct ones), then down (a strong token may be none of the prompt's)."""
+    first = min(max(distinct, 2), longest)
+    return [*range(first, longest + 1), *range(first - 1, 1, -1)]
 
 
 def _preimage(function, target: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -277,45 +280,3 @@ def _preimage(function, target: torch.Tensor, start: torch.Tensor) -> torch.Tens
         if damping >= 1e8 or cost < 1e-9 * scale:
             break
     return x.detach()
-
-
-def _fit(block: FirstBlock, z: torch.Tensor, free: torch.Tensor, support: list[int]):
-    """Least squares of ``z`` by each head's combination of the support's values (summing to one), plus any
-    combination of the ``free`` directions: weights ``[heads, n]``, the fitted part, the residual, the free
-    directions' coefficients."""
-    n, group, dim = len(support), block.heads // block.kv_heads, block.head_dim
-    size = block.heads * dim
-    system = torch.zeros(size + block.heads, block.heads * n + free.shape[1], dtype=torch.float64)
-    values = block.values[support].double()  # [n, kv_heads, head_dim]
-    for h in range(block.heads):
-        system[h * dim : (h + 1) * dim, h * n : (h + 1) * n] = values[:, h // group].T
-        system[size + h, h * n : (h + 1) * n] = SUM
-    system[:size, block.heads * n :] = free
-    wanted = torch.cat([z, torch.full((block.heads,), SUM, dtype=torch.float64)])
-    solution = torch.linalg.lstsq(system, wanted[:, None]).solution[:, 0]
-    weights = solution[: block.heads * n].view(block.heads, n)
-    fitted = torch.einsum("hn,nhd->hd", weights, values.repeat_interleave(group, 1)).reshape(-1)
-    coefficients = solution[block.heads * n :]
-    return weights, fitted, z - fitted - free @ coefficients, coefficients
-
-
-def _support(block: FirstBlock, z: torch.Tensor, free: torch.Tensor, last: int, steps: int):
-    """Tokens grown from ``last`` one at a time, each the one whose values (less each head's current fit) best
-    explain every head's residual outside the ``free`` directions: (tokens, weights, residual norm, the free
-    directions' coefficients)."""
-    support, group, dim = [last], block.heads // block.kv_heads, block.head_dim
-    basis = torch.linalg.qr(free).Q.float()  # [d, WEAK]
-    for _ in range(steps):
-        weights, fitted, residual, _ = _fit(block, z, free, support)
-        residual, fitted = residual.float(), fitted.float().view(block.heads, dim)
-        along = basis.T @ residual
-        score = torch.zeros(block.values.shape[0])
-        for h in range(block.heads):
-            moved = block.values[:, h // group] - fitted[h]  # [V, head_dim]
-            inside = moved @ basis[h * dim : (h + 1) * dim]  # its part along the free directions
-            dot = moved @ residual[h * dim : (h + 1) * dim] - inside @ along
-            score += dot.clamp(min=0) ** 2 / ((moved * moved).sum(1) - (inside * inside).sum(1)).clamp_min(1e-12)
-        score[support] = -1
-        support.append(int(score.argmax()))
-    weights, _, residual, coefficients = _fit(block, z, free, support)
-    return support, weights, float(residual.norm()), coefficients
