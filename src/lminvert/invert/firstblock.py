@@ -46,6 +46,7 @@ from .firstsupport import strength, support
 log = logging.getLogger(__name__)
 
 STARTS = 4  # preimage solves per round, each from the residual of the last token after another context
+SCREENED = 64  # contexts per round whose residuals' states are compared with the target (the nearest are solved from)
 CONTEXT = 7  # tokens in each such context
 ROUNDS = 4  # rounds of fits per last token, each started from the best fit's tokens so far
 POOL = 10  # the best fit's strongest tokens the next round's contexts are drawn from
@@ -134,13 +135,18 @@ class FirstBlock:
 
     def residual(self, ids: list[int]) -> torch.Tensor:
         """The last position's residual ``x`` after the first block's attention, computed here (float64)."""
-        attention, length = self.attention, len(ids)
-        lg = self.logits(ids, ids[-1], length)  # [heads, n, L]: token i at position i is the diagonal
-        weights = torch.softmax(lg[:, torch.arange(length), torch.arange(length)], dim=-1)
+        attention, length, group = self.attention, len(ids), self.heads // self.kv_heads
+        device = self.model.probe.device
         with torch.no_grad():
-            values = attention.v_proj(self.norm1(self.embeds(ids))).view(length, self.kv_heads, self.head_dim)
-            per_head = values.repeat_interleave(self.heads // self.kv_heads, 1)  # [n, heads, head_dim]
-            z = torch.einsum("hn,nhd->hd", weights, per_head).reshape(-1)
+            normed = self.norm1(self.embeds(ids))
+            query = attention.q_proj(normed[-1:]).view(1, self.heads, self.head_dim)
+            query = rotary_turn(self.rotary, query, torch.tensor([length - 1]), device=device)[0]  # [heads, head_dim]
+            keys = attention.k_proj(normed).view(length, self.kv_heads, self.head_dim)
+            keys = rotary_turn(self.rotary, keys, torch.arange(length), device=device)  # each at its own position
+            logits = torch.einsum("nhd,hd->hn", keys.repeat_interleave(group, 1), query)
+            weights = torch.softmax(logits * float(getattr(attention, "scaling", self.head_dim**-0.5)), dim=-1)
+            values = attention.v_proj(normed).view(length, self.kv_heads, self.head_dim)
+            z = torch.einsum("hn,nhd->hd", weights, values.repeat_interleave(group, 1)).reshape(-1)
             return self.embeds(ids[-1:])[0] + attention.o_proj(z)
 
     def _agrees(self) -> bool:
@@ -168,7 +174,7 @@ class FirstBlock:
         for last in lasts:
             best, seen = None, set()
             for round_ in range(ROUNDS):
-                for start in self._starts(last, best, round_):
+                for start in self._starts(target, last, best, round_, normalised):
                     if time.perf_counter() > deadline:
                         return
                     fit = self._fit(target, last, max_length + EXTRA, start, normalised)
@@ -219,10 +225,14 @@ class FirstBlock:
         tokens, weights, residual, free = support(self.values, self.heads, z, self.o_inverse @ weak, last, steps)
         return (tokens, weights, residual), weak @ free
 
-    def _starts(self, last: int, best, round_: int) -> list[torch.Tensor]:
-        """Residuals to start from: the last token after ``STARTS`` contexts: windows of a corpus at first (records;
+    def _starts(self, target: torch.Tensor, last: int, best, round_: int, normalised: bool) -> list[torch.Tensor]:
+        """Residuals to start from: the last token after ``SCREENED`` contexts, windows of a corpus at first (records;
         random ids for a model without a tokenizer), then orders of the best fit's strongest tokens (each round's fit
-        holds more of the prompt's tokens, and a start made of them lies nearer its residual)."""
+        holds more of the prompt's tokens, and a start made of them lies nearer its residual); of these, the
+        ``STARTS`` whose states lie nearest ``target`` (by direction where ``normalised``). The solve ends in the
+        prompt's residual from a near start far more often than from a far one (SmolLM2, 16-token held-out windows:
+        the 4 nearest of 128 starts all ended in it for 2 of 4 prompts, and in a residual holding most of its tokens
+        for the other 2; the 2 farthest in none)."""
         generator = torch.Generator().manual_seed(last * ROUNDS + round_)
         if best is None:
             contexts = self._contexts(generator)
@@ -230,18 +240,24 @@ class FirstBlock:
             tokens, weights, _ = best
             pool = [tokens[i] for i in strength(weights).argsort(descending=True).tolist() if tokens[i] != last][:POOL]
             contexts = [[pool[i] for i in torch.randperm(len(pool), generator=generator)[:CONTEXT]] for _ in
-                        range(STARTS)]  # fmt: skip
-        return [self.residual([*c, last]) for c in contexts]
+                        range(SCREENED)]  # fmt: skip
+        residuals = torch.stack([self.residual([*c, last]) for c in contexts])
+        with torch.no_grad():
+            states = self.mlp_residual(residuals)
+        if normalised:
+            states = states / states.norm(dim=-1, keepdim=True)
+        nearest = (states - target).norm(dim=-1).argsort()[:STARTS]
+        return list(residuals[nearest])
 
     def _contexts(self, generator: torch.Generator) -> list[list[int]]:
         tokenizer = self.model.tokenizer
         if tokenizer is not None:
             seed = int(torch.randint(0, 2**31, (1,), generator=generator))
-            windows, _ = sample_prompts(tokenizer, "records", 4 * STARTS, max_tokens=CONTEXT, seed=seed)
-            contexts = [list(w.ids) for w in windows if len(w.ids) == CONTEXT][:STARTS]
-            if len(contexts) == STARTS:
+            windows, _ = sample_prompts(tokenizer, "records", 2 * SCREENED, max_tokens=CONTEXT, seed=seed)
+            contexts = [list(w.ids) for w in windows if len(w.ids) == CONTEXT][:SCREENED]
+            if len(contexts) >= STARTS:
                 return contexts
-        return torch.randint(0, self.values.shape[0], (STARTS, CONTEXT), generator=generator).tolist()
+        return torch.randint(0, self.values.shape[0], (SCREENED, CONTEXT), generator=generator).tolist()
 
 
 def first_block(model: LoadedModel) -> FirstBlock | None:
