@@ -52,7 +52,6 @@ ROUNDS = 4  # rounds of fits per last token, each started from the best fit's to
 POOL = 10  # the best fit's strongest tokens the next round's contexts are drawn from
 STRONG = 0.02  # a token whose weight reaches this in some head counts as one of the fit's (a new set: new orders)
 STEPS = 40  # Levenberg-Marquardt iterations per solve at most
-RESOLVED = 1e-7  # ... or until the misfit is this part of the state (float32's rounding of a target leaves about 2e-8)
 WEAK = 16  # the MLP's weakest input directions left free in the token fit
 EXTRA = 4  # support tokens beyond the longest prompt tried (the pursuit's first picks are not always the prompt's)
 WIDTH = 256  # narrower states are declined: too few coordinates to single out a prompt's tokens in a vocabulary
@@ -299,6 +298,6 @@ def _preimage(function, target: torch.Tensor, start: torch.Tensor) -> torch.Tens
                 x, residual, cost, damping = x - step, trial, trial.norm(), max(damping / 3, 1e-9)
                 break
             damping *= 4
-        if damping >= 1e8 or cost < RESOLVED * scale:
+        if damping >= 1e8 or cost < 1e-9 * scale:
             break
     return x.detach()
