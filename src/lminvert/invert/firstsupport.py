@@ -9,7 +9,7 @@ value vectors. :func:`support` finds such tokens among the vocabulary's:
    reached ``FITTED``, the ``k`` tokens whose removal costs least (``k`` in ``DROPS``, fewest first) are dropped and the
    support regrown greedily without them; the first exchange that lowers the residual is kept. SmolLM2, 16-token
    held-out prose and code, the fit at the prompt's own residual: the token set whole for 11 of 12 with the exchange,
-   8 of 12 without (a ``/tmp`` script).
+   7 of 12 without (a ``/tmp`` script).
 
 Free directions (the MLP's weak ones, where the residual is not determined) are part of every fit.
 """
