@@ -121,33 +121,43 @@ class FirstBlock:
     def logits(self, tokens: list[int], last: int, length: int) -> torch.Tensor:
         """``[heads, len(tokens), length]``: the attention logit of the last position (``last`` at ``length - 1``)
         on each token at each position."""
-        attention, group, device = self.attention, self.heads // self.kv_heads, self.model.probe.device
-        with torch.no_grad():
-            normed = self.norm1(self.embeds([last, *tokens]))
-            query = attention.q_proj(normed[:1]).view(1, self.heads, self.head_dim)
-            query = rotary_turn(self.rotary, query, torch.tensor([length - 1]), device=device)[0]  # [heads, head_dim]
-            keys = attention.k_proj(normed[1:]).view(len(tokens), self.kv_heads, self.head_dim)
-            out = torch.empty(self.heads, len(tokens), length, dtype=torch.float64)
-            for j in range(length):
-                turned = rotary_turn(self.rotary, keys, torch.full((len(tokens),), j), device=device).transpose(0, 1)
-                out[:, :, j] = torch.einsum("hnd,hd->hn", turned.repeat_interleave(group, 0), query)
-        return out * float(getattr(attention, "scaling", self.head_dim**-0.5))
+        query, keys = self._query(self._normed([last])[0], length), self._keys(self._normed(tokens))
+        at = [self._scores(query, keys, torch.full((len(tokens),), j)) for j in range(length)]
+        return torch.stack(at, dim=-1)
 
     def residual(self, ids: list[int]) -> torch.Tensor:
         """The last position's residual ``x`` after the first block's attention, computed here (float64)."""
-        attention, length, group = self.attention, len(ids), self.heads // self.kv_heads
-        device = self.model.probe.device
+        length, normed = len(ids), self._normed(ids)
+        query, keys = self._query(normed[-1], length), self._keys(normed)
+        weights = torch.softmax(self._scores(query, keys, torch.arange(length)), dim=-1)  # each key at its position
         with torch.no_grad():
-            normed = self.norm1(self.embeds(ids))
-            query = attention.q_proj(normed[-1:]).view(1, self.heads, self.head_dim)
-            query = rotary_turn(self.rotary, query, torch.tensor([length - 1]), device=device)[0]  # [heads, head_dim]
-            keys = attention.k_proj(normed).view(length, self.kv_heads, self.head_dim)
-            keys = rotary_turn(self.rotary, keys, torch.arange(length), device=device)  # each at its own position
-            logits = torch.einsum("nhd,hd->hn", keys.repeat_interleave(group, 1), query)
-            weights = torch.softmax(logits * float(getattr(attention, "scaling", self.head_dim**-0.5)), dim=-1)
-            values = attention.v_proj(normed).view(length, self.kv_heads, self.head_dim)
-            z = torch.einsum("hn,nhd->hd", weights, values.repeat_interleave(group, 1)).reshape(-1)
-            return self.embeds(ids[-1:])[0] + attention.o_proj(z)
+            values = self.attention.v_proj(normed).view(length, self.kv_heads, self.head_dim)
+            per_head = values.repeat_interleave(self.heads // self.kv_heads, 1)  # [n, heads, head_dim]
+            z = torch.einsum("hn,nhd->hd", weights, per_head).reshape(-1)
+            return self.embeds(ids[-1:])[0] + self.attention.o_proj(z)
+
+    def _normed(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.norm1(self.embeds(ids))
+
+    def _query(self, normed: torch.Tensor, length: int) -> torch.Tensor:
+        """``[heads, head_dim]``: the query of a normed row at position ``length - 1``, turned."""
+        with torch.no_grad():
+            query = self.attention.q_proj(normed[None]).view(1, self.heads, self.head_dim)
+        turned = rotary_turn(self.rotary, query, torch.tensor([length - 1]), device=self.model.probe.device)
+        return turned[0]
+
+    def _keys(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[n, kv_heads, head_dim]``: the keys of normed rows, not turned."""
+        with torch.no_grad():
+            return self.attention.k_proj(normed).view(len(normed), self.kv_heads, self.head_dim)
+
+    def _scores(self, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[heads, n]``: the scaled logit of ``query`` on each key turned at its position in ``positions``."""
+        turned = rotary_turn(self.rotary, keys, positions, device=self.model.probe.device)
+        group = self.heads // self.kv_heads
+        logits = torch.einsum("nhd,hd->hn", turned.repeat_interleave(group, 1), query)
+        return logits * float(getattr(self.attention, "scaling", self.head_dim**-0.5))
 
     def _agrees(self) -> bool:
         ids = [int(t) for t in torch.randint(0, self.values.shape[0], (5,), generator=torch.Generator().manual_seed(0))]

@@ -16,6 +16,8 @@ Free directions (the MLP's weak ones, where the residual is not determined) are 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 SUM = 10.0  # weight of each head's "weights sum to one" row in the fits
@@ -60,7 +62,7 @@ class _Pursuit:
     def cost(self, support: list[int]) -> float:
         return float(fit(self.values, self.heads, self.z, self.free, support)[2].norm())
 
-    def grow(self, support: list[int], size: int, barred: list[int] = ()) -> list[int]:
+    def grow(self, support: list[int], size: int, barred: Sequence[int] = ()) -> list[int]:
         """``support`` grown greedily to ``size`` tokens, none of ``barred``."""
         support = list(support)
         group, dim = self.heads // self.values.shape[1], self.values.shape[2]
