@@ -133,7 +133,7 @@ def test_ambiguity_is_resolved_by_the_plain_forward_not_guessed():
     states = encode(model, [IDS[:5]], 2)
     found = calibrate(model, model.probe.layer(2))
     scale = 1.2 / (SAFETY * max(found.cached, found.plain, FLOOR))  # both balls: 1.2x the state's norm
-    (wide,) = invert(model, states, tolerance_scale=scale, first_table=False)
+    (wide,) = invert(model, states, tolerance_scale=scale, first_table=False, scout=False)  # confirmations alone
     assert wide.token_ids == IDS[:5] and wide.uncertain_positions == []
     assert sum(p.confirmed for p in wide.positions) > len(IDS[:5])  # several contenders re-measured per position
     assert all(p.plain_distance is not None and p.plain_distance <= p.confirm_tolerance for p in wide.positions)

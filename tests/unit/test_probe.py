@@ -105,7 +105,7 @@ def test_cached_continuation_equals_full_forward(tiny, layer):
 
 def test_deferred_tokens_join_the_cache_with_the_next_forward(tiny):
     """A prefix grown by deferred tokens (no forward) reads as one grown by forwards once caught up (one forward for
-    all of them), or when the next token grows it; a forward over it before that is refused."""
+    all of them, an empty prefix's too), or when the next token grows it; a forward over it before that is refused."""
     probe = tiny.probe
     ids = _ids(tiny, 8)[0].tolist()
     reference = probe.prefix(ids[:6], 2)
@@ -128,8 +128,14 @@ def test_deferred_tokens_join_the_cache_with_the_next_forward(tiny):
         rtol=1e-4,
         atol=1e-5,
     )
-    with pytest.raises(ValueError, match="empty"):
-        probe.defer(probe.prefix([], 2), [ids[0]])
+    empty = probe.defer(probe.defer(probe.prefix([], 2), [ids[0]]), [ids[1]])  # nothing cached yet: all caught up
+    assert empty.cache is None and empty.behind == 2 and probe.catch_up(empty)
+    torch.testing.assert_close(
+        probe.continuation(empty, token_ids=cands),
+        probe.continuation(probe.prefix(ids[:2], 2), token_ids=cands),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_continuation_with_vectors_has_gradient(tiny):

@@ -137,7 +137,7 @@ def test_speculation_changes_speed_never_the_answer(monkeypatch, guesses, dtype)
     model = lminvert.load_model("tiny-llama", dtype=dtype)
     states = encode(model, [IDS], 2)
     _replace_prior(monkeypatch, IDS, guesses)
-    (on,) = invert(model, states)
+    (on,) = invert(model, states, scout=False)  # the chains alone (the scout's whole-prompt guess: test_scout.py)
     (off,) = invert(model, states, speculate=False)
     assert on.token_ids == off.token_ids == IDS
     assert on.uncertain_positions == off.uncertain_positions == []

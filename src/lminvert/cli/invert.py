@@ -155,6 +155,14 @@ def _add_search_args(group: argparse._ArgumentGroup) -> None:
         default=True,
         help="verify the next positions' first guesses in the same forward as a position's candidates (speed only)",
     )
+    group.add_argument(
+        "--scout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="guess the whole prompt first by a search whose forwards run with bfloat16 GEMMs, then check the guess "
+        "with one plain forward (speed only, never the answer; default: a float32 model on a CPU with native bfloat16 "
+        "GEMMs, from 30%% of the depth on)",
+    )
     group.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders and of --noise")
     group.add_argument(
         "--max-length",
@@ -173,7 +181,7 @@ def options_from_args(args: argparse.Namespace, kind: str) -> tuple[Leak, Search
         Search(
             method=args.method, policy=args.policy, max_candidates=args.max_candidates, max_seconds=args.max_seconds,
             tolerance_scale=args.tolerance_scale, certify=args.certify, screen=args.screen, speculate=args.speculate,
-            seed=args.seed, max_length=args.max_length,
+            scout=args.scout, seed=args.seed, max_length=args.max_length,
         ),
         Run(together=args.together, executor=executor_from_args(args), progress=not args.json),
     )  # fmt: skip

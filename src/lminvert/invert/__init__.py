@@ -54,9 +54,9 @@ def invert(
     The options come in the three groups of ``lminvert invert --help``, named as its options
     (:mod:`lminvert.invert.options`): ``leak`` (:class:`Leak`: ``kind``, ``source``, ``noise``, ``check``; or just the
     kind, ``leak="kv"``), ``search`` (:class:`Search`: ``method``, ``policy``, ``max_candidates``, ``max_seconds``,
-    ``tolerance_scale``, ``certify``, ``screen``, ``speculate``, ``first_table``, ``seed``) and ``run`` (:class:`Run`:
-    ``together``, ``executor``, ``batch_scale``, ``progress``). Any field may be given by name instead of its group
-    (``invert(model, states, max_seconds=30)``); each group's docstring says what its fields do.
+    ``tolerance_scale``, ``certify``, ``screen``, ``speculate``, ``scout``, ``first_table``, ``seed``) and ``run``
+    (:class:`Run`: ``together``, ``executor``, ``batch_scale``, ``progress``). Any field may be given by name instead
+    of its group (``invert(model, states, max_seconds=30)``); each group's docstring says what its fields do.
 
     What the leak is decides the search. lminvert's own states (source ``exact``, what :func:`lminvert.encode` writes)
     and float states from elsewhere (``float``, a bare array's default) are searched by the engine
@@ -120,6 +120,7 @@ def _config(model: LoadedModel, search: Search, run: Run, source: ErrorModel, de
         batch_scale=run.batch_scale,
         speculate=search.speculate,
         screen=search.screen,
+        scout=search.scout,
     )
 
 

@@ -20,6 +20,8 @@ it served in each prompt's time split, so the prompts' seconds add up to the wal
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
-from . import acceptor
+from . import acceptor, scout
 from .context import batch_scale
 from .layouts import foreign_calibration
 from .policies import POLICIES, Policy, SweepPolicy
@@ -40,7 +42,7 @@ from .search import PromptSearch, Settings
 from .sources import ErrorModel, Exact
 from .speculation import Speculator, chains_reproduce
 from .tables import first_table_for
-from .tolerance import calibrate, screen_calibration
+from .tolerance import Calibration, calibrate, screen_calibration
 from .verification import search_position
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class InvertConfig:
     speculate: bool = True
     batch_scale: int | None = None  # candidate batches relative to a CPU's; default: by device (context.batch_scale)
     screen: bool | None = None  # screen large batches with bfloat16 GEMMs (speed only); None: where it pays
+    # guess the whole prompt first by a search in bfloat16 GEMMs, checked by one plain forward (:mod:`.scout`; speed
+    # only); None: where it pays
+    scout: bool | None = None
 
     @property
     def exhaustive(self) -> bool:
@@ -130,14 +135,20 @@ def invert_prompts(
     clean_states: Sequence[torch.Tensor | None] | None = None,
     on_position: OnPosition | None = None,
     ties: dict[int, tuple[int, ...]] | None = None,
+    calibration: Calibration | None = None,
+    scouting: bool = False,
+    given_prior: NextTokenPrior | None = None,
 ) -> list[InversionResult]:
-    """Recover the token ids of N prompts from their layer-``layer`` states ``[T_i, d]``, advanced together."""
+    """Recover the token ids of N prompts from their layer-``layer`` states ``[T_i, d]``, advanced together.
+    ``calibration``, ``scouting`` and ``given_prior``: the scout's radii, its way of searching
+    (:attr:`.search.Settings.scouting`) and the next-token prior of the search it runs ahead of (:mod:`.scout`)."""
     probe = model.probe
     layer = probe.layer(layer)
     device = probe.device
     policies = list(policies) if policies is not None else [_make_policy(config) for _ in states]
     wants_prior = not config.exhaustive and any(policy.uses_next_tokens for policy in policies)
-    settings, reading = _settings(model, layer, config, policies, len(states), ties, wants_prior)
+    settings, reading = _settings(model, layer, config, policies, len(states), ties, wants_prior, calibration)
+    settings = replace(settings, scouting=scouting)
     start = time.perf_counter()  # the policies' per-prompt set-up counts; cached tables are built above
     clean = list(clean_states) if clean_states is not None else [None] * len(states)
     searches = [
@@ -150,15 +161,17 @@ def invert_prompts(
         )
         for s, policy, c in zip(states, policies, clean, strict=True)
     ]
-    prior, prior_share = None, 0.0
-    if wants_prior:
+    prior, prior_share = given_prior, 0.0
+    if wants_prior and prior is None:
         start_prior = time.perf_counter()
         fused = max(policy.fused for policy in policies) if reading is not None else 0.0
         prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading, fused=fused)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
-        if config.speculate and chains_reproduce(probe):
-            for i, search in enumerate(searches):
-                search.speculator = Speculator(prior.firsts(i), settings.scale)
+    if prior is not None and config.speculate and chains_reproduce(probe):
+        for i, search in enumerate(searches):
+            search.speculator = Speculator(prior.firsts(i), settings.scale)
+        if _scouts(model, layer, config, wants_prior):
+            _seed(probe, layer, searches, _scout(model, layer, states, config, copy.copy(prior)))
     for i, search in enumerate(searches):
         search.policy.begin_prompt(search.targets, None if prior is None else prior.readings(i))
     _run(probe, layer, searches, prior, prior_share, on_position)
@@ -174,18 +187,21 @@ def _settings(
     count: int,
     ties: dict[int, tuple[int, ...]] | None,
     wants_prior: bool,
+    calibration: Calibration | None = None,
 ) -> tuple[Settings, Reading | None]:
     """The searches' shared settings (tables, radii, budget, error model; built or read once per model and layer),
     the reading network where one serves (``wants_prior``: a policy ranks by the next-token prior), and each policy
-    prepared for the model and layer."""
+    prepared for the model and layer. ``calibration``: radii to use instead of the measured ones (the scout's)."""
     probe = model.probe
     exhaustive = config.exhaustive
     vocab = probe.vocab_size
     table = None
     if config.first_table and policies[0].uses_first_table and not exhaustive:
         table = first_table_for(model, layer, progress=config.progress)
-    calibration = calibrate(model, layer).scaled(config.tolerance_scale)  # measured once, cached like the tables
-    if not exhaustive and (probe.can_screen if config.screen is None else config.screen):
+    given = calibration is not None
+    if calibration is None:  # measured once, cached like the tables
+        calibration = calibrate(model, layer).scaled(config.tolerance_scale)
+    if not given and not exhaustive and (probe.can_screen if config.screen is None else config.screen):
         calibration = replace(calibration, screen=screen_calibration(model, layer))
     reading = None
     if wants_prior and any(p.uses_reading for p in policies):  # the reading network where one was trained
@@ -227,13 +243,15 @@ def _run(
         for row, search in enumerate(group):
             search.begin(t, probe, prefix, row, None if orders is None else orders[row])
             search.clock.add("ranking", shared + (prior_share if t == 0 else 0.0))
-        search_position(probe, prefix, layer, group)
+        with _math(probe, group[0].settings, t):
+            search_position(probe, prefix, layer, group)
         tokens = [search.decide() for search in group]
-        keep = [row for row, search in enumerate(group) if search.length > t + 1]
+        keep = [row for row, search in enumerate(group) if search.length > t + 1 and not search.halted]
         if keep:
             shared = time.perf_counter()
             prefix = probe.select(prefix, keep)
-            prefix, forward = _advance(probe, prefix, [tokens[row] for row in keep], [group[row] for row in keep])
+            with _math(probe, group[0].settings, t + 1):
+                prefix, forward = _advance(probe, prefix, [tokens[row] for row in keep], [group[row] for row in keep])
             shared = (time.perf_counter() - shared) / len(keep)
             for row in keep:
                 group[row].clock.add("extension", shared)
@@ -246,6 +264,46 @@ def _run(
                 on_position(i, t, result)
         live = [live[row] for row in keep]
         t += 1
+
+
+def _scouts(model: LoadedModel, layer: Layer, config: InvertConfig, wants_prior: bool) -> bool:
+    """Whether the scout goes first (:mod:`.scout`): ``config.scout`` where given, else where it pays; for a
+    policy-guided search that speculates, on a model whose linear layers can run in bfloat16."""
+    if config.scout is False or config.exhaustive or not config.speculate or not wants_prior:
+        return False
+    return model.probe.screen_refusal is None and (bool(config.scout) or scout.pays(model, layer))
+
+
+def _scout(
+    model: LoadedModel, layer: Layer, states: Sequence[torch.Tensor], config: InvertConfig, prior: NextTokenPrior
+) -> list[list[int]]:
+    """Each prompt's guessed tokens (from position 0 up to the first position the scout gave up, that one included):
+    the search run ahead with bfloat16 GEMMs (:mod:`.scout`), at most ``scout.BUDGET`` candidates per position, ranked
+    by ``prior`` (a copy of the search's own)."""
+    budget = min(scout.BUDGET, config.max_candidates or scout.BUDGET)
+    ahead = replace(config, scout=False, screen=False, progress=False, max_candidates=budget)
+    calibration = scout.scouting_calibration(model, layer, config.tolerance_scale)
+    found = invert_prompts(model, states, layer, ahead, calibration=calibration, scouting=True, given_prior=prior)
+    return [list(result.token_ids) for result in found]
+
+
+def _math(probe: LayerProbe, settings: Settings, t: int) -> contextlib.AbstractContextManager:
+    """How the forwards for position ``t`` compute: with bfloat16 GEMMs in the scout's search from position 1 on (its
+    position 0 in float32: the first tokens' states lie closer together than a bfloat16 state's error there), else as
+    the probe does (:mod:`.scout`)."""
+    return probe.screening() if settings.scouting and t > 0 else contextlib.nullcontext()
+
+
+def _seed(probe: LayerProbe, layer: Layer, searches: list[PromptSearch], guesses: list[list[int]]) -> None:
+    """Each prompt's guessed tokens (the scout's) through one plain forward shaped like the observer's (the guess
+    filled to the observed length with its last token), its states given to the positions they guess
+    (:meth:`.speculation.Speculator.seed`)."""
+    for search, guess in zip(searches, guesses, strict=True):
+        if search.speculator is None or not guess:
+            continue
+        guess = guess[: search.length]
+        rows = probe.plain_states([guess + guess[-1:] * (search.length - len(guess))], layer)
+        search.speculator.seed(guess, rows.states[0, : len(guess)].float())
 
 
 def _result(
@@ -306,6 +364,6 @@ def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: lis
     kept = [search.keys.get(token) for search, token in zip(searches, tokens, strict=True)]
     if not prefix.behind and all(k is not None for k in kept):
         return probe.advance_from(prefix, tokens, NewKeys.stack([k for k in kept if k is not None])), False
-    if prefix.cache is not None and all(search.may_skip_cache for search in searches):
+    if (prefix.cache is not None or prefix.layer.top_block > 0) and all(s.may_skip_cache for s in searches):
         return probe.defer(prefix, tokens), False
     return probe.advance_rows(prefix, tokens)[0], True

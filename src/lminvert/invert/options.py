@@ -63,10 +63,11 @@ class Search:
     candidate order. ``max_candidates`` / ``max_seconds``: budgets (per position / from the call). ``tolerance_scale``:
     multiplies the measured acceptance radii. ``certify``: verify the whole vocabulary at every position (``None``:
     where the model has forward hooks). ``screen``: bfloat16 screening of a float32 model's batches (``None``: where
-    it pays). ``speculate``: verify the next positions' first guesses in the same forward. ``first_table``: rank
-    position 0 with the first-position table. ``seed``: of the random orders and of ``noise``. ``max_length``
-    (``--max-length``, a ``last`` leak only): the longest prompt tried (default 8); there ``max_seconds`` bounds each
-    vector's search (default 60)."""
+    it pays). ``speculate``: verify the next positions' first guesses in the same forward. ``scout``: guess the whole
+    prompt first by a search in bfloat16 GEMMs, checked by one plain forward (``None``: where it pays).
+    ``first_table``: rank position 0 with the first-position table. ``seed``: of the random orders and of ``noise``.
+    ``max_length`` (``--max-length``, a ``last`` leak only): the longest prompt tried (default 8); there
+    ``max_seconds`` bounds each vector's search (default 60)."""
 
     method: str = "sipit"
     policy: str = "linear"
@@ -76,6 +77,7 @@ class Search:
     certify: bool | None = None
     screen: bool | None = None
     speculate: bool = True
+    scout: bool | None = None
     first_table: bool = True
     seed: int = 0
     max_length: int | None = None
@@ -159,6 +161,7 @@ def check_rows_options(leak: Leak, search: Search, run: Run) -> None:
         "--noise": leak.noise > 0, "--max-seconds": search.max_seconds is not None and leak.kind != "last",
         "--max-candidates": search.max_candidates is not None, "--certify": bool(search.certify),
         "--ray": run.executor not in (None, "inprocess"), "--tolerance-scale": search.tolerance_scale != 1.0,
+        "--scout/--no-scout": search.scout is not None,
     }  # fmt: skip
     refused = [name for name, on in given.items() if on]
     if refused:

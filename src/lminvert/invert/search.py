@@ -62,6 +62,9 @@ class Settings:
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
     deadline: float | None = None  # wall-clock time (time.time()) after which a position stops after its first batch
+    # the scout's search (:mod:`.scout`): a confirmation reads the contenders' verified states (no plain forward), and a
+    # prompt stops at its first position that fits no candidate
+    scouting: bool = False
 
     def late(self) -> bool:
         """Whether the deadline has passed."""
@@ -95,6 +98,7 @@ class PromptSearch:
         self.reproduced = False
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
+        self.halted = False  # stopped at a position that fits no candidate (:attr:`Settings.scouting`)
         self.first_cut: int | None = None  # the first of them
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
@@ -162,7 +166,7 @@ class PromptSearch:
         """After :meth:`decide`: the next position has a plain forward's state of a first guess to test, and it would be
         tested (the ball is not decisive), so that position may be decided without a forward over the cache."""
         speculator = self.speculator
-        return speculator is not None and speculator.plain_ahead and not self.decisive
+        return speculator is not None and speculator.plain_ahead and (speculator.seeded or not self.decisive)
 
     @property
     def done(self) -> bool:
@@ -177,7 +181,10 @@ class PromptSearch:
         if late and not self.exhausted:
             self.cut += 1
             self.first_cut = ctx.position if self.first_cut is None else self.first_cut
-        if ctx.forwarded < self.settings.budget and not late:
+        # the scout decides position 0 on the table's first batch (more would be verified in its wide ball, which holds
+        # several first tokens: a guess either way)
+        first_only = self.settings.scouting and ctx.position == 0 and ctx.forwarded > 0
+        if ctx.forwarded < self.settings.budget and not late and not first_only:
             with self.clock("ranking"):
                 ids = self.active.propose(ctx)
             if ids is not None and ids.numel():
@@ -333,6 +340,7 @@ class PromptSearch:
         if self.active is self.policy:
             self.policy.end_position(ctx)
         token = self.chosen
+        self.halted = self.settings.scouting and self.decision.reason in (acceptor.NO_FIT, None)
         if token is None:  # nothing decided (no candidate verified at all): the closest seen
             token = min(self.plain, key=self.plain.__getitem__) if self.plain else ctx.best_id
         self.token = token

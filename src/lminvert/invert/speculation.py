@@ -102,6 +102,7 @@ class Speculator:
         self.tokens = TOKENS * scale
         self.chains = _Track()  # cached chains' states, with their keys and values
         self.plain = _Track()  # plain forwards' states (confirmations), without keys
+        self.seeded = False  # the plain track follows the scout's whole-prompt guess (:meth:`seed`)
 
     @property
     def plain_ahead(self) -> bool:
@@ -159,6 +160,13 @@ class Speculator:
         positions (asked for only for the root the position is decided as)."""
         self.chains.ahead = {root: _entries(tail, states[i], keys, i) for i, root in enumerate(roots)}
 
+    def seed(self, guess: list[int], states: torch.Tensor) -> None:
+        """A whole-prompt guess from position 0 (the scout's, :mod:`.scout`) and its plain forward's states
+        ``[len(guess), d]``: each position takes its guess's state first, until a position is decided as another
+        token."""
+        self.plain.pending = [(token, states[t], None) for t, token in enumerate(guess)]
+        self.seeded = True
+
     def take(self) -> tuple[Entry | None, Entry | None]:
         """The (token, state, keys) at the position to search now of the decided chain and of the decided contender's
         plain forward (keys None), each if any."""
@@ -171,4 +179,7 @@ class Speculator:
             for source, guess in enumerate(self.firsts[position - 1]):
                 self.rates[source] = 0.5 * self.rates[source] + 0.5 * (guess == token)
         self.chains.decided(token)
+        current = self.plain.current
         self.plain.decided(token)
+        if current is None or current[0] != token:  # the guess was wrong here: the plain track is a confirmation's now
+            self.seeded = False

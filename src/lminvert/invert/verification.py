@@ -79,12 +79,13 @@ def _catch_up(probe: LayerProbe, prefix: Prefix, group: list[PromptSearch]) -> N
 def _given(search: PromptSearch) -> None:
     """Record the states a chain and a confirmation's plain forward computed for the search's position earlier
     (:mod:`.speculation`), if any: the same token's once, its plain state with the chain's keys. The plain state only
-    where the position would be confirmed anyway (the ball is not decisive): elsewhere a chain's state decides alone,
-    and its keys grow the prefix without the forward a plain state's token needs."""
+    where the position would be confirmed anyway (the ball is not decisive) or the scout's guesses are being followed
+    (:mod:`.scout`): elsewhere a chain's state decides alone, and its keys grow the prefix without the forward a plain
+    state's token needs."""
     if search.speculator is None:
         return
     chained, plain = search.speculator.take()
-    if search.decisive:
+    if search.decisive and not search.speculator.seeded:
         plain = None
     same = chained is not None and plain is not None and chained[0] == plain[0]
     with search.clock("verification"):
@@ -251,10 +252,22 @@ def search_position(probe: LayerProbe, prefix: Prefix, layer: Layer, group: list
             _verify_proposals(probe, prefix, group, proposals)
         for row in [row for row in pending if group[row].to_confirm]:  # plain forwards, shaped like each observation
             search = group[row]
+            if search.settings.scouting:
+                _confirm_cached(search)
+                continue
             search.clock.forwards += 1  # one plain forward, however many contenders it holds
             with search.clock("verification"):
                 search.confirm(list(search.to_confirm), plain_states(probe, layer, prefix, row, search))
         pending = [row for row in pending if not group[row].done]
+
+
+def _confirm_cached(search: PromptSearch) -> None:
+    """The scout's confirmation (:attr:`.search.Settings.scouting`): the contenders' verified states stand in for plain
+    ones, without a forward (the scout only guesses; its guesses are judged on a plain forward later)."""
+    assert search.ctx is not None
+    ids = search.ctx.all_ids()
+    index = [int((ids == token).nonzero()[0, 0]) for token in search.to_confirm]
+    search.confirm(list(search.to_confirm), search.ctx.all_states()[index])
 
 
 def plain_states(probe: LayerProbe, layer: Layer, prefix: Prefix, row: int, search: PromptSearch) -> torch.Tensor:

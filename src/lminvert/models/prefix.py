@@ -102,7 +102,7 @@ class Prefix:
 
     rows: list[list[int]]
     layer: Layer
-    cache: Cache | None  # None while the prefixes are empty
+    cache: Cache | None  # None while nothing is cached (the prefixes are empty, or every token of them is deferred)
     # the rows' last tokens whose keys and values are not in the cache yet (:meth:`LayerProbe.defer`); a forward over
     # the cache needs them first (:meth:`LayerProbe.catch_up`)
     behind: int = 0
@@ -165,9 +165,8 @@ def advance_rows(probe, prefix: Prefix, token_ids: Sequence[int]) -> tuple[Prefi
 
 
 def defer(prefix: Prefix, token_ids: Sequence[int]) -> Prefix:
-    """Every row grows by its token without a forward (:meth:`.probe.LayerProbe.defer`)."""
-    if prefix.cache is None:
-        raise ValueError("an empty prefix grows by advance_rows")
+    """Every row grows by its token without a forward (:meth:`.probe.LayerProbe.defer`); an empty prefix's too (the
+    forward that catches up then computes every token)."""
     return Prefix(grown_rows(prefix, token_ids), prefix.layer, prefix.cache, prefix.behind + 1)
 
 

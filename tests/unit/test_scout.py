@@ -1,0 +1,109 @@
+"""The scout (:mod:`lminvert.invert.scout`): a whole-prompt guess from a search in bfloat16 GEMMs, checked by one plain
+forward. It changes speed, never the answer: right, wrong or cut short, the tokens and verdicts are those of the
+search without it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import lminvert
+from lminvert.forward import encode
+from lminvert.invert import invert
+from lminvert.invert.engine import InvertConfig, invert_prompts
+from lminvert.invert.scout import pays, scouting_calibration
+
+from ..conftest import TINY
+
+IDS = [17, 4021, 3300, 17, 5, 912, 64, 64, 7, 30000, 12, 9]
+engine = importlib.import_module("lminvert.invert.engine")
+
+
+def _verdicts(result) -> list[str]:
+    return [p.verdict for p in result.positions]
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_a_right_guess_decides_every_position_without_a_forward_of_its_own(family):
+    """The scout finds the prompt, and the search after it decides every position from the guess's plain forward:
+    no position runs a forward but the first (the prefix's cache), the same tokens and verdicts as without it."""
+    model = lminvert.load_model(family)
+    states = encode(model, [IDS], 2)
+    (on,) = invert(model, states, scout=True)
+    (off,) = invert(model, states, scout=False)
+    assert on.token_ids == off.token_ids == IDS
+    assert _verdicts(on) == _verdicts(off)
+    assert on.uncertain_positions == []
+    assert all(p.speculated for p in on.positions)
+    assert sum(p.forwards for p in on.positions) <= 1 < sum(p.forwards for p in off.positions)
+
+
+@pytest.mark.parametrize("guess", ["wrong at 5", "wrong at 0", "cut at 4", "empty"])
+def test_a_wrong_or_short_guess_changes_nothing_but_the_time(monkeypatch, guess):
+    """From the first position the guess gets wrong (or where it ends) the search goes on as without the scout."""
+    model = lminvert.load_model("tiny-llama")
+    states = encode(model, [IDS], 2)
+    (off,) = invert(model, states, scout=False)
+
+    def guessed(*args, **kwargs):
+        if guess == "empty":
+            return [[]]
+        if guess == "cut at 4":
+            return [IDS[:4]]
+        at = int(guess.split()[-1])
+        return [[*IDS[:at], (IDS[at] + 1) % 1000, *IDS[at + 1 :]]]
+
+    monkeypatch.setattr(engine, "_scout", guessed)
+    (on,) = invert(model, states, scout=True)
+    assert on.token_ids == off.token_ids == IDS
+    assert _verdicts(on) == _verdicts(off)
+    decided = {"wrong at 5": 5, "wrong at 0": 0, "cut at 4": 4, "empty": 0}[guess]
+    assert all(p.speculated for p in on.positions[:decided])
+    assert sum(p.forwards for p in on.positions[decided:]) >= 1
+
+
+def test_foreign_states_keep_their_verdicts_with_the_scout():
+    """States from a padded batch (``source="float"``): the guess's plain forward is not theirs bit for bit, and every
+    position keeps the verdict the search without the scout gives."""
+    model = lminvert.load_model("tiny-llama")
+    probe = model.probe
+    batch = torch.tensor([IDS, [5] * len(IDS)])
+    rows = probe.states(batch, [2])[probe.layer(2)][0]
+    (on,) = invert(model, rows, 2, source="float", scout=True)
+    (off,) = invert(model, rows, 2, source="float", scout=False)
+    assert on.token_ids == off.token_ids == IDS
+    assert _verdicts(on) == _verdicts(off)
+
+
+def test_the_scouts_search_stops_a_prompt_at_a_position_that_fits_nothing():
+    """In the scout's search a position that fits no candidate ends the prompt there (the guess is cut), where the
+    search itself would go on to the end."""
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(2)
+    states = encode(model, [IDS], layer).states[0].clone()
+    states[6] = states[6] * 3.0  # no token's state lies there
+    config = InvertConfig(scout=False, screen=False, max_candidates=64)
+    calibration = scouting_calibration(model, layer)
+    (scouted,) = invert_prompts(model, [states], layer, config, calibration=calibration, scouting=True)
+    assert scouted.token_ids[:6] == IDS[:6] and len(scouted.token_ids) == 7
+    (full,) = invert_prompts(model, [states], layer, config)
+    assert len(full.token_ids) == len(IDS)
+
+
+def test_where_the_scout_goes():
+    """By default where bfloat16 GEMMs are native and from 30% of the depth on; never without chains, for a brute force
+    or on a model whose linear layers cannot run in bfloat16; ``scout=True`` sends it wherever it can run."""
+    model = lminvert.load_model("tiny-llama")
+    probe = model.probe
+    wants = engine._scouts
+    assert pays(model, probe.layer(2)) == probe.can_screen
+    assert not pays(model, probe.layer(0))
+    assert wants(model, probe.layer(0), InvertConfig(scout=True), True)
+    assert not wants(model, probe.layer(2), InvertConfig(scout=True, speculate=False), True)
+    assert not wants(model, probe.layer(2), InvertConfig(scout=True, method="bruteforce"), True)
+    assert not wants(model, probe.layer(2), InvertConfig(scout=True), False)
+    assert not wants(model, probe.layer(2), InvertConfig(scout=False), True)
+    half = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    assert not wants(half, half.probe.layer(2), InvertConfig(scout=True), True)
