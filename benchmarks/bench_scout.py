@@ -1,13 +1,16 @@
 """The scout against the search without it, in one process: each held-out prompt inverted both ways in turn (the
 order alternating), as ``lminvert invert`` runs it (:func:`lminvert.invert` with the defaults, then ``scout=False``).
 
-Printed per layer: prompts exact and positions sure each way, whether every prompt got the same tokens and verdicts
-both ways, the median and mean seconds per prompt each way and their ratio, and how many prompts the scout's guess
-decided whole (no position after the first needing a forward of its own). This CPU unless ``--device``; a prepared
+``--together N``: N prompts at a time (each chunk's seconds split evenly). Printed per layer: prompts exact and
+positions sure each way, whether every prompt got the same tokens and verdicts both ways, the median and mean seconds
+per prompt each way and their ratio, and how many prompts the scout's guess decided whole (no position after the first
+needing a forward of its own; with ``--together`` a forward one prompt needs counts for every prompt of its chunk).
+This CPU unless ``--device``; a prepared
 cache (``lminvert models --prepare smollm2-135m``) is what a user's machine has.
 
     python benchmarks/bench_scout.py --layers 30,15,9,1 --prompts 12
     python benchmarks/bench_scout.py --layers 30 --set fresh --prompts 16
+    python benchmarks/bench_scout.py --layers 30 --prompts 16 --together 8
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (seconds split evenly)")
     args = parser.parse_args()
     model = lminvert.load_model(args.model, dtype=args.dtype, device=args.device)
     texts = FRESH if args.set == "fresh" else DEEP
@@ -43,15 +47,16 @@ def main() -> int:
     wrong = 0
     for spec in args.layers.split(","):
         layer = model.probe.layer(spec)
-        states = [lminvert.encode(model, [ids], layer) for ids in prompts]
+        chunks = [prompts[i : i + args.together] for i in range(0, len(prompts), args.together)]
+        states = [lminvert.encode(model, chunk, layer) for chunk in chunks]
         lminvert.invert(model, states[0])  # what the layer builds once (tables, radii, the reading), not timed
         seconds, results = {True: [], False: []}, {True: [], False: []}
         for i, s in enumerate(states):
             for scout in (True, False) if i % 2 == 0 else (False, True):
                 start = time.perf_counter()
-                (result,) = lminvert.invert(model, s, scout=None if scout else False)
-                seconds[scout].append(time.perf_counter() - start)
-                results[scout].append(result)
+                found = lminvert.invert(model, s, scout=None if scout else False, together=args.together)
+                seconds[scout] += [(time.perf_counter() - start) / len(found)] * len(found)
+                results[scout] += found
         exact = {k: sum(r.token_ids == ids for r, ids in zip(v, prompts, strict=True)) for k, v in results.items()}
         sure = {k: 100 * statistics.mean(p.verdict in SURE for r in v for p in r.positions) for k, v in results.items()}
         same = all(
