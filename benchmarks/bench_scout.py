@@ -3,8 +3,8 @@ order alternating), as ``lminvert invert`` runs it (:func:`lminvert.invert` with
 
 ``--together N``: N prompts at a time (each chunk's seconds split evenly). Printed per layer: prompts exact and
 positions sure each way, whether every prompt got the same tokens and verdicts both ways, the median and mean seconds
-per prompt each way and their ratio, and how many prompts the scout's guess decided whole (no position after the first
-needing a forward of its own; with ``--together`` a forward one prompt needs counts for every prompt of its chunk).
+per prompt each way and their ratio, and how many prompts the scout's guess decided whole (every position decided on
+the state given for its guess).
 This CPU unless ``--device``; a prepared
 cache (``lminvert models --prepare smollm2-135m``) is what a user's machine has.
 
@@ -69,7 +69,7 @@ def main() -> int:
             for r, ids in zip(v, prompts, strict=True)
             for t, p in enumerate(r.positions)
         )
-        whole = sum(sum(p.forwards for p in r.positions[1:]) == 0 for r in results[True])
+        whole = sum(all(p.speculated for p in r.positions) for r in results[True])
         med = {k: statistics.median(v) for k, v in seconds.items()}
         mean = {k: statistics.mean(v) for k, v in seconds.items()}
         print(

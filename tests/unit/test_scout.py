@@ -5,6 +5,7 @@ search without it."""
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,8 +28,8 @@ def _verdicts(result) -> list[str]:
 
 @pytest.mark.parametrize("family", TINY)
 def test_a_right_guess_decides_every_position_without_a_forward_of_its_own(family):
-    """The scout finds the prompt, and the search after it decides every position from the guess's plain forward:
-    no position runs a forward but the first (the prefix's cache), the same tokens and verdicts as without it."""
+    """The scout finds the prompt, and the search after it decides every position from the guess's plain forward,
+    verifying nothing else: the same tokens and verdicts as without it."""
     model = lminvert.load_model(family)
     states = encode(model, [IDS], 2)
     (on,) = invert(model, states, scout=True)
@@ -37,7 +38,9 @@ def test_a_right_guess_decides_every_position_without_a_forward_of_its_own(famil
     assert _verdicts(on) == _verdicts(off)
     assert on.uncertain_positions == []
     assert all(p.speculated for p in on.positions)
-    assert sum(p.forwards for p in on.positions) <= 1 < sum(p.forwards for p in off.positions)
+    # after the scout, each position verified its guess alone (its plain state); the scout's own work is counted there
+    assert all(p.scouted >= 1 and p.candidates_checked == p.scouted + 1 for p in on.positions)
+    assert not any(p.scouted for p in off.positions)
 
 
 @pytest.mark.parametrize("guess", ["wrong at 5", "wrong at 0", "cut at 4", "empty"])
@@ -49,11 +52,14 @@ def test_a_wrong_or_short_guess_changes_nothing_but_the_time(monkeypatch, guess)
 
     def guessed(*args, **kwargs):
         if guess == "empty":
-            return [[]]
-        if guess == "cut at 4":
-            return [IDS[:4]]
-        at = int(guess.split()[-1])
-        return [[*IDS[:at], (IDS[at] + 1) % 1000, *IDS[at + 1 :]]]
+            tokens = []
+        elif guess == "cut at 4":
+            tokens = IDS[:4]
+        else:
+            at = int(guess.split()[-1])
+            tokens = [*IDS[:at], (IDS[at] + 1) % 1000, *IDS[at + 1 :]]
+        positions = [SimpleNamespace(candidates_checked=1, forwards=0) for _ in tokens]
+        return [SimpleNamespace(token_ids=tokens, positions=positions)]
 
     monkeypatch.setattr(engine, "_scout", guessed)
     (on,) = invert(model, states, scout=True)

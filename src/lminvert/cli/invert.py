@@ -141,6 +141,19 @@ def _add_search_args(group: argparse._ArgumentGroup) -> None:
         "cost; default: only for a model whose computation is edited by forward hooks, where injectivity cannot "
         "be assumed)",
     )
+    _add_speed_args(group)
+    group.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders and of --noise")
+    group.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="--leak last: the longest prompt tried, in tokens (default 8; --max-seconds bounds each vector, default "
+        "60)",
+    )
+
+
+def _add_speed_args(group: argparse._ArgumentGroup) -> None:
+    """The options that change how fast the search goes, never its answer."""
     group.add_argument(
         "--screen",
         action=argparse.BooleanOptionalAction,
@@ -162,14 +175,6 @@ def _add_search_args(group: argparse._ArgumentGroup) -> None:
         help="guess the whole prompt first by a search whose forwards run with bfloat16 GEMMs, then check the guess "
         "with one plain forward (speed only, never the answer; default: a float32 model on a CPU with native bfloat16 "
         "GEMMs, from 30%% of the depth on)",
-    )
-    group.add_argument("--seed", type=int, default=0, help="seed of the random candidate orders and of --noise")
-    group.add_argument(
-        "--max-length",
-        type=int,
-        default=None,
-        help="--leak last: the longest prompt tried, in tokens (default 8; --max-seconds bounds each vector, default "
-        "60)",
     )
 
 

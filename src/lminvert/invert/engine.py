@@ -276,15 +276,14 @@ def _scouts(model: LoadedModel, layer: Layer, config: InvertConfig, wants_prior:
 
 def _scout(
     model: LoadedModel, layer: Layer, states: Sequence[torch.Tensor], config: InvertConfig, prior: NextTokenPrior
-) -> list[list[int]]:
-    """Each prompt's guessed tokens (from position 0 up to the first position the scout gave up, that one included):
+) -> list[InversionResult]:
+    """Each prompt's guess (its tokens from position 0 up to the first position the scout gave up, that one included):
     the search run ahead with bfloat16 GEMMs (:mod:`.scout`), at most ``scout.BUDGET`` candidates per position, ranked
     by ``prior`` (a copy of the search's own)."""
     budget = min(scout.BUDGET, config.max_candidates or scout.BUDGET)
     ahead = replace(config, scout=False, screen=False, progress=False, max_candidates=budget)
     calibration = scout.scouting_calibration(model, layer, config.tolerance_scale)
-    found = invert_prompts(model, states, layer, ahead, calibration=calibration, scouting=True, given_prior=prior)
-    return [list(result.token_ids) for result in found]
+    return invert_prompts(model, states, layer, ahead, calibration=calibration, scouting=True, given_prior=prior)
 
 
 def _math(probe: LayerProbe, settings: Settings, t: int) -> contextlib.AbstractContextManager:
@@ -294,16 +293,18 @@ def _math(probe: LayerProbe, settings: Settings, t: int) -> contextlib.AbstractC
     return probe.screening() if settings.scouting and t > 0 else contextlib.nullcontext()
 
 
-def _seed(probe: LayerProbe, layer: Layer, searches: list[PromptSearch], guesses: list[list[int]]) -> None:
-    """Each prompt's guessed tokens (the scout's) through one plain forward shaped like the observer's (the guess
-    filled to the observed length with its last token), its states given to the positions they guess
-    (:meth:`.speculation.Speculator.seed`)."""
+def _seed(probe: LayerProbe, layer: Layer, searches: list[PromptSearch], guesses: list[InversionResult]) -> None:
+    """Each prompt's guess (the scout's) through one plain forward shaped like the observer's (its tokens filled to the
+    observed length with the last), its states given to the positions they guess
+    (:meth:`.speculation.Speculator.seed`); the scout's candidates and forwards are counted at their positions."""
     for search, guess in zip(searches, guesses, strict=True):
-        if search.speculator is None or not guess:
+        search.scouted = [(p.candidates_checked, p.forwards) for p in guess.positions]
+        tokens = list(guess.token_ids[: search.length])
+        if search.speculator is None or not tokens:
             continue
-        guess = guess[: search.length]
-        rows = probe.plain_states([guess + guess[-1:] * (search.length - len(guess))], layer)
-        search.speculator.seed(guess, rows.states[0, : len(guess)].float())
+        rows = probe.plain_states([tokens + tokens[-1:] * (search.length - len(tokens))], layer)
+        search.speculator.seed(tokens, rows.states[0, : len(tokens)].float())
+        search.scouted[0] = (search.scouted[0][0], search.scouted[0][1] + 1)
 
 
 def _result(

@@ -22,7 +22,8 @@ class PositionResult:
     candidate (see :mod:`lminvert.invert.search`); ``plain_distance`` is the accepted token's distance under it.
     ``candidates_checked`` counts every candidate run through the model at the position, ``screened_out`` of them
     only with bfloat16 GEMMs (screening, :mod:`lminvert.invert.engine`: their screened states ruled them out; never
-    the accepted token).
+    the accepted token), ``scouted`` of them by the scout (:mod:`lminvert.invert.scout`); ``forwards`` counts the
+    scout's forwards at the position too (and position 0 the forward that checks its guess).
     """
 
     token_id: int
@@ -49,6 +50,7 @@ class PositionResult:
     verification_seconds: float = 0.0  # batched forwards of the candidates and their distances
     extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
     screened_out: int = 0  # candidates only screened (bfloat16 GEMMs), counted in candidates_checked
+    scouted: int = 0  # candidates the scout ran here (bfloat16 GEMMs, :mod:`lminvert.invert.scout`), counted too
     verdict: str = "uncertain"  # certified, confident or uncertain (:mod:`lminvert.invert.acceptor`)
     reason: str = ""  # the acceptor's reason for it
 

@@ -99,6 +99,7 @@ class PromptSearch:
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
         self.halted = False  # stopped at a position that fits no candidate (:attr:`Settings.scouting`)
+        self.scouted: list[tuple[int, int]] = []  # per position, the scout's candidates and forwards (:mod:`.scout`)
         self.first_cut: int | None = None  # the first of them
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
@@ -364,6 +365,7 @@ class PromptSearch:
             states = ctx.all_states().to(wide)
             gaps = (states[~mine] - states[mine][0]).norm(dim=1)
             certified = float(gaps.min()) / 2 if gaps.numel() else None  # no other candidate checked: no gap known
+        scouted, ahead = self.scouted[ctx.position] if ctx.position < len(self.scouted) else (0, 0)
         tied = self.settings.ties.get(token, ())
         verdict = acceptor.final_verdict(self.decision, bool(tied), self.guessed)
         result = PositionResult(
@@ -371,8 +373,9 @@ class PromptSearch:
             distance=distance,
             margin=float(others.min()) if others.numel() else float("inf"),
             tolerance=self.radius,
-            candidates_checked=ctx.forwarded,
+            candidates_checked=ctx.forwarded + scouted,
             screened_out=ctx.screened,
+            scouted=scouted,
             uncertain=verdict == acceptor.UNCERTAIN,
             verdict=verdict,
             reason=self.decision.reason or "no candidate verified",
@@ -384,7 +387,7 @@ class PromptSearch:
             plain_distance=self.plain.get(token),
             confirm_tolerance=self.confirm_radius,
             speculated=token == self.given,
-            forwards=self.clock.forwards,
+            forwards=self.clock.forwards + ahead,
             **self.clock.seconds,
         )
         self.positions.append(result)
