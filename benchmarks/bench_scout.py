@@ -11,6 +11,7 @@ cache (``lminvert models --prepare smollm2-135m``) is what a user's machine has.
     python benchmarks/bench_scout.py --layers 30,15,9,1 --prompts 12
     python benchmarks/bench_scout.py --layers 30 --set fresh --prompts 16
     python benchmarks/bench_scout.py --layers 30 --prompts 16 --together 8
+    python benchmarks/bench_scout.py --layers 30,15 --prompts 8 --capture right
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 import lminvert
 from heldout import DEEP, FRESH
+from lminvert.invert.layouts import padded_states
 
 SURE = ("certified", "confident")
 
@@ -38,10 +40,19 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (seconds split evenly)")
+    parser.add_argument(
+        "--capture",
+        choices=("own", "right", "left"),
+        default="own",
+        help="the states: lminvert's own (encode), or one padded transformers batch (right or left padding; prompts "
+        "cut by 0-3 tokens so that it pads), each prompt's rows inverted as a bare array with source='float'",
+    )
     args = parser.parse_args()
     model = lminvert.load_model(args.model, dtype=args.dtype, device=args.device)
     texts = FRESH if args.set == "fresh" else DEEP
     prompts = [list(model.tokenize(t, args.length)) for t in texts[: args.prompts]]
+    if args.capture != "own":
+        prompts = [ids[: len(ids) - i % 4] for i, ids in enumerate(prompts)]
     head = ("layer", 6), ("exact", 11), ("sure %", 13), ("same", 5), ("median s", 13), ("mean s", 13), ("ratio", 6)
     print(" ".join(f"{name:>{width}}" for name, width in head), f"{'whole':>6}")
     wrong = 0
@@ -49,12 +60,17 @@ def main() -> int:
         layer = model.probe.layer(spec)
         chunks = [prompts[i : i + args.together] for i in range(0, len(prompts), args.together)]
         states = [lminvert.encode(model, chunk, layer) for chunk in chunks]
-        lminvert.invert(model, states[0])  # what the layer builds once (tables, radii, the reading), not timed
+        options = {}
+        if args.capture != "own":  # rows of one padded batch, as a deployment captures them
+            rows = padded_states(model.probe, layer, prompts, args.capture)
+            states = [torch.stack(rows[i : i + 1]).to(model.probe.dtype) for i in range(len(rows))]
+            options = {"layer": layer, "source": "float"}
+        lminvert.invert(model, states[0], **options)  # what the layer builds once (tables, radii), not timed
         seconds, results = {True: [], False: []}, {True: [], False: []}
         for i, s in enumerate(states):
             for scout in (True, False) if i % 2 == 0 else (False, True):
                 start = time.perf_counter()
-                found = lminvert.invert(model, s, scout=None if scout else False, together=args.together)
+                found = lminvert.invert(model, s, scout=None if scout else False, together=args.together, **options)
                 seconds[scout] += [(time.perf_counter() - start) / len(found)] * len(found)
                 results[scout] += found
         exact = {k: sum(r.token_ids == ids for r, ids in zip(v, prompts, strict=True)) for k, v in results.items()}

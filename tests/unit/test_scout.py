@@ -99,8 +99,9 @@ def test_the_scouts_search_stops_a_prompt_at_a_position_that_fits_nothing():
 
 
 def test_where_the_scout_goes():
-    """By default where bfloat16 GEMMs are native and from 30% of the depth on; never without chains, for a brute force
-    or on a model whose linear layers cannot run in bfloat16; ``scout=True`` sends it wherever it can run."""
+    """By default where bfloat16 GEMMs are native, from 30% of the depth on and without a budget of candidates per
+    position; never without chains, for a brute force or on a model whose linear layers cannot run in bfloat16;
+    ``scout=True`` sends it wherever it can run."""
     model = lminvert.load_model("tiny-llama")
     probe = model.probe
     wants = engine._scouts
@@ -111,5 +112,8 @@ def test_where_the_scout_goes():
     assert not wants(model, probe.layer(2), InvertConfig(scout=True, method="bruteforce"), True)
     assert not wants(model, probe.layer(2), InvertConfig(scout=True), False)
     assert not wants(model, probe.layer(2), InvertConfig(scout=False), True)
+    assert wants(model, probe.layer(2), InvertConfig(), True) == probe.can_screen
+    assert not wants(model, probe.layer(2), InvertConfig(max_candidates=64), True)  # its candidates would come on top
+    assert wants(model, probe.layer(2), InvertConfig(scout=True, max_candidates=64), True)
     half = lminvert.load_model("tiny-llama", dtype="bfloat16")
     assert not wants(half, half.probe.layer(2), InvertConfig(scout=True), True)

@@ -174,7 +174,7 @@ def _add_speed_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="guess the whole prompt first by a search whose forwards run with bfloat16 GEMMs, then check the guess "
         "with one plain forward (speed only, never the answer; default: a float32 model on a CPU with native bfloat16 "
-        "GEMMs, from 30%% of the depth on)",
+        "GEMMs, from 30%% of the depth on, without --max-candidates)",
     )
 
 

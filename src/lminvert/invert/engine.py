@@ -267,11 +267,13 @@ def _run(
 
 
 def _scouts(model: LoadedModel, layer: Layer, config: InvertConfig, wants_prior: bool) -> bool:
-    """Whether the scout goes first (:mod:`.scout`): ``config.scout`` where given, else where it pays; for a
-    policy-guided search that speculates, on a model whose linear layers can run in bfloat16."""
+    """Whether the scout goes first (:mod:`.scout`): ``config.scout`` where given, else where it pays and no budget
+    of candidates per position was set (the scout's candidates come on top of it); for a policy-guided search that
+    speculates, on a model whose linear layers can run in bfloat16."""
     if config.scout is False or config.exhaustive or not config.speculate or not wants_prior:
         return False
-    return model.probe.screen_refusal is None and (bool(config.scout) or scout.pays(model, layer))
+    pays = config.max_candidates is None and scout.pays(model, layer)
+    return model.probe.screen_refusal is None and (bool(config.scout) or pays)
 
 
 def _scout(
