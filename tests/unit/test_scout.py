@@ -5,6 +5,7 @@ search without it."""
 from __future__ import annotations
 
 import importlib
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,9 @@ def test_a_right_guess_decides_every_position_without_a_forward_of_its_own(famil
     # after the scout, each position verified its guess alone (its plain state); the scout's own work is counted there
     assert all(p.scouted >= 1 and p.candidates_checked == p.scouted + 1 for p in on.positions)
     assert not any(p.scouted for p in off.positions)
+    # the candidates the scout rejected give the margins (the nearest rejected one), as a search's own would
+    assert any(math.isfinite(p.margin) for p in on.positions)
+    assert all(p.margin > p.distance for p in on.positions)
 
 
 @pytest.mark.parametrize("guess", ["wrong at 5", "wrong at 0", "cut at 4", "empty"])
@@ -58,7 +62,7 @@ def test_a_wrong_or_short_guess_changes_nothing_but_the_time(monkeypatch, guess)
         else:
             at = int(guess.split()[-1])
             tokens = [*IDS[:at], (IDS[at] + 1) % 1000, *IDS[at + 1 :]]
-        positions = [SimpleNamespace(candidates_checked=1, forwards=0) for _ in tokens]
+        positions = [SimpleNamespace(candidates_checked=1, forwards=0, token_id=t, margin=math.inf) for t in tokens]
         return [SimpleNamespace(token_ids=tokens, positions=positions)]
 
     monkeypatch.setattr(engine, "_scout", guessed)

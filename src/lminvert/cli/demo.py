@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
         f"({100 * result.explored_fraction:.2f}% of the vocabulary per position)"
     )
     ratios = [m / max(d, 1e-30) for m, d in zip(result.margins, result.distances, strict=True) if m != float("inf")]
+    rejected = f"; nearest rejected candidate >= {min(result.margins):.2f}" if ratios else ""
     print(
-        f"   accepted distances <= {max(result.distances):.2e}; "
-        f"nearest rejected candidate >= {min(result.margins):.2f} "
-        f"(margin/distance >= {min(ratios):.0e})"
+        f"   accepted distances <= {max(result.distances):.2e}{rejected}"
+        + (f" (margin/distance >= {min(ratios):.0e})" if ratios else "")
         + (f"; uncertain: {result.uncertain_positions}" if result.uncertain_positions else "")
     )
     print("   verdicts: " + ", ".join(f"{n} {v}" for v, n in result.verdict_counts.items() if n))

@@ -298,15 +298,17 @@ def _math(probe: LayerProbe, settings: Settings, t: int) -> contextlib.AbstractC
 def _seed(probe: LayerProbe, layer: Layer, searches: list[PromptSearch], guesses: list[InversionResult]) -> None:
     """Each prompt's guess (the scout's) through one plain forward shaped like the observer's (its tokens filled to the
     observed length with the last), its states given to the positions they guess
-    (:meth:`.speculation.Speculator.seed`); the scout's candidates and forwards are counted at their positions."""
+    (:meth:`.speculation.Speculator.seed`); the scout's candidates, forwards and margins are kept for their
+    positions."""
     for search, guess in zip(searches, guesses, strict=True):
-        search.scouted = [(p.candidates_checked, p.forwards) for p in guess.positions]
+        search.scouted = [(p.candidates_checked, p.forwards, p.token_id, p.margin) for p in guess.positions]
         tokens = list(guess.token_ids[: search.length])
         if search.speculator is None or not tokens:
             continue
         rows = probe.plain_states([tokens + tokens[-1:] * (search.length - len(tokens))], layer)
         search.speculator.seed(tokens, rows.states[0, : len(tokens)].float())
-        search.scouted[0] = (search.scouted[0][0], search.scouted[0][1] + 1)
+        candidates, forwards, token, margin = search.scouted[0]
+        search.scouted[0] = (candidates, forwards + 1, token, margin)
 
 
 def _result(

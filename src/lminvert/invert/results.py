@@ -15,7 +15,8 @@ class PositionResult:
     """What happened at one position.
 
     ``distance`` is the L2 distance between the accepted candidate's verified state and the observed state;
-    ``margin`` the distance of the best *rejected* candidate that was checked (inf if none was);
+    ``margin`` the distance of the best *rejected* candidate that was checked (inf if none was; where the scout's
+    guess was the token, the candidates it rejected count, at their distances with bfloat16 GEMMs);
     ``verdict`` is the acceptor's (:mod:`lminvert.invert.acceptor`: certified, confident or uncertain) and ``reason``
     why; ``uncertain`` is ``verdict == "uncertain"``.
     ``confirmed`` counts the candidates whose states were recomputed by a plain uncached forward of prefix +

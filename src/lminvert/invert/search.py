@@ -25,6 +25,7 @@ candidates are verified first, never the answer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,7 +100,7 @@ class PromptSearch:
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
         self.halted = False  # stopped at a position that fits no candidate (:attr:`Settings.scouting`)
-        self.scouted: list[tuple[int, int]] = []  # per position, the scout's candidates and forwards (:mod:`.scout`)
+        self.scouted: list[tuple[int, int, int, float]] = []  # the scout's (candidates, forwards, token, margin)
         self.first_cut: int | None = None  # the first of them
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
@@ -182,8 +183,7 @@ class PromptSearch:
         if late and not self.exhausted:
             self.cut += 1
             self.first_cut = ctx.position if self.first_cut is None else self.first_cut
-        # the scout decides position 0 on the table's first batch (more would be verified in its wide ball, which holds
-        # several first tokens: a guess either way)
+        # the scout takes position 0 from the table's first batch (its wide ball holds several first tokens)
         first_only = self.settings.scouting and ctx.position == 0 and ctx.forwarded > 0
         if ctx.forwarded < self.settings.budget and not late and not first_only:
             with self.clock("ranking"):
@@ -365,13 +365,14 @@ class PromptSearch:
             states = ctx.all_states().to(wide)
             gaps = (states[~mine] - states[mine][0]).norm(dim=1)
             certified = float(gaps.min()) / 2 if gaps.numel() else None  # no other candidate checked: no gap known
-        scouted, ahead = self.scouted[ctx.position] if ctx.position < len(self.scouted) else (0, 0)
+        entry = self.scouted[ctx.position] if ctx.position < len(self.scouted) else (0, 0, -1, math.inf)
+        scouted, ahead, guess, beside = entry
         tied = self.settings.ties.get(token, ())
         verdict = acceptor.final_verdict(self.decision, bool(tied), self.guessed)
         result = PositionResult(
             token_id=token,
             distance=distance,
-            margin=float(others.min()) if others.numel() else float("inf"),
+            margin=min(float(others.min()) if others.numel() else math.inf, beside if guess == token else math.inf),
             tolerance=self.radius,
             candidates_checked=ctx.forwarded + scouted,
             screened_out=ctx.screened,
