@@ -174,7 +174,7 @@ def _add_speed_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="guess the whole prompt first by a search whose forwards run with bfloat16 GEMMs, then check the guess "
         "with one plain forward (speed only, never the answer; default: a float32 model on a CPU with native bfloat16 "
-        "GEMMs, from 30%% of the depth on, without --max-candidates)",
+        "GEMMs, from 30%% of the depth on, where such a state lies within 2%% of its norm, without --max-candidates)",
     )
 
 

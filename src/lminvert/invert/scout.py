@@ -27,6 +27,10 @@ from .tolerance import SAFETY, Calibration, calibrate, screen_calibration
 
 BUDGET = 256  # candidates per position before the scout gives a position up (and its prompt stops there)
 FROM = 0.3  # the scout runs from this fraction of the model's depth on (below, a float32 forward costs little)
+# the largest error of a state computed with bfloat16 GEMMs, relative to its norm, at which the scout runs by default:
+# SmolLM2 0.97-1.93% at layers 9-30 (where it took 0.78-0.90x the time), Gemma-3-270m 2.4% and 6.1% at layers 9 and 18
+# (1.55x and 1.67x: its guesses broke off; docs/results.md, "The scout")
+MAX_ERROR = 0.02
 
 
 def scouting_calibration(model: LoadedModel, layer: Layer, scale: float = 1.0) -> Calibration:
@@ -42,6 +46,9 @@ def scouting_calibration(model: LoadedModel, layer: Layer, scale: float = 1.0) -
 
 def pays(model: LoadedModel, layer: Layer) -> bool:
     """Whether the scout pays here: a float32 model on a CPU with native bfloat16 GEMMs
-    (:attr:`lminvert.models.LayerProbe.can_screen`), at a layer from ``FROM`` of the depth on."""
+    (:attr:`lminvert.models.LayerProbe.can_screen`), at a layer from ``FROM`` of the depth on, whose states computed
+    with bfloat16 GEMMs lie at most ``MAX_ERROR`` of the norm off (the screening calibration)."""
     probe = model.probe
-    return probe.can_screen and int(layer) >= FROM * probe.n_layers
+    if not (probe.can_screen and int(layer) >= FROM * probe.n_layers):
+        return False
+    return screen_calibration(model, layer) <= MAX_ERROR
