@@ -58,12 +58,12 @@ def main() -> int:
     wrong = 0
     for spec in args.layers.split(","):
         layer = model.probe.layer(spec)
-        chunks = [prompts[i : i + args.together] for i in range(0, len(prompts), args.together)]
-        states = [lminvert.encode(model, chunk, layer) for chunk in chunks]
-        options = {}
-        if args.capture != "own":  # rows of one padded batch, as a deployment captures them
+        if args.capture == "own":
+            chunks = [prompts[i : i + args.together] for i in range(0, len(prompts), args.together)]
+            states, options = [lminvert.encode(model, chunk, layer) for chunk in chunks], {}
+        else:  # rows of one padded batch, as a deployment captures them
             rows = padded_states(model.probe, layer, prompts, args.capture)
-            states = [torch.stack(rows[i : i + 1]).to(model.probe.dtype) for i in range(len(rows))]
+            states = [r[None].to(model.probe.dtype) for r in rows]
             options = {"layer": layer, "source": "float"}
         lminvert.invert(model, states[0], **options)  # what the layer builds once (tables, radii), not timed
         seconds, results = {True: [], False: []}, {True: [], False: []}

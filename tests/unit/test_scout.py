@@ -123,3 +123,18 @@ def test_where_the_scout_goes():
     assert wants(model, probe.layer(2), InvertConfig(scout=True, max_candidates=64), True)
     half = lminvert.load_model("tiny-llama", dtype="bfloat16")
     assert not wants(half, half.probe.layer(2), InvertConfig(scout=True), True)
+
+
+def test_a_scout_asked_of_a_model_that_cannot_run_it_is_a_one_line_error(cli, tmp):
+    """``scout=True`` (``--scout``) on a model whose linear layers cannot run in bfloat16 (a bfloat16 model) is
+    refused in one line naming the option, before any search; ``--no-scout`` there is no error."""
+    half = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    states = encode(half, [IDS[:4]], 2)
+    with pytest.raises(lminvert.LminvertError, match="drop --scout"):
+        invert(half, states, scout=True)
+    (result,) = invert(half, states, scout=False)
+    assert result.token_ids == IDS[:4]
+    path = tmp / "s.safetensors"
+    states.save(path)
+    proc = cli("invert", str(path), "--model", "tiny-llama", "--dtype", "bfloat16", "--scout")
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and "--scout" in proc.stderr

@@ -84,7 +84,7 @@ def invert(
     if isinstance(states, torch.Tensor):
         states = HiddenStates.from_array(states.detach().cpu())
     model = require_loaded(model, "invert")
-    _check_screen(model, search.screen)
+    _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
     if kind != "states" or (leak.noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's
         last = _last_options(leak, search)
@@ -124,11 +124,17 @@ def _config(model: LoadedModel, search: Search, run: Run, source: ErrorModel, de
     )
 
 
-def _check_screen(model: LoadedModel, screen: bool | None) -> None:
-    """A one-line error where ``screen=True`` was asked of a model that cannot screen (see :func:`invert`)."""
-    if screen and (reason := model.probe.screen_refusal) is not None:
+def _check_screen(model: LoadedModel, screen: bool | None, scout: bool | None = None) -> None:
+    """A one-line error where ``screen=True`` or ``scout=True`` was asked of a model whose linear layers cannot run in
+    bfloat16 (see :func:`invert`)."""
+    reason = model.probe.screen_refusal
+    if screen and reason is not None:
         raise LminvertError(
             f"screening runs a float32 model's candidate batches in bfloat16; {reason}: drop --screen (screen=True)"
+        )
+    if scout and reason is not None:
+        raise LminvertError(
+            f"the scout runs a float32 model's forwards in bfloat16; {reason}: drop --scout (scout=True)"
         )
 
 

@@ -10,13 +10,14 @@ over 228 positions of 12 held-out prompts, the prefix's keys from bfloat16 forwa
 tokens whose input vectors lie nearest the true one's was at least 4.6% (median 33%) away: such a state tells the
 token, but cannot prove it.
 
-So the scout runs the engine's own search (policies, chains, the next-token prior) with every cached forward in
-bfloat16 and the screening radius as its ball (:func:`scouting_calibration`), stopping a prompt at its first position
-that fits nothing (:attr:`.search.Settings.scouting`). Its tokens are a guess, never an answer: the engine then computes
-the plain forward of the whole guessed prompt, shaped like the observer's, and gives each position its state as a
-verified candidate with its plain distance (:meth:`.speculation.Speculator.seed`). The acceptor decides every position
-on that evidence as on any other: a right guess that reproduces the observation is decided without a forward of its
-own, and from the first position decided otherwise the search goes on as without the scout (its forwards in float32).
+So the scout runs the engine's own search (policies, chains, the next-token prior) with every cached forward from
+position 1 on in bfloat16 (position 0's first batch in float32) and the screening radius as its ball
+(:func:`scouting_calibration`), stopping a prompt at its first position that fits nothing
+(:attr:`.search.Settings.scouting`). Its tokens are a guess, never an answer: the engine then computes the plain forward
+of the whole guessed prompt, shaped like the observer's, and gives each position its state as a verified candidate
+with its plain distance (:meth:`.speculation.Speculator.seed`). The acceptor decides every position on that evidence as
+on any other: a right guess that reproduces the observation is decided without a forward of its own, and from the
+first position decided otherwise the search goes on as without the scout (its forwards in float32).
 A wrong guess costs the scout's time, never the answer.
 """
 
