@@ -331,7 +331,8 @@ def test_batch_scale_changes_speed_not_the_answer():
 
 def test_tied_groups_are_exactly_equal_rows():
     """Tied groups from the bucketed hash equal those of sorting whole rows: rows that agree on every hashed entry but
-    differ elsewhere are not tied, -0.0 and 0.0 are the same input, a group of three is one group."""
+    differ elsewhere are not tied, -0.0 and 0.0 are the same input, a group of three is one group. They are kept in
+    the model's memo until the vocabulary matrix is edited in place."""
     from types import SimpleNamespace
 
     from lminvert.models import ties
@@ -345,10 +346,13 @@ def test_tied_groups_are_exactly_equal_rows():
     matrix[20] = 0.0
     matrix[21] = 0.0
     matrix[21, 0] = -0.0
-    model = SimpleNamespace(probe=SimpleNamespace(vocab_matrix=lambda: matrix))
+    model = SimpleNamespace(probe=SimpleNamespace(vocab_matrix=lambda: matrix), memo={})
     _, inverse, counts = torch.unique(matrix + 0.0, dim=0, return_inverse=True, return_counts=True)
     expected = sorted(sorted((inverse == g).nonzero().flatten().tolist()) for g in (counts > 1).nonzero().flatten())
     assert ties.tied_token_groups(model) == expected == [[3, 7, 250], [20, 21]]
+    assert ties.tied_token_groups(model) == expected and len(model.memo) == 1  # kept
+    matrix[8] = matrix[3]  # edited in place: computed again
+    assert ties.tied_token_groups(model) == [[3, 7, 8, 250], [20, 21]]
 
 
 def test_merged_orders_keep_each_token_once_at_its_first_place_and_follow_the_weights():
@@ -473,6 +477,8 @@ def test_projected_norms_of_the_secant_ranking():
     approx, ref = projected_norms(rows, row_norms, jac, 8), exact(jac)
     assert float((approx - ref).abs().max() / ref.max()) < 0.3
     assert torch.corrcoef(torch.stack([approx, ref]))[0, 1] > 0.9
+    low = projected_norms(rows, row_norms, jac, 8, rows.bfloat16())  # the product on a bfloat16 copy: nearly the same
+    assert low.dtype == torch.float32 and float((low - approx).abs().max() / approx.max()) < 0.02
 
 
 def _reading_context(vocab: torch.Tensor, ids: list[int], target: int, position: int = 1):

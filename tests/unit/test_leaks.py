@@ -274,10 +274,10 @@ def test_a_later_position_where_several_fit_is_certified_only_by_a_replay_that_r
 
 def test_the_ridge_fits_order_in_bfloat16_is_the_float32_orders_near_its_top(monkeypatch):
     """The rows search's ridge ranker (a proposal: every candidate it orders is verified) takes its product with the
-    vocabulary in bfloat16 where that is native (``rankers.HALF``) and in float32 with the switch off; the two orders
-    put the same tokens first, up to near ties."""
+    vocabulary in bfloat16 where that is native (``vocabulary.HALF_RANKS``) and in float32 with the switch off; the
+    two orders put the same tokens first, up to near ties."""
     from lminvert.invert.rows import rankers
-    from lminvert.models import halfmath
+    from lminvert.models import halfmath, vocabulary
 
     gen = torch.Generator().manual_seed(3)
     vocab = torch.randn(4096, 64, generator=gen)
@@ -289,7 +289,7 @@ def test_the_ridge_fits_order_in_bfloat16_is_the_float32_orders_near_its_top(mon
     monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     kept = rankers.Ridge.of(model.probe).low
     assert kept is model.probe.vocab_matrix(torch.bfloat16)  # the probe's kept copy, not a new one per search
-    monkeypatch.setattr(rankers, "HALF", False)
+    monkeypatch.setattr(vocabulary, "HALF_RANKS", False)
     assert rankers.Ridge.of(model.probe).low is None
     full, half = rankers.Ridge(vocab), rankers.Ridge(vocab, vocab.bfloat16())
     a, b = full.order(ids, rows, target), half.order(ids, rows, target)

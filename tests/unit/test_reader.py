@@ -172,11 +172,14 @@ def test_the_training_prompts_forward_runs_in_bfloat16_where_native_and_its_stat
     assert 0 < float(off.max()) < 0.05, off  # bfloat16 keeps 8 bits: about 0.4% a product, a few of them per block
 
 
-def test_the_preparations_checks_rank_with_bfloat16_products_nearly_as_float32_ranks(isolated_cache):
+def test_the_preparations_checks_rank_with_bfloat16_products_nearly_as_float32_ranks(isolated_cache, monkeypatch):
     """``held_out_ranks(half=True)`` (the preparation's checks, where bfloat16 is native): the vocabulary product on a
-    bfloat16 copy, its distances within a small part of the float32 ones and the ranks nearly the same; a proposal
-    (``half=False``, the default) is untouched."""
+    bfloat16 copy, its distances within a small part of the float32 ones and the ranks nearly the same; with the
+    switch off (``vocabulary.HALF_RANKS``) or where bfloat16 is not native, float32."""
     from lminvert.invert import reader
+    from lminvert.models import halfmath, vocabulary
+
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
 
     model = lminvert.load_model("tiny-llama")
     layer = model.probe.layer(2)
@@ -190,6 +193,11 @@ def test_the_preparations_checks_rank_with_bfloat16_products_nearly_as_float32_r
     exact = reader.held_out_ranks(model, weights, prompts, states)
     close = reader.held_out_ranks(model, weights, prompts, states, half=True)
     assert sum(abs(a - b) <= max(2, 0.01 * a) for a, b in zip(exact, close, strict=True)) >= 0.9 * len(exact)
+    monkeypatch.setattr(vocabulary, "HALF_RANKS", False)
+    assert torch.equal(reading.input_distances(model, read, half=True), full)
+    monkeypatch.setattr(vocabulary, "HALF_RANKS", True)
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert torch.equal(reading.input_distances(model, read, half=True), full)
 
 
 @pytest.mark.parametrize(

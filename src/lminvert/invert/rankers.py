@@ -150,18 +150,18 @@ class SecantRanker(Ranker):
         s = self.settings
         x, h = self.centred(ctx)
         alone = len(x) >= s.fresh  # enough data here: fit this position alone
-        vocab = ctx.probe.vocab_matrix(torch.float32)
+        vocab, low = ctx.probe.vocab_matrix(torch.float32), ctx.probe.low_vocab()
         if alone:
             self.local = None
         else:
             if s.local_from and len(x) >= s.local_from:  # a second opinion from this position alone
                 jac = fit_secant_map(x, h, ridge=s.ridge)
-                self.local = (jac, projected_norms(vocab, self._vocab_sq, jac, s.norm_rank))
+                self.local = (jac, projected_norms(vocab, self._vocab_sq, jac, s.norm_rank, low))
             x = torch.cat([x, *(p[0] for p in self._pool)])
             h = torch.cat([h, *(p[1] for p in self._pool)])
         prior = None if alone else self.jac
         self.jac = fit_secant_map(x, h, ridge=s.ridge, prior=prior, prior_weight=s.prior)
-        self._norms = projected_norms(vocab, self._vocab_sq, self.jac, s.norm_rank)
+        self._norms = projected_norms(vocab, self._vocab_sq, self.jac, s.norm_rank, low)
         self._fitted_on = ctx.checked
 
     def offset(self, ctx: PositionContext, jac: torch.Tensor | None = None) -> torch.Tensor:

@@ -131,12 +131,14 @@ def nearest_inputs(model: LoadedModel, predicted: torch.Tensor, depth: int) -> t
 
 def input_distances(model: LoadedModel, predicted: torch.Tensor, half: bool = False) -> torch.Tensor:
     """``[N, |V|]``: ``||e_v - p||^2 - ||p||^2`` for each row ``p`` of ``predicted`` and every token's input vector
-    ``e_v`` (the same order as the distance; float32, on the model's device). ``half``: the product runs on a kept
-    bfloat16 copy of the vocabulary (``p.e_v`` to about 3 significant digits; 2.6x faster on this project's AVX512-BF16
-    CPU, SmolLM2, 512 rows), for checks that only compare readings, never for a proposal."""
+    ``e_v`` (the same order as the distance; float32, on the model's device). ``half``: the product runs on the probe's
+    bfloat16 copy of the vocabulary where such GEMMs are native (:meth:`lminvert.models.LayerProbe.low_vocab`; ``p.e_v``
+    to about 3 significant digits; 2.6x faster on this project's AVX512-BF16 CPU, SmolLM2, 512 rows), for checks that
+    only compare readings: proposals keep float32 (on Gemma-3-270m's last layer it changed the candidates of 4 of 10
+    prompts, some up by 20%, for no gain in time)."""
     vocab = model.probe.vocab_matrix(torch.float32)
     norms = squared_norms(model, "vocabulary", vocab)[None]
-    if half:
-        low = model.probe.vocab_matrix(torch.bfloat16)
+    low = model.probe.low_vocab() if half else None
+    if low is not None:
         return norms - 2.0 * (predicted.to(low.device, torch.bfloat16) @ low.T).float()
     return norms - 2.0 * predicted.to(vocab.device) @ vocab.T

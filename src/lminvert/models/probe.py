@@ -163,6 +163,11 @@ class LayerProbe:
         device; ``dtype=torch.float32`` gives (and keeps) a float32 copy for rankings in a half-precision model."""
         return vocabulary.vocab_matrix(self, dtype)
 
+    def low_vocab(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """The vocabulary in bfloat16 for products that only order candidates, where native (else None):
+        :func:`.vocabulary.low_vocab`."""
+        return vocabulary.low_vocab(self, device)
+
     def vocab_dots(self, vector: torch.Tensor) -> torch.Tensor:
         """``vocab_matrix() @ vector`` ``[V]`` in float32, for rankings (they only order candidates, each of which is
         verified); on a CPU through a scaled float16 copy of the vocabulary (:func:`.vocabulary.vocab_dots`: why, and

@@ -25,9 +25,19 @@ def tied_token_groups(model: LoadedModel) -> list[list[int]]:
     Rows are first bucketed by an exact integer hash of the bits of ``HASHED`` of their entries (a wrapping sum of
     the float32 bit patterns times random 64-bit weights: identical rows hash alike), then every bucket of two or
     more is split by exact comparison of whole rows, so a shared hash never ties two different rows. Much faster
-    than sorting the whole matrix (``torch.unique(dim=0)``): it runs on every inversion."""
-    with torch.no_grad():
-        matrix = model.probe.vocab_matrix().detach()
+    than sorting the whole matrix (``torch.unique(dim=0)``). Every inversion asks for them: they are kept in the
+    model's memo while the vocabulary matrix is the same tensor, unedited (Gemma-3-270m's 262,144 rows took 0.16 s
+    per call here)."""
+    kept = model.probe.vocab_matrix()
+    key = ("tied-groups", id(kept), kept._version)
+    if key not in model.memo:
+        with torch.no_grad():
+            model.memo[key] = _groups(kept.detach())
+    return [list(group) for group in model.memo[key]]
+
+
+def _groups(matrix: torch.Tensor) -> list[list[int]]:
+    """:func:`tied_token_groups` of ``matrix``'s rows, computed."""
     columns = torch.linspace(0, matrix.shape[1] - 1, min(HASHED, matrix.shape[1])).long().unique()
     sample = matrix[:, columns.to(matrix.device)].float().cpu() + 0.0  # -0.0 -> 0.0: equal as inputs
     bits = sample.contiguous().view(torch.int32).to(torch.int64)

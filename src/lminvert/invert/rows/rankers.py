@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ...models import LayerProbe, LoadedModel
-from ...models.halfmath import native_bfloat16
 from ..context import PositionContext
 from ..rankers import SecantRanker
 from ..reader import reading_for
@@ -17,7 +16,6 @@ from ..reading import nearest_inputs, read
 
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
-HALF = True  # the ridge prediction's product with the vocabulary in bfloat16 where native (False: float32)
 
 
 class Secant:
@@ -73,9 +71,8 @@ class Ridge:
     @classmethod
     def of(cls, probe: LayerProbe) -> Ridge:
         """The ridge ranker of ``probe``'s vocabulary, on the CPU, its product on the probe's kept bfloat16 copy where
-        those GEMMs are native there (:data:`HALF`)."""
-        low = probe.vocab_matrix(torch.bfloat16).cpu() if HALF and native_bfloat16(torch.device("cpu")) else None
-        return cls(probe.vocab_matrix(torch.float32).cpu(), low)
+        those GEMMs are native there (:meth:`LayerProbe.low_vocab`)."""
+        return cls(probe.vocab_matrix(torch.float32).cpu(), probe.low_vocab(torch.device("cpu")))
 
     def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Every token, the nearest predicted row first. The prediction of input ``v`` is ``v W + b`` with
@@ -96,7 +93,7 @@ class Ridge:
         if len(alpha) < alpha.shape[1]:  # fewer samples than the rows' dimensions: measure in alpha's row span
             basis = torch.linalg.qr(alpha.T).Q  # [k, n]
             weights, offset = weights @ basis, offset @ basis
-        # the prediction in float32, its product in bfloat16 where native (HALF): it only orders candidates
+        # the prediction in float32, its product in bfloat16 where native (low_vocab): it only orders candidates
         if self.low is not None:
             return ((self.low @ weights.bfloat16()).float() + offset.float()).norm(dim=1).argsort()
         return (self.vocab @ weights.float() + offset.float()).norm(dim=1).argsort()
