@@ -295,3 +295,50 @@ def test_the_ridge_fits_order_in_bfloat16_is_the_float32_orders_near_its_top(mon
     a, b = full.order(ids, rows, target), half.order(ids, rows, target)
     assert int(a[0]) == 17 and int(b[0]) == 17  # the token whose row the target is, first either way
     assert len(set(a[:64].tolist()) & set(b[:64].tolist())) >= 56
+
+
+def test_a_kv_caches_secant_model_starts_from_the_position_1_map_fitted_through_the_view(tiny, monkeypatch):
+    """A KV cache's rows search starts its secant model from the position-1 map fitted through the view
+    (``tables.second_position_map(through=...)``: ``[d, k]``, kept apart from the states' ``[d, d]`` map), which ranks
+    a position-1 row's true token near the top (the offset from a few verified rows); with the switch off
+    (``rankers.VIEW_PRIOR``) it starts with no fit. A proposal: the same tokens and verdicts either way."""
+    from lminvert.forward import vocabulary_states
+    from lminvert.invert import tables
+    from lminvert.invert.rows import rankers
+    from lminvert.invert.views import make_view
+
+    probe = tiny.probe
+    view = make_view("kv", tiny, probe.layer(2))  # block 2 reads layer 1's states
+    layer, through = view.states_layer, (view.name, view.rows_of)
+    jac = tables.second_position_map(tiny, layer, through)
+    assert jac.shape == (probe.hidden_size, view.width)
+    assert tables.second_position_map(tiny, layer).shape == (probe.hidden_size, probe.hidden_size)
+    secant = rankers.Secant(tiny, layer, False, through)
+    secant.begin_prompt()
+    assert torch.equal(secant.ranker.jac, jac)
+    vocab = probe.vocab_matrix(torch.float32)
+    ranks = []
+    for first, second in _prompts(tiny, 6, 2, 17):
+        anchors = torch.randperm(probe.vocab_size, generator=torch.Generator().manual_seed(first))[:32]
+        ((_, states),) = vocabulary_states(tiny, [first], [layer], tokens=anchors, batch=32)
+        offset = (view.rows_of(states[layer], 1) - vocab[anchors] @ jac.float()).mean(0)
+        target = view.capture([first, second])[1]
+        dists = (vocab @ jac.float() + offset - target).square().sum(1)
+        ranks.append(int((dists <= dists[second]).sum()) - 1)  # ties count against it
+    assert max(ranks) < 0.01 * probe.vocab_size, ranks
+    monkeypatch.setattr(rankers, "VIEW_PRIOR", False)
+    off = rankers.Secant(tiny, layer, False, through)
+    off.begin_prompt()
+    assert off.ranker.jac is None
+    prompts = _prompts(tiny, 2, 8, 13)
+    cache, _ = _cache(tiny, prompts, left=False)
+    entry = cache.layers[1]
+    rows = [torch.cat([entry.keys[i].transpose(0, 1).flatten(1), entry.values[i].transpose(0, 1).flatten(1)], -1)
+            for i in range(len(prompts))]  # fmt: skip
+    verdicts = {}
+    for arm in (True, False):
+        monkeypatch.setattr(rankers, "VIEW_PRIOR", arm)
+        results = [lminvert.invert(tiny, HiddenStates.from_array(r), 2, leak="kv")[0] for r in rows]
+        _check(results, prompts)
+        verdicts[arm] = [r.verdicts for r in results]
+    assert verdicts[True] == verdicts[False]

@@ -124,6 +124,11 @@ class SecantRanker(Ranker):
         self._vocab_sq = squared_norms(model, "vocabulary", model.probe.vocab_matrix(torch.float32))
         self._prior = position1_projection(model, layer) if first_table else None
 
+    def start_from(self, prior: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Every prompt's first fit: ``(J, ||e_v J||^2 for every v)`` (a view's position-1 map,
+        :func:`.tables.position1_projection`) instead of the one :meth:`prepare` chose."""
+        self._prior = prior
+
     def begin_prompt(self, states: torch.Tensor, readings: torch.Tensor | None) -> None:
         self._pool = []
         self.jac, self._norms = self._prior if self._prior is not None else (None, None)

@@ -248,25 +248,40 @@ def _normed_table(model: LoadedModel, last: Layer, final: Layer) -> FirstTable:
 
 
 POSITION1 = "position1-map"  # the cache's name for the position-1 map
+# a view's rows at position 1 from the layer's states (``(name, rows_of)``: :meth:`lminvert.invert.views.View.rows_of`)
+Through = tuple[str, Callable[[torch.Tensor, int], torch.Tensor]]
 
 
-def second_position_map(model: LoadedModel, layer: Layer) -> torch.Tensor:
+def _position1_kind(through: Through | None) -> str:
+    return POSITION1 if through is None else f"{POSITION1}-{through[0]}"
+
+
+def second_position_map(model: LoadedModel, layer: Layer, through: Through | None = None) -> torch.Tensor:
     """A secant linear map ``J`` [d, d] from input vectors to position-1 states, for random first tokens
-    (:func:`fit_position1_maps`). Built once per model and layer, cached."""
-    fit_position1_maps(model, [layer])
-    jac = kept(model, layer, POSITION1)
+    (:func:`fit_position1_maps`); ``through``: to a view's rows at position 1 instead (``[d, k]``, e.g. a KV
+    cache's, whose block reads ``layer``'s states). Built once per model and layer (and view), cached."""
+    fit_position1_maps(model, [layer], through=through)
+    jac = kept(model, layer, _position1_kind(through))
     assert jac is not None
     return jac
 
 
 def fit_position1_maps(
-    model: LoadedModel, layers: list[Layer], contexts: int = 12, samples: int = 256, seed: int = 0, outlier: float = 4.0
+    model: LoadedModel,
+    layers: list[Layer],
+    contexts: int = 12,
+    samples: int = 256,
+    seed: int = 0,
+    outlier: float = 4.0,
+    through: Through | None = None,
 ) -> list[Layer]:
     """The position-1 map of each of ``layers`` not kept yet, kept: a ridge fit over ``contexts`` random first tokens x
     ``samples`` random second tokens (centred per context, attention-sink outliers dropped), all layers from one pass
     of the same draws up to the highest of them (each layer's map is the one it would get alone: the draws do not
-    depend on the layer). Returns the layers fitted."""
-    missing = [layer for layer in layers if kept(model, layer, POSITION1) is None]
+    depend on the layer); ``through``: of a view's rows computed from those states (:func:`second_position_map`).
+    Returns the layers fitted."""
+    kind = _position1_kind(through)
+    missing = [layer for layer in layers if kept(model, layer, kind) is None]
     if not missing:
         return []
     probe = model.probe
@@ -278,22 +293,25 @@ def fit_position1_maps(
         ids = torch.randint(0, probe.vocab_size, (samples,), generator=gen)
         ((_, states),) = vocabulary_states(model, [first], missing, tokens=ids, batch=samples)
         for layer in missing:
-            h = states[layer].double()
+            h = (states[layer] if through is None else through[1](states[layer], 1)).double()
             keep = h.norm(dim=1) <= outlier * h.norm(dim=1).median()
             x, h = centre(vocab[ids][keep], h[keep])
             xs[layer].append(x)
             hs[layer].append(h)
     for layer in missing:
         fitted = fit_secant_map(torch.cat(xs[layer]), torch.cat(hs[layer]), ridge=1e-3)
-        cached(model, layer, POSITION1, lambda fitted=fitted: fitted)
+        cached(model, layer, kind, lambda fitted=fitted: fitted)
     return missing
 
 
-def position1_projection(model: LoadedModel, layer: Layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(J, ||e_v J||² for every v)`` of the position-1 map: the linear policy's starting ranking, computed once
-    per loaded model and layer (|V|·d² flops) and kept in memory (the ranking needs only the norms and ``J``)."""
-    key = ("position1-projection", int(layer), model.dtype)
+def position1_projection(
+    model: LoadedModel, layer: Layer, through: Through | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(J, ||e_v J||² for every v)`` of the position-1 map (``through``: a view's, :func:`second_position_map`): the
+    linear policy's starting ranking, computed once per loaded model and layer (|V|·d·k flops) and kept in memory
+    (the ranking needs only the norms and ``J``)."""
+    key = ("position1-projection", int(layer), model.dtype, _position1_kind(through))
     if key not in model.memo:
-        jac = second_position_map(model, layer)
+        jac = second_position_map(model, layer, through)
         model.memo[key] = (jac, (model.probe.vocab_matrix(torch.float32) @ jac.float()).square().sum(1))
     return model.memo[key]

@@ -211,7 +211,10 @@ class Attack:
         reading = None
         if self.reading and self.leak.name == "states" and public is None:
             reading = StateReading(self.model, layer, self.model.probe.vocab_size)
-        secant = Secant(self.model, layer, self.leak.name == "states" and public is None) if self.secant else None
+        secant = None
+        if self.secant:
+            view = (self.leak.name, self.leak.rows_of) if public is None and self.leak.name != "states" else None
+            secant = Secant(self.model, layer, self.leak.name == "states" and public is None, view)
         screen = Screen(self.model, lambda: self.calibration.screened(public)) if self.screen else None
         capture = kept = None
         if public is None:  # the lookahead's rule at position 0 measured on the view's own rows (kept per source)

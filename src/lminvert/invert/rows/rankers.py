@@ -13,24 +13,33 @@ from ..context import PositionContext
 from ..rankers import SecantRanker
 from ..reader import reading_for
 from ..reading import nearest_inputs, read
+from ..tables import Through, position1_projection
 
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
+VIEW_PRIOR = True  # a view's secant model starts from the position-1 map fitted through the view (False: no first fit)
 
 
 class Secant:
     """The engine's secant model ``h(x) ~ a + x J`` of a position's map from input vectors to rows
     (:class:`lminvert.invert.rankers.SecantRanker`, the linear policy's: fitted on this position's verified candidates
     and the last positions', pulled towards the previous fit, refitted whenever the position's candidates doubled; for
-    the rows of a states leak it starts from the position-1 map), for one prompt at a time. Where neither the model's
+    the rows of a states leak it starts from the position-1 map, for a view's rows from that map fitted through the
+    view), for one prompt at a time. Where neither the model's
     prediction nor the reading ranks a token, it often does: SmolLM2 layer 30, ``noise:0.001``, two positions whose
     token stood at 3,576 and 25,074 in the ridge fit's order stood at 9 and 1,032 in this one."""
 
-    def __init__(self, model: LoadedModel, layer, states: bool) -> None:
-        """``states``: the rows are the layer's states themselves (the position-1 map is then the first fit)."""
+    def __init__(self, model: LoadedModel, layer, states: bool, through: Through | None = None) -> None:
+        """``states``: the rows are the layer's states themselves (the position-1 map is then the first fit);
+        ``through``: else a view's rows (``(name, rows_of)``), whose position-1 map
+        (:func:`lminvert.invert.tables.second_position_map` through it) is the first fit where :data:`VIEW_PRIOR` is
+        on. A KV cache's position 1 after its attention sink: the model's prediction put the true token of 8 held-out
+        prompts 33rd to 42,170th at block 15, this map (its offset from 32 verified rows) 1st to 569th for 6 of them."""
         self.probe = model.probe
         self.ranker = SecantRanker()
         self.ranker.prepare(model, layer, states, None)
+        if through is not None and not states and VIEW_PRIOR:
+            self.ranker.start_from(position1_projection(model, layer, through))
         self.ctx: PositionContext  # the position being searched (set by :meth:`begin`)
 
     def begin_prompt(self) -> None:
