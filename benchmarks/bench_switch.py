@@ -43,10 +43,13 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=12, help="held-out texts, in order (heldout.py)")
     parser.add_argument("--length", type=int, default=20)
     args = parser.parse_args()
-    where, name = args.switch.split(":")
-    module = importlib.import_module(where)
+    where, _, name = args.switch.partition(":")
+    try:
+        module = importlib.import_module(where)
+    except ImportError:
+        parser.error(f"no module {where!r}: give --switch as module:NAME, e.g. lminvert.models.vocabulary:HALF_RANKS")
     if not isinstance(getattr(module, name, None), bool):
-        parser.error(f"{args.switch} is not a boolean constant")
+        parser.error(f"{args.switch} is not a boolean constant: give --switch as module:NAME")
     model = lminvert.load_model(args.model, dtype=args.dtype)
     texts = list(dict.fromkeys((*HELD_OUT, *DEEP, *FRESH)))[: args.prompts]
     prompts = [list(model.tokenize(text, args.length)) for text in texts]
