@@ -19,11 +19,24 @@ before any one-vector search is built: two probes on held-out prompts (``heldout
     python benchmarks/probe_last.py --probe offsets
     python benchmarks/probe_last.py --probe swaps --layer 1 --length 4 --rounds 40 --batch 128 --prompts 6
     python benchmarks/probe_last.py --probe prefix --layer 15 --length 8 --kept 3 --gap skip --prompts 8
+    python benchmarks/probe_last.py --probe descent --layer 15 --length 4 --others 2000 --prompts 8
+
+* ``--probe descent``: whether exhaustive sweeps would find the prompt, length given: coordinate descent from random
+  tokens (the last one the layer's reading of the vector), each pass sweeping positions from the second-to-last down
+  to 0 and then the last, each position's token set to the one whose prompt's last state lies nearest, the other
+  positions held (their forwards with bfloat16 GEMMs where native: they only choose; the end is checked by a plain
+  forward), until a pass changes nothing or after ``--passes``. ``--others N``: a sweep tries the true token, the
+  current one and ``N`` random ones (an oracle proxy for the whole vocabulary at a fraction of its cost: more
+  distractors can only add wrong minima); ``--others 0``: the whole vocabulary (no oracle; about ``V`` forwards of
+  up to ``--length`` tokens per position and pass); ``--prior K``: the current token and the model's ``K`` likeliest
+  after the current prefix (no oracle). Printed per prompt: exact or not, positions right after each
+  pass, the final relative distance, seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -165,9 +178,77 @@ def prefix(model, layer_spec: str, length: int, kept: int, gap: str, others: int
     )
 
 
+def descent(model, layer_spec: str, length: int, others: int, count: int, passes: int, prior_top: int) -> None:
+    from lminvert.invert.prefix_prior import Prior
+    from lminvert.invert.reader import reading_for
+    from lminvert.invert.reading import reading_orders
+
+    probe = model.probe
+    layer = probe.layer(layer_spec)
+    vocab = probe.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    fast = probe.screening if probe.can_screen else contextlib.nullcontext
+    weights = reading_for(model, layer)
+    prior = Prior(model)
+
+    def last(prefix: torch.Tensor, suffixes: torch.Tensor) -> torch.Tensor:
+        """The last state of ``prefix + suffix`` for each row of ``suffixes``, the prefix's cache made once."""
+        cache = probe.prefix(prefix.tolist(), layer) if len(prefix) else None
+        out = []
+        with torch.no_grad(), fast():
+            for part in suffixes.split(1024):
+                if cache is None:
+                    out.append(probe.states(part, layer)[layer][:, -1].float())
+                else:
+                    out.append(probe.chains(cache, part)[0][:, -1].float())
+        return torch.cat(out)
+
+    exact = 0
+    for text in DEEP[:count]:
+        ids = torch.tensor(model.tokenize(text)[:length])
+        with torch.no_grad():
+            target = probe.states(ids[None], layer)[layer][0, -1].float()
+        start = time.perf_counter()
+        guess = torch.randint(0, vocab, (length,), generator=generator)
+        guess[-1] = int(reading_orders(model, weights, target[None].to(probe.device), 1)[0][0])
+        right = []
+        for _ in range(passes):
+            before = guess.clone()
+            for k in [*range(length - 2, -1, -1), length - 1]:
+                if prior_top:  # no oracle: the prior's likeliest after the current prefix, the current token
+                    after = prior.logprobs([tuple(guess[:k].tolist())])[0].topk(prior_top).indices
+                    tokens = torch.cat([guess[k : k + 1], after]).unique()
+                elif others:
+                    tokens = torch.cat(
+                        [ids[k : k + 1], guess[k : k + 1], torch.randint(0, vocab, (others,), generator=generator)]
+                    )
+                else:
+                    tokens = torch.arange(vocab)
+                suffixes = guess[k:].repeat(len(tokens), 1)
+                suffixes[:, 0] = tokens
+                guess[k] = tokens[(last(guess[:k], suffixes) - target).norm(dim=1).argmin()]
+            right.append(int((guess == ids).sum()))
+            if torch.equal(guess, before):
+                break
+        with torch.no_grad():
+            plain = probe.states(guess[None], layer)[layer][0, -1].float()
+        found = torch.equal(guess, ids)
+        exact += found
+        print(
+            f"{'exact' if found else 'wrong'} right after each pass {right} "
+            f"distance/norm={float((plain - target).norm() / target.norm()):.4f} {time.perf_counter() - start:.1f} s  "
+            f"{model.decode(ids.tolist())!r} -> {model.decode(guess.tolist())!r}",
+            flush=True,
+        )
+    sweep = f"the true token, the current one and {others} random ones" if others else "the whole vocabulary"
+    if prior_top:
+        sweep = f"the current token and the prior's {prior_top} likeliest after the current prefix"
+    print(f"{exact}/{count} exact (layer {layer.name}, {length} tokens, each sweep {sweep})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--probe", choices=("offsets", "swaps", "prefix"), required=True)
+    parser.add_argument("--probe", choices=("offsets", "swaps", "prefix", "descent"), required=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--layers", default="1,15,30,final", help="--probe offsets")
     parser.add_argument("--layer", default="1", help="--probe swaps")
@@ -177,7 +258,16 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--kept", type=int, default=3, help="--probe prefix: the prompt's tokens kept")
     parser.add_argument("--gap", choices=("skip", "fill"), default="skip", help="--probe prefix")
-    parser.add_argument("--others", type=int, default=511, help="--probe prefix: random tokens")
+    parser.add_argument(
+        "--others", type=int, default=511,
+        help="--probe prefix: random tokens; --probe descent: random tokens per sweep beside the true one (0: all)",
+    )  # fmt: skip
+    parser.add_argument("--passes", type=int, default=4, help="--probe descent: passes at most")
+    parser.add_argument(
+        "--prior", type=int, default=0,
+        help="--probe descent: sweep the current token and the model's K likeliest after the current prefix instead "
+        "(no oracle)",
+    )  # fmt: skip
     args = parser.parse_args()
     import lminvert
 
@@ -186,6 +276,8 @@ def main() -> int:
     print(f"{args.model}, {torch.get_num_threads()} threads")
     if args.probe == "offsets":
         offsets(model, args.layers.split(","))
+    elif args.probe == "descent":
+        descent(model, args.layer, args.length, args.others, args.prompts, args.passes, args.prior)
     elif args.probe == "prefix":
         prefix(model, args.layer, args.length, args.kept, args.gap, args.others, args.prompts)
     else:
