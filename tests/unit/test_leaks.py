@@ -4,6 +4,7 @@ the one-line refusals of what that route does not take."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -201,7 +202,7 @@ def test_position_0_run_alone_is_certified_where_the_table_does_not_reproduce_it
     view = make_view("kv", model, model.probe.layer(model.probe.n_layers))
     rows = view.capture(ids)
     attack = Attack(view)
-    measured = attack._measure(None)
+    measured = dataclasses.replace(attack._measure(None), gap=0.0)  # no decisive ball: the table's rows alone decide
     off = attack.table * (1 + 1e-3 * torch.randn(attack.table.shape, generator=torch.Generator().manual_seed(0)))
     assert not torch.equal(off[ids[0]], rows[0])
     ran: list[list[int]] = []
@@ -342,3 +343,53 @@ def test_a_kv_caches_secant_model_starts_from_the_position_1_map_fitted_through_
         _check(results, prompts)
         verdicts[arm] = [r.verdicts for r in results]
     assert verdicts[True] == verdicts[False]
+
+
+def test_a_kv_row_read_back_points_along_the_state_it_came_from(tiny):
+    """A KV cache's rows, their rotation undone, read back through the fitted map (:mod:`lminvert.invert.rows.back`)
+    point along the states they were computed from (tiny-llama's keys and values are as wide as its states, so the
+    map is nearly exact there), and not along another position's."""
+    from lminvert.invert.rows.back import read_back
+    from lminvert.invert.views import make_view
+
+    ids = _prompts(tiny, 1, 10, 5)[0]
+    view = make_view("kv", tiny, tiny.probe.layer(2))
+    back = read_back(view, view.capture(ids))
+    states = tiny.probe.states(torch.tensor(ids), [view.states_layer])[view.states_layer][0].float().cpu()
+    along = torch.nn.functional.cosine_similarity(back[1:], states[1:])
+    other = torch.nn.functional.cosine_similarity(back[1:], states[1:].roll(1, 0))
+    assert float(along.min()) > 0.99 and float(other.max()) < 0.9
+    turned = torch.nn.functional.cosine_similarity(read_back(view, view.capture(ids)[1:])[1:], states[2:])
+    assert float(turned.min()) < 0.99  # rows read at the wrong positions (their rotation undone wrongly) read worse
+
+
+def test_a_float_capture_is_decided_in_a_decisive_ball_and_a_box_never_is(tiny):
+    """The rows search's gap is measured through the view, the attention sink's rows included, as the engine's is for
+    states; a float32 model's float capture then has a ball narrower than it, so a later position's first batch is
+    ``DECISIVE_FIRST`` candidates and one candidate inside its inner half is the token (confident). Beyond a
+    quantisation's box no ball is decisive: a row anywhere in the box fits."""
+    from itertools import islice
+
+    from lminvert.invert.rows.attack import Attack
+    from lminvert.invert.rows.search import BATCH, DECISIVE_FIRST, FIRST, RowSearch
+    from lminvert.invert.sources import Float, Quant
+    from lminvert.invert.views import make_view
+
+    view = make_view("kv", tiny, tiny.probe.layer(2))
+    attack = Attack(view)
+    measured = attack._measure(None)
+    assert 0 < measured.gap < 2
+    projection = torch.randn(view.width, 8, generator=torch.Generator().manual_seed(0))
+    assert attack.calibration.gap(lambda rows: rows @ projection) > 0
+    rows = view.capture(_prompts(tiny, 1, 6, 9)[0])
+    floated = RowSearch(tiny, view.states_layer, view.rows_of, Float(), measured, attack.table)
+    assert floated.radii(rows[3], 3).decisive
+    assert list(islice(floated._sizes(True), 4)) == [DECISIVE_FIRST, FIRST - DECISIVE_FIRST, BATCH - FIRST, BATCH]
+    assert list(islice(floated._sizes(False), 3)) == [FIRST, BATCH - FIRST, BATCH]
+    boxed = RowSearch(tiny, view.states_layer, view.rows_of, Quant(kind="int8"), measured, attack.table)
+    assert boxed.radii(rows[3], 3).gap == 0 and not boxed.radii(rows[3], 3).decisive
+    prompts = _prompts(tiny, 2, 8, 21)
+    results = [lminvert.invert(tiny, HiddenStates.from_array(view.capture(ids)), 2, leak="kv")[0] for ids in prompts]
+    _check(results, prompts)
+    checked = [n for r in results for n in r.candidates_checked[1:]]
+    assert DECISIVE_FIRST in checked and all(v in CLAIMED for r in results for v in r.verdicts), checked

@@ -62,6 +62,11 @@ class View:
         a row's distance to another at ``position`` is their moved rows' distance, up to rounding)."""
         raise NotImplementedError(f"a {self.name} view's rows depend on the tokens before them")
 
+    def settled(self, rows: torch.Tensor) -> torch.Tensor:
+        """A prompt's rows ``[T, k]`` with what their positions alone do to them undone, so that each is
+        :meth:`rows_of` its state at position 0 (the rows themselves where positions do nothing to them)."""
+        return rows.float().cpu()
+
 
 @dataclass(frozen=True)
 class StatesView(View):
@@ -107,6 +112,9 @@ class KVView(View):
         """Block 1 reads the input vectors, which a rotary model gives no position: its keys and values at a position
         are its token's, the keys rotated there (an orthogonal map)."""
         return int(self.layer) == 1
+
+    def settled(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.block.settled(rows)
 
     def moved_back(self, rows: torch.Tensor, position: int) -> torch.Tensor:
         if not self.alone:

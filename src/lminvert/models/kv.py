@@ -102,6 +102,11 @@ class KVBlock:
         there where nothing before it changes it (block 1), and back."""
         return self._turn(rows, torch.full((len(rows),), position), -1.0 if back else 1.0)
 
+    def settled(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``[T, D]`` of positions ``0 .. T - 1`` with every key's rotation undone (each as at position 0, where
+        the rotation is the identity): what the block computes from each state before its position enters."""
+        return self._turn(rows, torch.arange(len(rows)), -1.0)
+
     def moved(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
         """Rows ``[T, D]`` whose keys were rotated at positions ``offset .. offset + T - 1`` (a left-padded batch run
         with positions counted from its pads) with every key rotated at ``0 .. T - 1`` instead, as a forward of the

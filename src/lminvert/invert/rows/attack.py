@@ -138,8 +138,9 @@ class Attack:
         self, leak: View, memo: bool = True, reading: bool = True, lookahead: bool = True, first: int = FIRST,
         secant: bool = True, reuse: bool = True, screen: bool | None = None, last: LastOptions | None = None,
     ) -> None:  # fmt: skip
-        """``reading``: a states leak's rows searches take half of each position's rankers' order from what the row
-        reads as (:class:`.rankers.StateReading`); ``lookahead``: where several first tokens fit, the next row
+        """``reading``: a states leak's rows searches, and a KV cache's after block 1, take half of each position's
+        rankers' order from what the row reads as (:class:`.rankers.StateReading`; a KV row read back as a state,
+        :mod:`.back`); ``lookahead``: where several first tokens fit, the next row
         chooses (:class:`.search.RowSearch`; off: the nearest at position 0); ``first``: the rows searches' first
         batch at a position (then the rest of ``search.BATCH``, then ``BATCH`` per batch; ``BATCH``: every batch that
         size); ``secant``: the rows searches' later batches draw from the secant model too (:class:`.rankers.Secant`);
@@ -209,8 +210,10 @@ class Attack:
         layer = self.leak.states_layer
         measured = measured or self._measure(public, source.boxed)
         reading = None
-        if self.reading and self.leak.name == "states" and public is None:
-            reading = StateReading(self.model, layer, self.model.probe.vocab_size)
+        # a KV cache's rows read back as states (:mod:`.back`); an alone view's rows are ranked by the table instead
+        if self.reading and public is None and self.leak.name in ("states", "kv") and not self.leak.alone:
+            view = self.leak if self.leak.name == "kv" else None
+            reading = StateReading(self.model, layer, self.model.probe.vocab_size, view)
         secant = None
         if self.secant:
             view = (self.leak.name, self.leak.rows_of) if public is None and self.leak.name != "states" else None

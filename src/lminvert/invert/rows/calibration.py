@@ -23,6 +23,8 @@ Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a positio
 Map = Callable[[torch.Tensor], torch.Tensor]  # a public map of the rows (rows [n, k] -> [n, m])
 Pair = tuple[int, torch.Tensor, torch.Tensor]  # a position, what was compared there [1, *], the plain states [1, d]
 KIND, SCREEN_KIND = "audit-calibration1", "audit-screen1"  # the cache's names: new ones whenever what is run changes
+GAP_KIND = "rows-gap1"  # every calibration position's true token and OTHERS random ones, by the cached forward
+OTHERS = 63  # random candidates beside the true token at each position, for the gap
 OBSERVED_KIND = "rows-observed1"  # a named view's deployment rows of the calibration prompts (with the view's name)
 
 
@@ -35,6 +37,10 @@ class Measured:
     # states give, :func:`lminvert.invert.layouts.foreign_calibration` through the view)
     first: float
     rest: float  # the same at later positions
+    # the smallest distance from a position's true row to another candidate's, relative to the true row's norm, over
+    # every position (the attention sink's too) and OTHERS random candidates at each, as the engine's calibration
+    # measures it for states (:mod:`lminvert.invert.tolerance`); 0: not measured (no ball is decisive)
+    gap: float = 0.0
 
 
 def through(rows_of: Rows, public: Map | None) -> Rows:
@@ -63,6 +69,7 @@ class Calibration:
         self._cached: list[Pair] | None = None  # cached forwards' states beside the plain forward's
         self._observed: list[Pair] | None = None  # the deployment's rows beside the plain forward's states
         self._screened: list[Pair] | None = None  # screened states beside the plain forward's
+        self._others: list[tuple[int, torch.Tensor]] | None = None  # a position, its true token's states then others'
 
     @functools.cached_property
     def prompts(self) -> list[list[int]]:
@@ -89,7 +96,17 @@ class Calibration:
         if layouts and public is None and self.name is not None:
             elsewhere = foreign_calibration(self.model, self.layer, self.rows_of, self.name)
             first, rest = max(first, elsewhere[0]), max(rest, elsewhere[1])
-        return Measured(rounding, first, rest)
+        return Measured(rounding, first, rest, self.gap(public))
+
+    def gap(self, public: Map | None = None) -> float:
+        """:attr:`Measured.gap` through ``public`` (None: the rows themselves)."""
+        if self._others is None:
+            self._others = self._kept_others()
+        rows, gaps = through(self.rows_of, public), []
+        for t, states in self._others:
+            found = rows(states, t).double()
+            gaps.append(float((found[1:] - found[0]).norm(dim=1).min() / found[0].norm().clamp_min(1e-30)))
+        return min(gaps)
 
     def screened(self, public: Map | None = None) -> float:
         """The relative disagreement of a screened batch's rows (``SCREEN_FROM`` candidates, the true token among
@@ -108,6 +125,25 @@ class Calibration:
         packed = cached(self.model, self.layer, kind, build, per_device=True).cpu()
         dtype = self.model.probe.dtype
         return [(int(p[0, -1]), p[:1, :-1].to(dtype), p[1:, :-1].to(dtype)) for p in packed]
+
+    def _kept_others(self) -> list[tuple[int, torch.Tensor]]:
+        """Per position of every calibration prompt: the cached forward's states ``[1 + OTHERS, d]`` of its true token
+        then of ``OTHERS`` random other tokens, over a prefix made in one forward (kept beside the tables)."""
+        probe, length = self.model.probe, len(self.prompts[0])
+
+        def build() -> torch.Tensor:  # [prompts * T, 1 + OTHERS, d] float64 (exact for every float dtype)
+            gen, out = torch.Generator().manual_seed(0), []
+            for ids in self.prompts:
+                for t in range(length):
+                    others = torch.randint(0, probe.vocab_size - 1, (OTHERS,), generator=gen)
+                    batch = torch.cat([torch.tensor([ids[t]]), others + (others >= ids[t]).long()])  # never the true
+                    with torch.no_grad():
+                        prefix = probe.prefix(ids[:t], self.layer)
+                        out.append(probe.continuation(prefix, batch.to(probe.device)).cpu().double())
+            return torch.stack(out)
+
+        kept = cached(self.model, self.layer, GAP_KIND, build, per_device=True).cpu().to(probe.dtype)
+        return [(i % length, states) for i, states in enumerate(kept)]
 
     def _observe(self) -> list[Pair]:
         """The deployment's rows beside the plain forward's states."""

@@ -14,6 +14,8 @@ from ..rankers import SecantRanker
 from ..reader import reading_for
 from ..reading import nearest_inputs, read
 from ..tables import Through, position1_projection
+from ..views import View
+from .back import read_back
 
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
@@ -109,15 +111,17 @@ class Ridge:
 
 
 class StateReading:
-    """What shipped rows of states at ``layer`` read as, for the rows search of a states leak (proposals only: every
-    candidate is still verified):
+    """What shipped rows of states at ``layer`` (or a view's rows read back as them) read as, for the rows search
+    (proposals only: every candidate is still verified):
 
     * :meth:`orders` - per position, the ``depth`` tokens whose input vectors lie nearest what the row (and the one
       before it) reads as (:mod:`lminvert.invert.reading`: the reading network where one is cached, else the linear
       reading map, built and cached on first use)."""
 
-    def __init__(self, model: LoadedModel, layer, depth: int) -> None:
-        self.model, self.layer, self.depth = model, layer, depth
+    def __init__(self, model: LoadedModel, layer, depth: int, view: View | None = None) -> None:
+        """``view``: the rows are that view's, read back as the states they came from (:mod:`.back`) before they are
+        read (None: the rows are the layer's states)."""
+        self.model, self.layer, self.depth, self.view = model, layer, depth, view
         self.weights = reading_for(model, layer)
 
     def orders(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
@@ -128,7 +132,8 @@ class StateReading:
         usable = [t for t in range(1, len(rows)) if present[t] and present[t - 1]]
         out: list[torch.Tensor | None] = [None] * len(rows)
         if usable:
-            predicted = read(self.weights, rows.nan_to_num().to(self.model.probe.device))[usable]
+            states = rows.nan_to_num() if self.view is None else read_back(self.view, rows.nan_to_num())
+            predicted = read(self.weights, states.to(self.model.probe.device))[usable]
             for t, order in zip(usable, nearest_inputs(self.model, predicted, self.depth).cpu(), strict=True):
                 out[t] = order
         return out

@@ -10,9 +10,11 @@ bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.firs
 the acceptor finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
 (:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers:
 position 0 from the first-position table (every token verified at once), later positions the model's own next-token
-prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; for a
-view whose rows depend on their token and position alone, block 1's cache, the table's rows nearest the row moved back
-to position 0 instead), 32 of them first, then the rest of the first 256, then 256 at a time. Later batches merge
+prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; a KV
+cache's row read back as a state first, :mod:`.back`; for a view whose rows depend on their token and position alone,
+block 1's cache, the table's rows nearest the row moved back to position 0 instead), 32 of them first (8, then 24,
+where the ball is decisive: narrower than the calibration's gap between two tokens' rows, so that one candidate inside
+its inner half is the token), then the rest of the first 256, then 256 at a time. Later batches merge
 that order with the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a
 ridge fit on this position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's
 candidates double. Where several first tokens fit
@@ -28,8 +30,9 @@ A :class:`StateMemo` shared by the searches of one leak and layer keeps every ve
 prefix, so another defence's search verifies a candidate one of them already ran without a forward.
 
 Radii are measured, not assumed (:class:`.calibration.Calibration`: how far the cached forward's rows lie from a plain
-forward's, and the deployment's own rows from the plain forward's); the source's error model adds the defence's
-bound, computed on the shipped row.
+forward's, the deployment's own rows from the plain forward's, and the smallest gap from a true row to a random
+candidate's, the attention sink's included, as the engine measures it for states); the source's error model adds the
+defence's bound, computed on the shipped row. Beyond a quantisation's box no ball is decisive.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ FIRST = 32  # the first batch at a position after the first (then the rest of BA
 # nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
 # prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
+DECISIVE_FIRST = 8  # the first batch where the ball is decisive (a verdict needs no population of candidates then)
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -110,7 +114,7 @@ class RowSearch:
         self.first, self.alone = first, alone
         self._norms: torch.Tensor | None = None  # the table's squared row norms, for an alone view's order
         self.source = source.calibrated(measured.first, measured.rest)
-        self.rounding = measured.rounding
+        self.rounding, self.gap = measured.rounding, measured.gap
         probe = model.probe
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
@@ -126,11 +130,14 @@ class RowSearch:
 
     def radii(self, shipped: torch.Tensor, t: int) -> Radii:
         """Every distance here is a cached forward's, so (as in :mod:`lminvert.invert.reference`, whose distances are
-        all plain) the plain radius is the cached one: the error bound plus the cached forward's rounding."""
+        all plain) the plain radius is the cached one: the error bound plus the cached forward's rounding. The gap is
+        the calibration's (:attr:`.calibration.Measured.gap`) at the row's norm, as the engine's."""
         bound = self.source.distance_bound(shipped, t)
         size = norm(shipped)
         rounding = SAFETY * max(self.rounding, self.floor) * size
-        return Radii(bound + rounding, bound + rounding, bound, rounding, 0.0, FLOOR * size)
+        # beyond a quantisation's box no ball is decisive: a row within its distance may lie anywhere in the box
+        gap = 0.0 if self.source.boxed else self.gap * size
+        return Radii(bound + rounding, bound + rounding, bound, rounding, gap, FLOOR * size)
 
     def run(self, shipped: torch.Tensor) -> Found:
         """Invert one prompt's rows ``[T, k]`` (rows of NaN: missing positions)."""
@@ -252,11 +259,16 @@ class RowSearch:
             streams.append(self.ridge.order(ids, rows, target))
         return merge(torch.stack([*streams, base])) if streams else base
 
-    def _sizes(self):
-        """The batch sizes at a position after the first: ``first``, the rest of ``BATCH``, then ``BATCH`` for ever
-        (the first ``BATCH`` candidates are the rankers' first ``BATCH`` whatever ``first`` is; a position that needs
-        more than ``first`` usually needs many more, and small batches cost more per candidate)."""
-        yield self.first
+    def _sizes(self, decisive: bool = False):
+        """The batch sizes at a position after the first: ``first`` (split as ``DECISIVE_FIRST`` and the rest where
+        the ball is decisive: one candidate inside its inner half is then the token, with no population of others,
+        :func:`lminvert.invert.acceptor.decide`), the rest of ``BATCH``, then ``BATCH`` for ever (the first ``BATCH``
+        candidates are the rankers' first ``BATCH`` whatever the sizes are; a position that needs more than ``first``
+        usually needs many more, and small batches cost more per candidate: doubling the candidates with each batch
+        instead took SmolLM2's block-15 cache 1.17x the time, 4 held-out prompts)."""
+        if decisive and self.first > DECISIVE_FIRST:
+            yield DECISIVE_FIRST
+        yield self.first - (DECISIVE_FIRST if decisive and self.first > DECISIVE_FIRST else 0)
         if self.first < BATCH:
             yield BATCH - self.first
         while True:
@@ -341,7 +353,7 @@ class RowSearch:
         out = None if self.screen is None or t == 0 else self.screen.screened(target, radii.plain)
         pool = seen if out is None else Verified(target, self.source.distances)  # the rankers' rows: screened ones too
         reranked = 0  # candidates checked when the order was last made
-        for n, size in enumerate([vocab] if t == 0 else self._sizes()):
+        for n, size in enumerate([vocab] if t == 0 else self._sizes(radii.decisive)):
             if out is not None and out.count and bool(done.all()):  # every token ran: the screened-out in full now
                 order = out.take()
                 done[order] = False
@@ -373,7 +385,7 @@ class RowSearch:
                 if learning is not None:
                     learning.end()
                 return decision, checked, measure(ids, rows, dists, decision.token)
-            if checked >= RERANK * reranked:
+            if checked >= max(self.first, RERANK * reranked):
                 order, reranked = (
                     self._reranked(*known, target, base, None if learning is None else learning.order()),
                     checked,
