@@ -365,13 +365,12 @@ def test_a_kv_row_read_back_points_along_the_state_it_came_from(tiny):
 
 def test_a_float_capture_is_decided_in_a_decisive_ball_and_a_box_never_is(tiny):
     """The rows search's gap is measured through the view, the attention sink's rows included, as the engine's is for
-    states; a float32 model's float capture then has a ball narrower than it, so a later position's first batch is
-    ``DECISIVE_FIRST`` candidates and one candidate inside its inner half is the token (confident). Beyond a
-    quantisation's box no ball is decisive: a row anywhere in the box fits."""
-    from itertools import islice
-
+    states; a float32 model's float capture then has a ball narrower than it, so one candidate inside its inner half is
+    the token (confident, by that rule). Beyond a quantisation's box no ball is decisive: a row anywhere in the box
+    fits."""
+    from lminvert.invert.acceptor import CONFIDENT
     from lminvert.invert.rows.attack import Attack
-    from lminvert.invert.rows.search import BATCH, DECISIVE_FIRST, FIRST, RowSearch
+    from lminvert.invert.rows.search import RowSearch
     from lminvert.invert.sources import Float, Quant
     from lminvert.invert.views import make_view
 
@@ -384,12 +383,10 @@ def test_a_float_capture_is_decided_in_a_decisive_ball_and_a_box_never_is(tiny):
     rows = view.capture(_prompts(tiny, 1, 6, 9)[0])
     floated = RowSearch(tiny, view.states_layer, view.rows_of, Float(), measured, attack.table)
     assert floated.radii(rows[3], 3).decisive
-    assert list(islice(floated._sizes(True), 4)) == [DECISIVE_FIRST, FIRST - DECISIVE_FIRST, BATCH - FIRST, BATCH]
-    assert list(islice(floated._sizes(False), 3)) == [FIRST, BATCH - FIRST, BATCH]
     boxed = RowSearch(tiny, view.states_layer, view.rows_of, Quant(kind="int8"), measured, attack.table)
     assert boxed.radii(rows[3], 3).gap == 0 and not boxed.radii(rows[3], 3).decisive
     prompts = _prompts(tiny, 2, 8, 21)
     results = [lminvert.invert(tiny, HiddenStates.from_array(view.capture(ids)), 2, leak="kv")[0] for ids in prompts]
     _check(results, prompts)
-    checked = [n for r in results for n in r.candidates_checked[1:]]
-    assert DECISIVE_FIRST in checked and all(v in CLAIMED for r in results for v in r.verdicts), checked
+    later = [(p.verdict, p.reason) for r in results for p in r.positions[1:]]
+    assert (CONFIDENT, "the only match in a ball narrower than the gaps") in later, later

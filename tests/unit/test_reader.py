@@ -14,8 +14,10 @@ from lminvert.invert import proposal as proposal_module
 from lminvert.invert.preparation import Preparation, prepare
 from lminvert.invert.reader import QUICK_KIND, load_reader, train_reader
 from lminvert.invert.reading import reading_map, reading_orders
+from lminvert.invert.rows.back import back_map
 from lminvert.invert.tables import table_path
 from lminvert.invert.tolerance import calibrate, calibration_kind, calibration_prompts, measure
+from lminvert.invert.views import make_view
 
 PREPARE = ["models", "--prepare", "tiny-llama", "--no-inversion"]  # --reader alone, not the preparation
 
@@ -301,6 +303,7 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     assert given["random"] == 0 and given["text"] == 0 and given["hidden"] == 16
     assert [line.split(" (")[0].split(":")[0] for line in made] == [
         "reading maps at layers 1-2",
+        "KV read-back maps at 1 of blocks 2-2",
         "quick reading network at layer 2 kept",
         "quick reading networks trained and checked",
         "layer 2's reading network lent to 1 of layers 1-1, where it reads held-out prompts better than their maps",
@@ -333,10 +336,13 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     assert load_reader(again, last)[0].out_features == 8  # used before the quick one, and by the layer it was lent to
     assert load_reader(again, first) is load_reader(again, last)
     shared = reading_map(fresh, first)
+    back = back_map(make_view("kv", fresh, last))  # block 2's, made by the preparation from the same forward
     monkeypatch.setenv("LMINVERT_CACHE", str(tmp_path / "alone"))
     (tmp_path / "alone" / "models").mkdir(parents=True)
     (tmp_path / "alone" / "models" / "smollm2-135m").symlink_to(isolated_cache / "models" / "smollm2-135m")
-    assert torch.equal(reading_map(lminvert.load_model("tiny-llama"), first), shared)
+    alone = lminvert.load_model("tiny-llama")
+    assert torch.equal(back_map(make_view("kv", alone, last)), back)  # built alone, with its layer's reading map
+    assert torch.equal(reading_map(alone, first), shared)
 
 
 def test_a_layer_whose_map_reads_better_than_the_lent_network_keeps_its_map_and_is_checked_once(

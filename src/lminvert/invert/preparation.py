@@ -3,7 +3,8 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
 
 * the linear reading map (:mod:`.reading`) at every layer, fitted on one forward of its training prompts that
   computes all layers at once (built on first use, it costs that forward per layer: seconds at layer 1, a minute at
-  SmolLM2's last);
+  SmolLM2's last), and from the same states the map that reads a KV cache's rows back as states at every block after
+  the first (:mod:`.rows.back`);
 * a quick reading network (:mod:`.reader`, cached as :data:`.reader.QUICK_KIND`) at the last :attr:`Preparation.deep`
   layers, where the linear map reads the token worst: fewer training prompts (3,000 against 5,000), a smaller network
   and fewer vocabulary rows per step than ``--reader``'s, trained in the preparation's time, on its own prompts and the
@@ -40,6 +41,7 @@ from ..models import Layer, LoadedModel
 from ..models.halfmath import native_bfloat16
 from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
+from .rows.back import back_maps
 from .tables import first_position_table, fit_position1_maps, table_path, write_tables
 from .tolerance import calibrate_layers
 
@@ -74,6 +76,11 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
         layers = probe.layers("all")
         reading_maps(model, layers, shared)
         done.append(f"reading maps at layers 1-{probe.n_layers}: {time.perf_counter() - start:.1f} s")
+        if shared:  # the same forward's states read KV caches' rows back (blocks 2..L)
+            start = time.perf_counter()
+            if made := back_maps(model, shared):
+                seconds = time.perf_counter() - start
+                done.append(f"KV read-back maps at {made} of blocks 2-{probe.n_layers}: {seconds:.1f} s")
     deep = [probe.layer(probe.n_layers - i) for i in range(min(settings.deep, probe.n_layers))]
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
     if wanted:

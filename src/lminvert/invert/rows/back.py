@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import LminvertError
 from ...forward import prompt_states
+from ...models import LoadedModel
 from ..reading import reading_maps, training_prompts
-from ..tables import cached
-from ..views import View
+from ..tables import cached, kept
+from ..views import View, make_view
 
 KIND = "back-map1"  # the cache's name (with the view's); a new one whenever the fit changes
 RIDGE = 1e-4  # relative to the features' mean squared norm
@@ -35,24 +37,42 @@ def _features(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([unit, torch.ones_like(unit[:, :1])], dim=1)
 
 
-def back_map(view: View) -> torch.Tensor:
-    """``W`` ``[k + 1, d]`` (float64, on the CPU): unit states predicted from :func:`_features` of settled rows."""
+def back_map(view: View, shared: dict[str, list] | None = None) -> torch.Tensor:
+    """``W`` ``[k + 1, d]`` (float64, on the CPU): unit states predicted from :func:`_features` of settled rows.
+    ``shared``: the reading's training prompts' states at the view's states layer, where a caller computed them
+    (:func:`lminvert.invert.reading.reading_maps`' ``shared``; else one forward of those prompts, which also builds the
+    layer's reading map where it is not kept yet)."""
     layer = view.states_layer
 
     def build() -> torch.Tensor:
-        shared: dict[str, list] = {}
-        reading_maps(view.model, [layer], shared)  # the reading's training forward, where its map is not kept yet
-        prompts = shared.get("prompts")
-        if prompts is None:
-            prompts = training_prompts(view.model)
-            shared["states"] = prompt_states(view.model, prompts, [layer], progress=False)
-        states = torch.cat([s[layer][1:] for s in shared["states"]])  # position 0 is the first-position table's
+        made = shared if shared else {}
+        if not made:
+            reading_maps(view.model, [layer], made)  # the reading's training forward, where its map is not kept yet
+        if not made:
+            made["states"] = prompt_states(view.model, training_prompts(view.model), [layer], progress=False)
+        states = torch.cat([s[layer][1:] for s in made["states"]])  # position 0 is the first-position table's
         x = _features(view.rows_of(states, 0))
         gram = x.T @ x
         penalty = RIDGE * float(gram.diagonal().sum()) / len(x)
         return torch.linalg.solve(gram + penalty * torch.eye(len(gram), dtype=gram.dtype), x.T @ _unit(states))
 
     return cached(view.model, layer, f"{KIND}-{view.name}", build).double().cpu()
+
+
+def back_maps(model: LoadedModel, shared: dict[str, list]) -> int:
+    """:func:`back_map` of every KV block after the first (block 1's rows are ranked by the table) from the reading's
+    training states at every layer (``shared``, as :func:`lminvert.invert.reading.reading_maps` fills it), those not
+    kept yet; how many were made (0 for a model whose attention is not Llama-style)."""
+    made = 0
+    for block in range(2, model.probe.n_layers + 1):
+        try:
+            view = make_view("kv", model, model.probe.layer(block))
+        except LminvertError:
+            return made
+        if kept(model, view.states_layer, f"{KIND}-{view.name}") is None:
+            back_map(view, shared)
+            made += 1
+    return made
 
 
 def read_back(view: View, rows: torch.Tensor) -> torch.Tensor:

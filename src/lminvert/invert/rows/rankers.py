@@ -15,7 +15,7 @@ from ..reader import reading_for
 from ..reading import nearest_inputs, read
 from ..tables import Through, position1_projection
 from ..views import View
-from .back import read_back
+from .back import back_map, read_back
 
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
@@ -122,6 +122,8 @@ class StateReading:
         """``view``: the rows are that view's, read back as the states they came from (:mod:`.back`) before they are
         read (None: the rows are the layer's states)."""
         self.model, self.layer, self.depth, self.view = model, layer, depth, view
+        if view is not None:  # first: where neither is kept, one forward of the training prompts builds both
+            back_map(view)
         self.weights = reading_for(model, layer)
 
     def orders(self, rows: torch.Tensor) -> list[torch.Tensor | None]:

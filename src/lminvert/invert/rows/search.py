@@ -12,9 +12,8 @@ the acceptor finds several fit, whose nearest are replayed through that capture 
 position 0 from the first-position table (every token verified at once), later positions the model's own next-token
 prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; a KV
 cache's row read back as a state first, :mod:`.back`; for a view whose rows depend on their token and position alone,
-block 1's cache, the table's rows nearest the row moved back to position 0 instead), 32 of them first (8, then 24,
-where the ball is decisive: narrower than the calibration's gap between two tokens' rows, so that one candidate inside
-its inner half is the token), then the rest of the first 256, then 256 at a time. Later batches merge
+block 1's cache, the table's rows nearest the row moved back to position 0 instead), 32 of them first, then the rest
+of the first 256, then 256 at a time. Later batches merge
 that order with the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a
 ridge fit on this position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's
 candidates double. Where several first tokens fit
@@ -63,13 +62,12 @@ from .screen import Screen, Screened
 from .verified import Found, Measure, Verified, measure
 
 BATCH = 256  # candidates verified per forward, at most
-FIRST = 32  # the first batch at a position after the first (then the rest of BATCH, then BATCH per batch): the rankers
-# put the true token of a row that fits among their first few dozen at most positions; a forward costs as its batch's
+FIRST = 32  # the first batch at a position after the first (RowSearch._sizes): the rankers put the true token of a row
+# that fits among their first few dozen at most positions
 # candidates offered at a position once, after a guess, the row before fitted nothing (the prefix is likely wrong, so
 # nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
 # prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
-DECISIVE_FIRST = 8  # the first batch where the ball is decisive (a verdict needs no population of candidates then)
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -259,16 +257,13 @@ class RowSearch:
             streams.append(self.ridge.order(ids, rows, target))
         return merge(torch.stack([*streams, base])) if streams else base
 
-    def _sizes(self, decisive: bool = False):
-        """The batch sizes at a position after the first: ``first`` (split as ``DECISIVE_FIRST`` and the rest where
-        the ball is decisive: one candidate inside its inner half is then the token, with no population of others,
-        :func:`lminvert.invert.acceptor.decide`), the rest of ``BATCH``, then ``BATCH`` for ever (the first ``BATCH``
-        candidates are the rankers' first ``BATCH`` whatever the sizes are; a position that needs more than ``first``
-        usually needs many more, and small batches cost more per candidate: doubling the candidates with each batch
-        instead took SmolLM2's block-15 cache 1.17x the time, 4 held-out prompts)."""
-        if decisive and self.first > DECISIVE_FIRST:
-            yield DECISIVE_FIRST
-        yield self.first - (DECISIVE_FIRST if decisive and self.first > DECISIVE_FIRST else 0)
+    def _sizes(self):
+        """The batch sizes at a position after the first: ``first``, the rest of ``BATCH``, then ``BATCH`` for ever (a
+        position that needs more than ``first`` usually needs many more, and a forward's cost on a CPU is mostly its
+        own below a few dozen candidates: SmolLM2's block-15 cache, held-out prompts, took 1.17x the time doubling the
+        candidates with each batch, 1.08x with 32 more in the order remade after the first 32 before the rest, and
+        1.14x with a first batch of 8 where the ball is decisive, docs/results.md)."""
+        yield self.first
         if self.first < BATCH:
             yield BATCH - self.first
         while True:
@@ -353,7 +348,7 @@ class RowSearch:
         out = None if self.screen is None or t == 0 else self.screen.screened(target, radii.plain)
         pool = seen if out is None else Verified(target, self.source.distances)  # the rankers' rows: screened ones too
         reranked = 0  # candidates checked when the order was last made
-        for n, size in enumerate([vocab] if t == 0 else self._sizes(radii.decisive)):
+        for n, size in enumerate([vocab] if t == 0 else self._sizes()):
             if out is not None and out.count and bool(done.all()):  # every token ran: the screened-out in full now
                 order = out.take()
                 done[order] = False
