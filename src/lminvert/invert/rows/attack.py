@@ -209,11 +209,7 @@ class Attack:
         table = self.table if public is None else public(self.table)
         layer = self.leak.states_layer
         measured = measured or self._measure(public, source.boxed)
-        reading = None
-        # a KV cache's rows read back as states (:mod:`.back`); an alone view's rows are ranked by the table instead
-        if self.reading and public is None and self.leak.name in ("states", "kv") and not self.leak.alone:
-            view = self.leak if self.leak.name == "kv" else None
-            reading = StateReading(self.model, layer, self.model.probe.vocab_size, view)
+        reading = StateReading.of(self.model, self.leak) if self.reading and public is None else None
         secant = None
         if self.secant:
             view = (self.leak.name, self.leak.rows_of) if public is None and self.leak.name != "states" else None

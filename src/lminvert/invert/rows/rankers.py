@@ -20,6 +20,7 @@ from .back import back_map, read_back
 FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
 VIEW_PRIOR = True  # a view's secant model starts from the position-1 map fitted through the view (False: no first fit)
+READ_BACK = True  # a KV cache's rows are read back as states for the reading (:mod:`.back`; False: not read)
 
 
 class Secant:
@@ -125,6 +126,18 @@ class StateReading:
         if view is not None:  # first: where neither is kept, one forward of the training prompts builds both
             back_map(view)
         self.weights = reading_for(model, layer)
+
+    @classmethod
+    def of(cls, model: LoadedModel, view: View) -> StateReading | None:
+        """The reading of ``view``'s rows: a states view's own; a KV cache's read back as states where
+        :data:`READ_BACK` is on (SmolLM2, 6 held-out prompts: block 30's cache in 0.67x the time, docs/results.md);
+        None for any other view, and for block 1's cache, whose rows the table ranks."""
+        depth = model.probe.vocab_size
+        if view.name == "states":
+            return cls(model, view.states_layer, depth)
+        if view.name == "kv" and READ_BACK and not view.alone:
+            return cls(model, view.states_layer, depth, view)
+        return None
 
     def orders(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """Per position of ``rows`` ``[T, d]``, the reading's first tokens (None at position 0, whose table verifies
