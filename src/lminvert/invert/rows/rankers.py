@@ -130,8 +130,9 @@ class StateReading:
     @classmethod
     def of(cls, model: LoadedModel, view: View) -> StateReading | None:
         """The reading of ``view``'s rows: a states view's own; a KV cache's read back as states where
-        :data:`READ_BACK` is on (SmolLM2, 6 held-out prompts: block 30's cache in 0.67x the time, docs/results.md);
-        None for any other view, and for block 1's cache, whose rows the table ranks."""
+        :data:`READ_BACK` is on (SmolLM2, 6 held-out prompts: block 30's cache in 0.67-0.75x the time, block 15's
+        in 0.98-1.11x, docs/results.md); None for any other view, and for block 1's cache, whose rows the table
+        ranks."""
         depth = model.probe.vocab_size
         if view.name == "states":
             return cls(model, view.states_layer, depth)

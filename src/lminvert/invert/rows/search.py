@@ -262,7 +262,7 @@ class RowSearch:
         position that needs more than ``first`` usually needs many more, and a forward's cost on a CPU is mostly its
         own below a few dozen candidates: SmolLM2's block-15 cache, held-out prompts, took 1.17x the time doubling the
         candidates with each batch, 1.08x with 32 more in the order remade after the first 32 before the rest, and
-        1.14x with a first batch of 8 where the ball is decisive, docs/results.md)."""
+        0.96-1.14x in three runs with a first batch of 8 where the ball is decisive, docs/results.md)."""
         yield self.first
         if self.first < BATCH:
             yield BATCH - self.first
@@ -380,7 +380,7 @@ class RowSearch:
                 if learning is not None:
                     learning.end()
                 return decision, checked, measure(ids, rows, dists, decision.token)
-            if checked >= max(self.first, RERANK * reranked):
+            if checked >= RERANK * reranked:
                 order, reranked = (
                     self._reranked(*known, target, base, None if learning is None else learning.order()),
                     checked,
