@@ -41,8 +41,8 @@ from .rankers import Secant, StateReading
 from .screen import Screen
 from .search import FIRST, RowSearch
 
-NEXT_KIND = "rows-next5"  # the cache's name for the lookahead rule's measurement (with the view's and source's); a new
-# one whenever the rule changes (5: lookahead.COVER 4,096)
+NEXT_KIND = "rows-next6"  # the cache's name for the lookahead rule's measurement (with the view's and source's); a new
+# one whenever the rule changes (5: lookahead.COVER 4,096; 6: 2,048)
 
 
 class Shipped(Protocol):

@@ -23,8 +23,9 @@ Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a positio
 Map = Callable[[torch.Tensor], torch.Tensor]  # a public map of the rows (rows [n, k] -> [n, m])
 Pair = tuple[int, torch.Tensor, torch.Tensor]  # a position, what was compared there [1, *], the plain states [1, d]
 KIND, SCREEN_KIND = "audit-calibration1", "audit-screen1"  # the cache's names: new ones whenever what is run changes
-GAP_KIND = "rows-gap1"  # every calibration position's true token and OTHERS random ones, by the cached forward
-OTHERS = 63  # random candidates beside the true token at each position, for the gap
+GAP_KIND = "rows-gap3"  # every calibration position's true token and OTHERS random ones, by the cached forward (3: 31,
+# over a grown prefix)
+OTHERS = 31  # random candidates beside the true token at each position, for the gap (one forward of 32 per position)
 OBSERVED_KIND = "rows-observed1"  # a named view's deployment rows of the calibration prompts (with the view's name)
 
 
@@ -128,18 +129,20 @@ class Calibration:
 
     def _kept_others(self) -> list[tuple[int, torch.Tensor]]:
         """Per position of every calibration prompt: the cached forward's states ``[1 + OTHERS, d]`` of its true token
-        then of ``OTHERS`` random other tokens, over a prefix made in one forward (kept beside the tables)."""
+        then of ``OTHERS`` random other tokens, over the prefix grown a token at a time (kept beside the tables)."""
         probe, length = self.model.probe, len(self.prompts[0])
 
         def build() -> torch.Tensor:  # [prompts * T, 1 + OTHERS, d] float64 (exact for every float dtype)
             gen, out = torch.Generator().manual_seed(0), []
             for ids in self.prompts:
+                prefix = probe.prefix([], self.layer)
                 for t in range(length):
                     others = torch.randint(0, probe.vocab_size - 1, (OTHERS,), generator=gen)
                     batch = torch.cat([torch.tensor([ids[t]]), others + (others >= ids[t]).long()])  # never the true
                     with torch.no_grad():
-                        prefix = probe.prefix(ids[:t], self.layer)
                         out.append(probe.continuation(prefix, batch.to(probe.device)).cpu().double())
+                        # the prefix grown a token at a time, as the search grows it
+                        prefix = probe.prefix(ids[:1], self.layer) if t == 0 else probe.extend(prefix, ids[t])
             return torch.stack(out)
 
         kept = cached(self.model, self.layer, GAP_KIND, build, per_device=True).cpu().to(probe.dtype)

@@ -29,10 +29,10 @@ from .verified import Verified
 
 LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
 # position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
-COVER = 4096  # first tokens within position 0's error bound that may all be verified under the next token, in one batch
+COVER = 2048  # first tokens within position 0's error bound that may all be verified under the next token, in one batch
 # (more: the choice is a guess; SmolLM2 layer 15: 14-558 under noise:0.01 on some prompts, 1,443 and 1,479 on 'as the
-# toes of the feet were part' under two of three draws, which 1,024 left a guess; 3,500-7,700 under noise:0.03, about
-# 27,000 under quant:int4)
+# toes of the feet were part' under two of three draws, which 1,024 left a guess; 3,500-7,700 under noise:0.03, where
+# 4,096 claimed no prompt of 4 and took a test 3x the time; about 27,000 under quant:int4)
 PROMPTS = 4  # calibration prompts of each kind (random ids, the model's own continuations) for the rule's rate
 RIVAL = 256  # candidates the runner-up first token's own search at the next position may verify
 
