@@ -19,6 +19,7 @@ from ...errors import LminvertError
 from ...forward import prompt_states
 from ...models import LoadedModel
 from ..reading import reading_maps, training_prompts
+from ..secant import fit_secant_map
 from ..tables import cached, kept
 from ..views import View, make_view
 
@@ -52,9 +53,7 @@ def back_map(view: View, shared: dict[str, list] | None = None) -> torch.Tensor:
             made["states"] = prompt_states(view.model, training_prompts(view.model), [layer], progress=False)
         states = torch.cat([s[layer][1:] for s in made["states"]])  # position 0 is the first-position table's
         x = _features(view.rows_of(states, 0))
-        gram = x.T @ x
-        penalty = RIDGE * float(gram.diagonal().sum()) / len(x)
-        return torch.linalg.solve(gram + penalty * torch.eye(len(gram), dtype=gram.dtype), x.T @ _unit(states))
+        return fit_secant_map(x, _unit(states), ridge=RIDGE / len(x))  # its penalty is relative to ||x||^2
 
     return cached(view.model, layer, f"{KIND}-{view.name}", build).double().cpu()
 
