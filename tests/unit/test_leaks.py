@@ -314,6 +314,8 @@ def test_a_kv_caches_secant_model_starts_from_the_position_1_map_fitted_through_
     jac = tables.second_position_map(tiny, layer, through)
     assert jac.shape == (probe.hidden_size, view.width)
     assert tables.second_position_map(tiny, layer).shape == (probe.hidden_size, probe.hidden_size)
+    with pytest.raises(ValueError, match="one layer"):  # a view's rows belong to its own layer
+        tables.fit_position1_maps(tiny, [layer, probe.layer(2)], through=through)
     secant = rankers.Secant(tiny, layer, False, through)
     secant.begin_prompt()
     assert torch.equal(secant.ranker.jac, jac)

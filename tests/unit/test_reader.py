@@ -104,7 +104,7 @@ def test_readers_for_several_layers_share_one_pass_of_forwards(isolated_cache, m
     alone = [train_reader(model, layer, progress=False, **settings).state_dict() for layer in layers]
     passes = []
     real = forward.prompt_states
-    monkeypatch.setattr(reader, "prompt_states", lambda *a, **kw: passes.append(a[2]) or real(*a, **kw))
+    monkeypatch.setattr(reading, "prompt_states", lambda *a, **kw: passes.append(a[2]) or real(*a, **kw))
     together = reader.train_readers(model, list(reversed(layers)), progress=False, **settings)
     assert passes == [layers]  # one pass, for both layers
     for layer, weights in zip(layers, alone, strict=True):
@@ -156,10 +156,10 @@ def test_the_training_prompts_forward_runs_in_bfloat16_where_native_and_its_stat
     model = lminvert.load_model("tiny-llama")
     layer = model.probe.layer(2)
     monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert not reader._half_states(model, None)
+    assert not reading.half_states(model, None)
     monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
-    assert reader._half_states(model, None) and not reader._half_states(model, False)
-    assert not reader._half_states(lminvert.load_model("tiny-llama", dtype="bfloat16"), True)
+    assert reading.half_states(model, None) and not reading.half_states(model, False)
+    assert not reading.half_states(lminvert.load_model("tiny-llama", dtype="bfloat16"), True)
     prompts = reader.training_prompts(model, 0, 6, 10, reader.SEED)
     exact = prompt_states(model, prompts, [layer], progress=False)
     assert all(
@@ -200,6 +200,28 @@ def test_the_preparations_checks_rank_with_bfloat16_products_nearly_as_float32_r
     monkeypatch.setattr(vocabulary, "HALF_RANKS", True)
     monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2"}))
     assert torch.equal(reading.input_distances(model, read, half=True), full)
+
+
+def test_true_ranks_count_what_input_distances_rank_without_their_matrix(monkeypatch):
+    """``reading.true_ranks``: the number of tokens strictly nearer than the true one by ``input_distances``, counted
+    over vocabulary chunks (several chunks here); the true token never counts itself; float32 and bfloat16 products."""
+    from lminvert.models import halfmath
+
+    monkeypatch.setattr(halfmath, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(reading, "RANK_CHUNK", 100)
+    model = lminvert.load_model("tiny-llama")
+    vocab = model.probe.vocab_matrix(torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.probe.vocab_size, (40,), generator=generator)
+    spread = torch.tensor([0.0, 0.5, 2.0, 8.0]).repeat(10)[:, None]  # the true token first, then farther down
+    predicted = vocab[tokens] + spread * torch.randn(40, vocab.shape[1], generator=generator) * vocab.std()
+    for half in (False, True):
+        scores = reading.input_distances(model, predicted, half)
+        expected = (scores < scores.gather(1, tokens[:, None])).sum(1)
+        got = reading.true_ranks(model, predicted, tokens, half)
+        assert got.dtype == torch.int64 and got.shape == (40,)
+        assert torch.equal(got, expected) if not half else bool(((got - expected).abs() <= 1).all()), (got, expected)
+        assert int(expected.max()) > 100 and int(expected.min()) == 0  # ranks across chunks, and a first place
 
 
 @pytest.mark.parametrize(

@@ -32,11 +32,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from ..models.halfmath import native_bfloat16
 from . import reading
-from .reading import Reading, features, reading_map
+from .reading import Reading, features, reading_map, training_states
 from .tables import read_tables, squared_norms, write_tables
 
 log = logging.getLogger(__name__)
@@ -209,7 +208,7 @@ def train_reader(
     probe = model.probe
     if data is None:
         prompts = training_prompts(model, text, random, length, seed)
-        data = prompts, training_states(model, prompts, [layer], _half_states(model, bfloat16), progress)
+        data = prompts, training_states(model, prompts, [layer], reading.half_states(model, bfloat16), progress)
     prompts, states = data
     inputs = torch.cat([features(s[layer])[1:] for s in states]).float()  # position 0: the first-position table's
     tokens = torch.cat([torch.tensor(p[1:]) for p in prompts]).to(probe.device)
@@ -252,9 +251,8 @@ def held_out_ranks(
     tokens = torch.tensor([t for ids in prompts for t in ids[1:]], device=device)
     ranks: list[int] = []
     for start in range(0, len(read), RANKED_ROWS):  # many rows per product: one row at a time re-reads the vocabulary
-        score = reading.input_distances(model, read[start : start + RANKED_ROWS], half)
-        true = score.gather(1, tokens[start : start + RANKED_ROWS, None])
-        ranks += (score < true).sum(1).tolist()
+        part = slice(start, start + RANKED_ROWS)
+        ranks += reading.true_ranks(model, read[part], tokens[part], half).tolist()
     return ranks
 
 
@@ -305,7 +303,7 @@ def train_readers(
     model where bfloat16 GEMMs are native)."""
     if not layers:
         return {}
-    half = _half_states(model, options.get("bfloat16") if half_states is None else half_states)
+    half = reading.half_states(model, options.get("bfloat16") if half_states is None else half_states)
     prompts = training_prompts(model, text, random, length, seed)
     per_layer = 4 * model.probe.hidden_size * sum(len(p) for p in prompts)  # float32 states of one layer
     group = max(1, STATES_BYTES // max(1, per_layer))
@@ -320,25 +318,3 @@ def train_readers(
             trained[layer] = train_reader(model, layer, seed=seed, progress=progress, data=data, **options)
         del data
     return trained
-
-
-def _half_states(model: LoadedModel, asked: bool | None) -> bool:
-    """Whether the training prompts' forward runs its products in bfloat16: as ``asked``, else for a float32 model
-    where bfloat16 GEMMs are native (a half model's forward is half already)."""
-    if asked is not None:
-        return asked and model.probe.dtype == torch.float32
-    return model.probe.dtype == torch.float32 and bfloat16_training(model.probe.device)
-
-
-def training_states(
-    model: LoadedModel, prompts: list[list[int]], layers: Sequence[Layer], half: bool, progress: bool
-) -> list[dict[Layer, torch.Tensor]]:
-    """The training prompts' float32 states at ``layers``; ``half``: from a forward whose products run in bfloat16
-    (``torch.autocast``). The network then learns from states about 1% off a float32 forward's and reads exact ones
-    just as well, from half the forward's time: SmolLM2 layer 30, 1,500 prompts on this project's AVX512-BF16 CPU, 30
-    s against 54 s, held-out mean ``log2(2 + rank)`` 3.47 against 3.48 on the deep benchmark's prompts
-    (docs/results.md). Only what the network is trained on: the inversion's own forwards keep the model's dtype."""
-    device = model.probe.device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
-        states = prompt_states(model, prompts, layers, progress=progress)
-    return [{layer: state.float() for layer, state in row.items()} for row in states]

@@ -278,8 +278,10 @@ def fit_position1_maps(
     """The position-1 map of each of ``layers`` not kept yet, kept: a ridge fit over ``contexts`` random first tokens x
     ``samples`` random second tokens (centred per context, attention-sink outliers dropped), all layers from one pass
     of the same draws up to the highest of them (each layer's map is the one it would get alone: the draws do not
-    depend on the layer); ``through``: of a view's rows computed from those states (:func:`second_position_map`).
-    Returns the layers fitted."""
+    depend on the layer); ``through``: of a view's rows computed from those states (:func:`second_position_map`),
+    one layer's view, so with one layer only (a ``ValueError`` else). Returns the layers fitted."""
+    if through is not None and len(layers) != 1:
+        raise ValueError(f"a view's rows ('{through[0]}') belong to one layer: fit its position-1 map alone")
     kind = _position1_kind(through)
     missing = [layer for layer in layers if kept(model, layer, kind) is None]
     if not missing:
