@@ -151,7 +151,8 @@ def test_position_0_at_a_layer_without_its_own_table_is_ranked_with_a_kept_table
     (result,) = invert(smollm2, encode(smollm2, [ids], below))
     assert result.token_ids == ids and set(result.verdicts) == {"certified"}
     assert result.positions[0].candidates_checked <= 8  # the lifted state is nearest its own token's row
-    assert read == [above] and tables.kept(smollm2, below, "table") is None
+    # only layer 6's kept table is read (again by the sink ranker, where a later position is a sink: from memory)
+    assert read and set(read) == {above} and tables.kept(smollm2, below, "table") is None
 
 
 def test_one_vector_gives_back_a_short_prompt_certified_and_claims_nothing_longer(smollm2):
@@ -196,3 +197,23 @@ def test_one_vector_from_a_padded_batch_is_confident_where_right_and_claims_noth
             assert result.token_ids == ids and set(result.verdicts) == {"confident"}, (ids, result.verdicts)
         else:
             assert set(result.verdicts) == {"uncertain"}, result.text
+
+
+def test_a_second_attention_sink_is_led_by_the_first_position_table(smollm2, monkeypatch):
+    """Position 1 of this random-id prompt is an attention sink at layer 6 (its norm over 4 times the later ones'):
+    its state, lifted, points where its token's first-position row points (:mod:`lminvert.invert.sinks`), so the
+    true token leads the position's first batch. Without the lead the engine verified 18,032 candidates there (22 s on
+    this project's CPU); with it, one batch."""
+    from lminvert.invert import sinks
+
+    ids = [7724, 48536, 10287, 21288, 18139, 41558]
+    states = encode(smollm2, [ids], LAYER)
+    assert sinks.sinks(states.states[0]) == [1]
+    result = invert(smollm2, states)[0]
+    assert result.token_ids == ids and result.uncertain_positions == []
+    assert result.positions[1].candidates_checked <= 16
+    monkeypatch.setattr(sinks, "SINK_LEAD", False)  # off: the ranker has no table, so nothing leads
+    ranker = sinks.SinkRanker()
+    ranker.prepare(smollm2, smollm2.probe.layer(LAYER), True, None)
+    ranker.begin_prompt(states.states[0], None)
+    assert ranker.at is None and ranker.table is None and ranker._orders == {}

@@ -553,8 +553,9 @@ def test_an_ablation_is_a_configuration_of_the_rankers():
     from lminvert.invert.rankers import RANKERS
 
     assert list(LinearPolicy().rankers) == list(RANKERS)
-    assert list(LinearPolicy(local_from=0, carried=0, reread=False, reading=False).rankers) == ["secant", "next-token"]
-    assert list(SecantPolicy().rankers) == ["secant", "local", "carried", "reread"]
+    only = LinearPolicy(local_from=0, carried=0, reread=False, reading=False, sink=False)
+    assert list(only.rankers) == ["secant", "next-token"]
+    assert list(SecantPolicy().rankers) == ["secant", "local", "carried", "reread", "sink"]
 
 
 def test_a_ranking_is_scores_or_an_order():
@@ -624,3 +625,17 @@ def test_the_final_layer_ranks_position_0_with_the_last_blocks_table_through_the
     (result,) = invert(model, encode(model, [ids], final), scout=False)  # the table's ranking alone
     assert result.token_ids == ids and result.uncertain_positions == []
     assert result.positions[0].candidates_checked <= 8
+
+
+def test_sinks_are_positions_after_the_first_far_over_the_median_norm():
+    """``sinks.sinks``: positions after the first whose state's norm is over RATIO times the median of those
+    positions' (position 0, the first sink, never counts); none where too few positions give a median."""
+    from lminvert.invert import sinks
+
+    states = torch.ones(8, 4)
+    states[0] *= 1000.0  # the first position's sink
+    states[1] *= 50.0
+    states[5] *= 3.0  # within RATIO of the median
+    assert sinks.sinks(states) == [1]
+    assert sinks.sinks(states[:3]) == []  # two positions after the first: no median to speak of
+    assert sinks.sinks(torch.ones(6, 4)) == []

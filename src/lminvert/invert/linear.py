@@ -31,6 +31,7 @@ from .rankers import (
     top_unseen,
 )
 from .reading import Reading
+from .sinks import SinkRanker
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,12 @@ class LinearPolicy(Policy):
     ``local_from``) are :class:`.rankers.FitSettings`'. A ranker is left out by its setting: ``local_from=0``
     (``local``), ``carried=0`` (``carried``), ``lm_prior=False`` (``next-token``, ``reading`` and ``fused``),
     ``reading=False`` (``reading`` and ``fused``), ``fused=0`` (``fused``: the reading's weight in it, default
-    :data:`FUSED`), ``reread=False`` (``reread``); ``extra``: rankers that join the later batches as streams of their
-    own (default: one of each in :data:`.rankers.EXTRA`). The whole ranking runs in float32 on the model's device
-    whatever the model's precision: a half-precision model only verifies candidates in its own dtype.
+    :data:`FUSED`), ``reread=False`` (``reread``), ``sink=False`` (``sink``: at a position whose state is an
+    attention sink, its token, where it stands apart, leads the first batch: :mod:`.sinks`, whose switch
+    :data:`.sinks.SINK_LEAD` turns it off everywhere).
+    ``extra``: rankers that join the later batches as streams of their own (default: one of each in
+    :data:`.rankers.EXTRA`). The whole ranking runs in float32 on the model's device whatever the model's precision: a
+    half-precision model only verifies candidates in its own dtype.
     """
 
     name = "linear"
@@ -93,6 +97,7 @@ class LinearPolicy(Policy):
         reread: bool = True,
         extra: Sequence[Ranker] | None = None,
         fused: float | None = None,
+        sink: bool = True,
     ) -> None:
         self.explore_first, self.explore, self.first, self.growth = explore_first, explore, first, growth
         self.batch, self.explore_max, self.lm_prior, self.reading = batch, explore_max, lm_prior, reading
@@ -109,7 +114,8 @@ class LinearPolicy(Policy):
             self.sources.append(OrderRanker("fused", 2))
         self.rereader = RereadRanker(outlier) if reread else None
         self.extra = [make() for make in EXTRA] if extra is None else list(extra)
-        mixed = [self.secant, self.local, self.carrier, *self.sources, self.rereader, *self.extra]
+        self.sink = SinkRanker() if sink else None
+        mixed = [self.secant, self.local, self.carrier, *self.sources, self.rereader, *self.extra, self.sink]
         self.rankers: dict[str, Ranker] = {r.name: r for r in mixed if r is not None}  # the rankers mixed, by name
         self._lm_order: torch.Tensor | None = None  # the proposal: the sources' orders merged
         self._sources: torch.Tensor | None = None  # [sources, depth]: each source's own order at this position
@@ -158,11 +164,19 @@ class LinearPolicy(Policy):
                 ranker.begin_position(ctx)
             self._take_order(ctx)
             if self.secant.jac is None:
-                return remaining(ctx, ctx.generator, self.explore_first * ctx.scale)
-            return self._first_batch(ctx)
+                return self._led(ctx, remaining(ctx, ctx.generator, self.explore_first * ctx.scale))
+            return self._led(ctx, self._first_batch(ctx))
         if self.secant.refit_due(ctx):
             self.secant.fit(ctx)
         return self._later_batch(ctx)
+
+    def _led(self, ctx: PositionContext, picks: torch.Tensor) -> torch.Tensor:
+        """A first batch with the sink's lead first where the position is a sink (:mod:`.sinks`)."""
+        ranking = None if self.sink is None else self.sink.scores(ctx)
+        if ranking is None:
+            return picks
+        lead = ctx.unseen(ranking, len(ranking)).to(picks.device)
+        return torch.cat([lead, picks[~torch.isin(picks, lead)]])
 
     def _first_batch(self, ctx: PositionContext) -> torch.Tensor:
         """The proposal's likely tokens (as many as it has earned in this prompt), the carried ranking's (while it

@@ -296,6 +296,6 @@ class RereadRanker(Ranker):
 
 
 # the built-in ones, as the policy has them
-RANKERS = ("secant", "local", "carried", "next-token", "reading", "fused", "reread")
+RANKERS = ("secant", "local", "carried", "next-token", "reading", "fused", "reread", "sink")
 # rankers added to the linear policy's later batches (one instance per policy, made with no arguments)
 EXTRA: tuple[type[Ranker], ...] = ()
