@@ -193,7 +193,7 @@ def true_ranks(model: LoadedModel, predicted: torch.Tensor, tokens: torch.Tensor
     index = torch.arange(len(p), device=rows.device)
     for first in range(0, len(rows), RANK_CHUNK):
         scores = norms[first : first + RANK_CHUNK][None] - 2.0 * (p @ rows[first : first + RANK_CHUNK].T).float()
-        own = (tokens >= first) & (tokens < first + scores.shape[1])  # the true token is never nearer than itself
-        scores[index[own], tokens[own] - first] = torch.inf
+        here = (tokens >= first) & (tokens < first + scores.shape[1])  # the true token is never nearer than itself
+        scores[index[here], tokens[here] - first] = torch.inf
         count += torch.count_nonzero(scores < true, dim=1)
     return count
