@@ -476,3 +476,29 @@ def test_the_calibration_runs_its_forwards_once_for_every_leak_map_and_later_run
     assert other.measured().rounding > 0 and other.screened() > 0 and not runs
     projection = torch.randn(kv.width, 8, generator=torch.Generator().manual_seed(0))
     assert other.measured(lambda rows: rows @ projection).rounding > 0 and not runs
+
+
+def test_the_calibration_of_several_layers_runs_in_one_pass_the_forwards_each_layer_runs_alone(tiny, isolated_cache):
+    """invert.rows.calibration.calibrate_rows: the cached forward's states and the gap's candidates of every block layer
+    asked for come from the forwards of the highest, equal bit for bit to what each layer's own calibration runs; layer
+    0 runs alone; what is kept is then read, not run again."""
+    from lminvert.invert.rows import calibration as rc
+
+    def forget() -> None:
+        for key in [k for k in tiny.memo if isinstance(k, tuple) and k[0] in (rc.KIND, rc.GAP_KIND)]:
+            del tiny.memo[key]
+
+    forget()
+    probe = tiny.probe
+    layers = [probe.layer(0), probe.layer(1), probe.layer(probe.n_layers)]
+    assert rc.calibrate_rows(tiny, layers) == layers
+    assert rc.calibrate_rows(tiny, layers) == []  # kept: nothing runs again
+    for layer in layers:
+        alone = rc.Calibration(tiny, layer, lambda states, t: states, lambda ids: torch.empty(0))
+        kept = alone._kept(rc.KIND, lambda: pytest.fail("the kept states were run again"))
+        run = alone._run()  # the layer's own forwards
+        assert len(kept) == len(run) > 50
+        for (t, a, b), (u, c, d) in zip(kept, run, strict=True):
+            assert t == u and torch.equal(a, c) and torch.equal(b, d)
+        others = rc._others(tiny, [layer], alone.prompts)[layer]
+        assert torch.equal(rc.kept(tiny, layer, rc.GAP_KIND, per_device=True).cpu(), others)

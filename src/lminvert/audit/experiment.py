@@ -20,6 +20,7 @@ from ..experiments.prompts import evaluation_prompts
 from ..forward import encode
 from ..invert.last import LastOptions
 from ..invert.rows.attack import Attack, Recovered
+from ..invert.rows.calibration import calibrate_rows
 from ..invert.tables import first_position_tables
 from ..models import LoadedModel
 from .defences import DEFAULT, parse_defence, perturbation
@@ -128,13 +129,15 @@ class Audit(Experiment):
 
     def _tables(self, ctx: Context, model: LoadedModel) -> None:
         """Every first-position table the units of ``model`` read, those not kept built in one pass of the
-        vocabulary."""
+        vocabulary, and the rows searches' calibration forwards at every layer they read, in the forwards of the
+        highest (:func:`lminvert.invert.rows.calibration.calibrate_rows`; a ``last`` leak's search has its own)."""
         leaks = [
             make_leak(leak, model, layer)
             for leak in ctx.size["leaks"]
             for layer in model.probe.layers(ctx.size["layers"])
         ]
         first_position_tables(model, [leak.states_layer for leak in leaks])
+        calibrate_rows(model, [leak.states_layer for leak in leaks if leak.name != "last"])
 
     def units(self, ctx: Context) -> list[Unit]:
         units = []

@@ -2,7 +2,10 @@
 lie from a plain forward's (rounding), how far the deployment's own rows lie from the plain forward's (where they were
 computed), and how far a screened forward's rows lie from the plain forward's (:mod:`.screen`). The forwards run once
 per model, dtype, layer and device type (kept beside the tables), and are read through the leak's rows and any public
-map of them (a projection): every leak's and map's radii come from the same states."""
+map of them (a projection): every leak's and map's radii come from the same states. :func:`calibrate_rows` runs them
+for several layers at once, in the forwards of the highest (what an audit's units read: a layer's states there are
+those of a forward that stops at it, bit for bit, as :func:`lminvert.invert.tolerance.measure_layers` measures the
+engine's radii)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...models import LoadedModel
+from ...models import Layer, LoadedModel
 from ..layouts import foreign_calibration
-from ..tables import cached
+from ..tables import cached, kept
 from ..tolerance import calibration_prompts
 from .running import Running
 from .screen import SCREEN_FROM, screened_states
@@ -79,8 +82,7 @@ class Calibration:
     @functools.cached_property
     def plains(self) -> list[torch.Tensor]:
         """Each prompt's plain forward's states ``[T, d]`` at the layer (on the CPU)."""
-        probe = self.model.probe
-        return [probe.states(torch.tensor(ids), [self.layer])[self.layer][0].cpu() for ids in self.prompts]
+        return [p[self.layer] for p in _plains(self.model, [self.layer], self.prompts)]
 
     def measured(self, public: Map | None = None, layouts: bool = False) -> Measured:
         """The rounding and the deployment's disagreement, read through ``public`` (None: the rows themselves);
@@ -120,10 +122,7 @@ class Calibration:
     def _kept(self, kind: str, run: Callable[[], list[Pair]]) -> list[Pair]:
         """``run()``'s states, from the cache beside the tables where they are there (per device type)."""
 
-        def build() -> torch.Tensor:  # [N, 2, d + 1] float64 (exact for every float dtype): the position beside
-            return torch.stack([torch.cat([torch.cat([a, b]), torch.full((2, 1), t)], 1) for t, a, b in run()]).double()
-
-        packed = cached(self.model, self.layer, kind, build, per_device=True).cpu()
+        packed = cached(self.model, self.layer, kind, lambda: _packed(run()), per_device=True).cpu()
         dtype = self.model.probe.dtype
         return [(int(p[0, -1]), p[:1, :-1].to(dtype), p[1:, :-1].to(dtype)) for p in packed]
 
@@ -131,20 +130,7 @@ class Calibration:
         """Per position of every calibration prompt: the cached forward's states ``[1 + OTHERS, d]`` of its true token
         then of ``OTHERS`` random other tokens, over the prefix grown a token at a time (kept beside the tables)."""
         probe, length = self.model.probe, len(self.prompts[0])
-
-        def build() -> torch.Tensor:  # [prompts * T, 1 + OTHERS, d] float64 (exact for every float dtype)
-            gen, out = torch.Generator().manual_seed(0), []
-            for ids in self.prompts:
-                prefix = probe.prefix([], self.layer)
-                for t in range(length):
-                    others = torch.randint(0, probe.vocab_size - 1, (OTHERS,), generator=gen)
-                    batch = torch.cat([torch.tensor([ids[t]]), others + (others >= ids[t]).long()])  # never the true
-                    with torch.no_grad():
-                        out.append(probe.continuation(prefix, batch.to(probe.device)).cpu().double())
-                        # the prefix grown a token at a time, as the search grows it
-                        prefix = probe.prefix(ids[:1], self.layer) if t == 0 else probe.extend(prefix, ids[t])
-            return torch.stack(out)
-
+        build = lambda: _others(self.model, [self.layer], self.prompts)[self.layer]  # noqa: E731
         kept = cached(self.model, self.layer, GAP_KIND, build, per_device=True).cpu().to(probe.dtype)
         return [(i % length, states) for i, states in enumerate(kept)]
 
@@ -177,22 +163,99 @@ class Calibration:
         return out
 
     def _run(self) -> list[Pair]:
-        """The cached forward over a prefix made in one forward and over ones grown a token at a time, by a forward
-        (up to the layer: the blocks above change no key below it) and from a batch's keys and values, one token and
-        two at a time (the lookahead's: the second one's row), as the search runs them, and among other candidates:
-        the keys the prefix grows from."""
-        probe, layer = self.model.probe, self.layer
-        out: list[Pair] = []
-        for ids, plain in zip(self.prompts, self.plains, strict=True):
-            grown, kept = probe.prefix(ids[:1], layer), Running(self.model, layer)
-            for t in range(len(ids)):
-                for prefix in [probe.prefix(ids[:t], layer), *([grown, kept.prefix()] if t else [])]:
-                    out.append((t, probe.continuation(prefix, torch.tensor([ids[t]])).cpu(), plain[t : t + 1]))
-                    if t + 1 < len(ids):
-                        pair = probe.chains(prefix, torch.tensor([ids[t : t + 2]]))[0][:, 1].cpu()
-                        out.append((t + 1, pair, plain[t + 1 : t + 2]))
-                if t:
-                    out.append((t, kept.candidates(torch.tensor([ids[t], *ids[:t]]))[:1].cpu(), plain[t : t + 1]))
-                    grown = probe.extend(grown, ids[t])
-                kept.add(ids[t])
-        return out
+        """The cached forward's states of every calibration position beside the plain forward's (:func:`_cached`)."""
+        found = _cached(self.model, [self.layer], self.prompts, _plains(self.model, [self.layer], self.prompts))
+        return found[self.layer]
+
+
+def calibrate_rows(model: LoadedModel, layers: list[Layer]) -> list[Layer]:
+    """The forwards every :class:`Calibration` at ``layers`` runs first (the cached forward's states, the gap's
+    candidates), those not kept yet, for all block layers (1..L) among them in the forwards of the highest one; the
+    others (layer 0, ``final``) one at a time. What an audit's units would otherwise run one layer at a time (SmolLM2,
+    layers 1, 14 and 15: 46 s of cached forwards one at a time, about what layer 15 takes alone). Returns the layers
+    whose forwards ran."""
+    probe = model.probe
+    wanted = sorted({layer for layer in layers if kept(model, layer, KIND, per_device=True) is None
+                     or kept(model, layer, GAP_KIND, per_device=True) is None})  # fmt: skip
+    blocks = [layer for layer in wanted if 1 <= int(layer) <= probe.n_layers and not layer.is_final]
+    groups = [blocks] if blocks else []
+    groups += [[layer] for layer in wanted if layer not in blocks]
+    prompts = calibration_prompts(model, n=2, length=12)
+    for group in groups:
+        pairs = _cached(model, group, prompts, _plains(model, group, prompts))
+        others = _others(model, group, prompts)
+        for layer in group:
+            cached(model, layer, KIND, lambda found=pairs[layer]: _packed(found), per_device=True)
+            cached(model, layer, GAP_KIND, lambda found=others[layer]: found, per_device=True)
+    return wanted
+
+
+def _packed(pairs: list[Pair]) -> torch.Tensor:
+    """``[N, 2, d + 1]`` float64 (exact for every float dtype): each pair's two states and its position."""
+    return torch.stack([torch.cat([torch.cat([a, b]), torch.full((2, 1), t)], 1) for t, a, b in pairs]).double()
+
+
+def _at(out: torch.Tensor | dict[Layer, torch.Tensor], layers: list[Layer]) -> dict[Layer, torch.Tensor]:
+    """A forward's states as a dict by layer (a forward asked for one layer returns its states alone)."""
+    return out if isinstance(out, dict) else {layers[0]: out}
+
+
+def _asked(layers: list[Layer]) -> list[Layer] | None:
+    """``layers`` as the probe is asked for them: None for one (the forward's own layer)."""
+    return None if len(layers) == 1 else layers
+
+
+def _plains(model: LoadedModel, layers: list[Layer], prompts: list[list[int]]) -> list[dict[Layer, torch.Tensor]]:
+    """Each prompt's plain forward's states ``[T, d]`` at each of ``layers`` (on the CPU)."""
+    probe = model.probe
+    return [{layer: s[0].cpu() for layer, s in probe.states(torch.tensor(ids), layers).items()} for ids in prompts]
+
+
+def _cached(
+    model: LoadedModel, layers: list[Layer], prompts: list[list[int]], plains: list[dict[Layer, torch.Tensor]]
+) -> dict[Layer, list[Pair]]:
+    """At each of ``layers``, the cached forward over a prefix made in one forward and over ones grown a token at a
+    time, by a forward (up to the layer: the blocks above change no key below it) and from a batch's keys and values,
+    one token and two at a time (the lookahead's: the second one's row), as the search runs them, and among other
+    candidates: the keys the prefix grows from; all in the forwards of the highest layer."""
+    probe, top, asked = model.probe, max(layers), _asked(layers)
+    out: dict[Layer, list[Pair]] = {layer: [] for layer in layers}
+
+    def add(t: int, states: torch.Tensor | dict[Layer, torch.Tensor], plain: dict[Layer, torch.Tensor]) -> None:
+        for layer, found in _at(states, layers).items():
+            out[layer].append((t, found.cpu(), plain[layer][t : t + 1]))
+
+    for ids, plain in zip(prompts, plains, strict=True):
+        grown, running = probe.prefix(ids[:1], top), Running(model, top)
+        for t in range(len(ids)):
+            for prefix in [probe.prefix(ids[:t], top), *([grown, running.prefix()] if t else [])]:
+                add(t, probe.continuation(prefix, torch.tensor([ids[t]]), layers=asked), plain)
+                if t + 1 < len(ids):
+                    pair = _at(probe.chains(prefix, torch.tensor([ids[t : t + 2]]), layers=asked)[0], layers)
+                    add(t + 1, {layer: states[:, 1] for layer, states in pair.items()}, plain)
+            if t:
+                ran = running.candidates(torch.tensor([ids[t], *ids[:t]]), layers=asked)
+                add(t, {layer: states[:1] for layer, states in _at(ran, layers).items()}, plain)
+                grown = probe.extend(grown, ids[t])
+            running.add(ids[t])
+    return out
+
+
+def _others(model: LoadedModel, layers: list[Layer], prompts: list[list[int]]) -> dict[Layer, torch.Tensor]:
+    """At each of ``layers``, per position of every prompt: the cached forward's states ``[1 + OTHERS, d]`` of its true
+    token then of ``OTHERS`` random other tokens, over the prefix grown a token at a time, as the search grows it
+    (``[prompts * T, 1 + OTHERS, d]`` float64: exact for every float dtype); in the forwards of the highest layer."""
+    probe, top, asked = model.probe, max(layers), _asked(layers)
+    gen, out = torch.Generator().manual_seed(0), {layer: [] for layer in layers}
+    for ids in prompts:
+        prefix = probe.prefix([], top)
+        for t in range(len(ids)):
+            others = torch.randint(0, probe.vocab_size - 1, (OTHERS,), generator=gen)
+            batch = torch.cat([torch.tensor([ids[t]]), others + (others >= ids[t]).long()])  # never the true one
+            with torch.no_grad():
+                found = _at(probe.continuation(prefix, batch.to(probe.device), layers=asked), layers)
+                # the prefix grown a token at a time, as the search grows it
+                prefix = probe.prefix(ids[:1], top) if t == 0 else probe.extend(prefix, ids[t])
+            for layer, states in found.items():
+                out[layer].append(states.cpu().double())
+    return {layer: torch.stack(states) for layer, states in out.items()}

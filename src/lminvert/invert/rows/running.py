@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models import LoadedModel, NewKeys, Prefix
+from ...models import Layer, LoadedModel, NewKeys, Prefix
 
 OFFERED = 1024  # candidates of a position whose keys and values are kept (the latest batches'), at most
 
@@ -91,16 +91,19 @@ class Running:
         full = self._catch_up()
         return Prefix([list(full.rows[0])], self.layer, full.cache)
 
-    def candidates(self, ids: torch.Tensor) -> torch.Tensor:
+    def candidates(
+        self, ids: torch.Tensor, layers: list[Layer] | None = None
+    ) -> torch.Tensor | dict[Layer, torch.Tensor]:
         """The states ``[n, d]`` at the searched layer of candidates ``ids`` for the next position (the cached forward
-        over :meth:`prefix`); with ``reuse`` their keys and values are kept until the next :meth:`add` (the latest
-        ``OFFERED`` candidates' at most)."""
+        over :meth:`prefix`; with ``layers``, holding the searched one, a dict of the states at each); with ``reuse``
+        their keys and values are kept until the next :meth:`add` (the latest ``OFFERED`` candidates' at most)."""
         probe = self.model.probe
         with torch.no_grad():
             if not self.reuse:
-                return probe.continuation(self.prefix(), ids.to(probe.device))
-            states, keys = probe.continuation(self.prefix(), ids.to(probe.device), keys=True)
-        self._offers.append(Runs(ids, states, keys))
+                return probe.continuation(self.prefix(), ids.to(probe.device), layers=layers)
+            states, keys = probe.continuation(self.prefix(), ids.to(probe.device), layers=layers, keys=True)
+        own = states[self.layer] if isinstance(states, dict) else states
+        self._offers.append(Runs(ids, own, keys))
         while sum(len(r.ids) for r in self._offers) > OFFERED and len(self._offers) > 1:
             self._offers.pop(0)
         return states
