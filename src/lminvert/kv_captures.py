@@ -270,18 +270,21 @@ def _not_kv(path: Path, loaded: Any) -> LminvertError:
 
 
 def _choose(path: Path, found: _Found, block: int | None) -> tuple[int | None, Any]:
-    """The block ``block`` names (lminvert numbering), or the only one."""
+    """The block ``block`` names (lminvert numbering); without one, the only one or, in a file of several, the lowest
+    (the earliest block inverts fastest: block 1's rows depend on each token and its position alone), with a note in
+    ``found`` that says so."""
     entries = found.entries
     if None in entries:  # one block's tensors: the caller's block is the one they came from
         return None, entries[None]
     numbers = sorted(entries)
     span = f"{numbers[0]}..{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else str(numbers)
     if block is None:
-        if len(numbers) == 1:
-            return numbers[0], entries[numbers[0]]
-        raise LminvertError(
-            f"{path.name} holds {len(numbers)} blocks ({span}): pass --layer B to pick one ({LAYER_HINT})"
-        )
+        if len(numbers) > 1:
+            found.notes.append(
+                f"{path.name} holds {len(numbers)} blocks ({span}): block {numbers[0]}, the lowest, was read, as "
+                f"the earliest inverts fastest (pass --layer B for another; {LAYER_HINT})"
+            )
+        return numbers[0], entries[numbers[0]]
     if block not in entries:
         raise LminvertError(
             f"{path.name} holds blocks {span}, not block {block}: pass --layer B among them ({LAYER_HINT})"

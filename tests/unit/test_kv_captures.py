@@ -212,12 +212,16 @@ def test_the_dtype_is_kept(tmp_path, run):
     assert all(r.dtype == torch.bfloat16 for r in capture.rows)
 
 
-def test_a_whole_cache_needs_a_block(tmp_path, run):
-    torch.save(run.cache, tmp_path / "cache.pt")
-    message = _error("holds 3 blocks", tmp_path / "cache.pt")
-    assert message.endswith(
-        "pass --layer B to pick one (lminvert numbering: block B is transformers' cache.layers[B-1])"
+def test_a_whole_cache_without_a_block_is_read_at_its_lowest_with_a_note(tmp_path, run):
+    torch.save({"past_key_values": run.cache, "attention_mask": run.mask}, tmp_path / "cache.pt")
+    capture = read_kv(tmp_path / "cache.pt")
+    _check(capture, run, 1, number=1)
+    (note,) = [n for n in capture.notes if "holds 3 blocks" in n]
+    assert note == (
+        "cache.pt holds 3 blocks (1..3): block 1, the lowest, was read, as the earliest inverts fastest "
+        "(pass --layer B for another; lminvert numbering: block B is transformers' cache.layers[B-1])"
     )
+    assert not any("holds" in n for n in read_kv(tmp_path / "cache.pt", block=2).notes)  # asked for: no note
     _error(r"holds blocks 1\.\.3, not block 4: pass --layer B", tmp_path / "cache.pt", block=4)
     _error(r"holds blocks 1\.\.3, not block 0", tmp_path / "cache.pt", block=0)
 

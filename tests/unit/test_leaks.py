@@ -91,8 +91,8 @@ def test_inspect_says_what_a_kv_cache_holds_and_the_command(tiny, tmp_path):
     cache, mask = _cache(tiny, _prompts(tiny, 2, 4, 5) + _prompts(tiny, 1, 2, 6))
     path = tmp_path / "pairs.pt"
     torch.save({"past_key_values": [(x.keys, x.values) for x in cache.layers], "attention_mask": mask}, path)
-    whole = run_cli("inspect", str(path))
-    assert whole.returncode == 0 and "--layer" in whole.stdout, whole.stderr
+    whole = run_cli("inspect", str(path))  # no block asked for: its lowest, with a note saying so
+    assert whole.returncode == 0 and "block 1 of 2" in whole.stdout and "pass --layer B" in whole.stdout, whole.stderr
     done = run_cli("inspect", str(path), "--model", "tiny-llama", "--layer", "2", "--json")
     doc = json.loads(done.stdout)
     assert (doc["leak"], doc["block"], doc["rows"], doc["offsets"], doc["fits_model"]) == (
@@ -105,12 +105,17 @@ def test_inspect_says_what_a_kv_cache_holds_and_the_command(tiny, tmp_path):
     assert doc["command"].endswith("--model tiny-llama --layer 2")
 
 
-def test_kv_without_a_block_or_model_and_engine_options_are_refused_in_one_line(tiny, tmp_path):
-    cache, _ = _cache(tiny, _prompts(tiny, 1, 4, 3))
+def test_kv_without_a_model_and_engine_options_are_refused_in_one_line(tiny, tmp_path):
+    prompts = _prompts(tiny, 1, 4, 3)
+    cache, _ = _cache(tiny, prompts)
     path = tmp_path / "cache.pt"
     torch.save(cache, path)
+    whole = run_cli("invert", str(path), "--model", "tiny-llama", "--json")  # no block: the lowest, said in a note
+    assert whole.returncode == 0, whole.stderr
+    (doc,) = json.loads(whole.stdout)
+    assert doc["token_ids"] == prompts[0] and doc["layer"] == "1"
+    assert any("block 1, the lowest, was read" in n for n in doc["notes"]), doc["notes"]
     for args, says in [
-        (["--model", "tiny-llama"], "--layer"),
         (["--layer", "1"], "--model"),
         (["--model", "tiny-llama", "--layer", "1", "--max-seconds", "5"], "--max-seconds"),
         (["--model", "tiny-llama", "--layer", "1", "--method", "bruteforce"], "--method"),

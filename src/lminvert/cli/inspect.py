@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         dtype_help="precision (default: the file's, else float32)",
     )
     parser.add_argument(
-        "--layer", default=None, help="a KV cache's block (1..L: transformers' cache.layers[B-1]) in a whole cache"
+        "--layer",
+        default=None,
+        help="a KV cache's block (1..L: transformers' cache.layers[B-1]) in a whole cache (default: its lowest)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
@@ -122,26 +124,17 @@ def _print(doc: dict) -> None:
 def _kv(args: argparse.Namespace) -> int:
     """A saved KV cache: what it holds, checked against the model's block where one is given, and the command."""
     block = None if args.layer is None else int(args.layer)
-    try:
-        capture = read_kv(args.states, block=block, key=args.key, mask=args.mask)
-    except LminvertError as err:
-        if block is not None or "--layer" not in str(err):
-            raise
-        capture = None  # a whole cache: say how many blocks it holds, and ask for one
-        note = str(err)
-    doc: dict = {"file": args.states, "leak": "kv"}
-    if capture is None:
-        doc["notes"] = [note]
-    else:
-        doc |= {
-            "block": capture.block, "blocks": capture.blocks, "kv_heads": capture.heads, "head_dim": capture.head_dim,
-            "prompts": len(capture.rows), "rows": [len(r) for r in capture.rows], "offsets": list(capture.offsets),
-            "array_dtype": str(capture.rows[0].dtype).replace("torch.", ""), "notes": list(capture.notes),
-        }  # fmt: skip
-        if args.model:
-            model = model_from_args(args, args.model, dtype=args.dtype or capture.dtype)
-            _found_block(model, capture, doc)
-        if args.model and doc["block"] is not None:
+    capture = read_kv(args.states, block=block, key=args.key, mask=args.mask)  # a whole cache: its lowest block
+    doc: dict = {
+        "file": args.states, "leak": "kv", "block": capture.block, "blocks": capture.blocks,
+        "kv_heads": capture.heads, "head_dim": capture.head_dim, "prompts": len(capture.rows),
+        "rows": [len(r) for r in capture.rows], "offsets": list(capture.offsets),
+        "array_dtype": str(capture.rows[0].dtype).replace("torch.", ""), "notes": list(capture.notes),
+    }  # fmt: skip
+    if args.model:
+        model = model_from_args(args, args.model, dtype=args.dtype or capture.dtype)
+        _found_block(model, capture, doc)
+        if doc["block"] is not None:
             width = kv_block(model, doc["block"]).width
             doc["fits_model"] = width == capture.rows[0].shape[1]
             command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(doc["block"])]
@@ -150,14 +143,11 @@ def _kv(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
         return 0
-    if capture is None:
-        print(f"{doc['file']}: a KV cache")
-    else:
-        of = f" of {doc['blocks']}" if doc["blocks"] else ""
-        print(
-            f"{doc['file']}: a KV cache, block {doc['block'] or '?'}{of}, {doc['kv_heads']} KV heads x "
-            f"{doc['head_dim']}, {doc['prompts']} prompt(s), rows {doc['rows']}, {doc['array_dtype']}"
-        )
+    of = f" of {doc['blocks']}" if doc["blocks"] else ""
+    print(
+        f"{doc['file']}: a KV cache, block {doc['block'] or '?'}{of}, {doc['kv_heads']} KV heads x "
+        f"{doc['head_dim']}, {doc['prompts']} prompt(s), rows {doc['rows']}, {doc['array_dtype']}"
+    )
     for line in doc["notes"]:
         print(f"  note: {line}")
     if "fits_model" in doc:
