@@ -5,7 +5,8 @@ printed.
 A switch is ``module:NAME``, a module's boolean constant (every speed mechanism has one, e.g.
 ``lminvert.models.vocabulary:HALF_RANKS``, ``lminvert.invert.rows.rankers:VIEW_PRIOR``). The leak is lminvert's own
 states (``--leak states``, as ``lminvert encode`` writes them, searched by the engine) or a KV cache as transformers
-returns it (``--leak kv``: ``past_key_values.layers[LAYER - 1]``, through ``lminvert.invert(..., leak="kv")``).
+returns it (``--leak kv``: ``past_key_values.layers[LAYER - 1]``, through ``lminvert.invert(..., leak="kv")``), or
+``hidden_states[LAYER]`` under a defence (``--source noise:0.01``, ``quant:int8``: through ``source=``).
 Untimed first: one inversion of the first prompt's first 4 tokens each way (tables, calibrations and maps built or
 read).
 
@@ -42,7 +43,14 @@ def main() -> int:
     parser.add_argument("--layer", type=int, default=30, help="the states' layer, or the KV cache's block")
     parser.add_argument("--prompts", type=int, default=12, help="held-out texts, in order (heldout.py)")
     parser.add_argument("--length", type=int, default=20)
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="a defence on a states leak, as bench_leaks.py applies it (noise:0.01, quant:int8)",
+    )
     args = parser.parse_args()
+    if args.source and args.leak != "states":
+        parser.error("--source defends a states leak: drop it or --leak kv")
     where, _, name = args.switch.partition(":")
     try:
         module = importlib.import_module(where)
@@ -56,12 +64,12 @@ def main() -> int:
 
     def run(ids: list[int], on: bool) -> tuple[lminvert.InversionResult, float]:
         setattr(module, name, on)
-        if args.leak == "kv":
-            leak = HiddenStates.from_array(_capture(model, ids, "kv", args.layer, None, 0))
+        if args.leak == "kv" or args.source:
+            leak = HiddenStates.from_array(_capture(model, ids, args.leak, args.layer, args.source, 0))
         else:
             leak = lminvert.encode(model, [ids], args.layer)
         start = time.perf_counter()
-        result = lminvert.invert(model, leak, args.layer, leak=args.leak)[0]
+        result = lminvert.invert(model, leak, args.layer, leak=args.leak, source=args.source or "float")[0]
         return result, time.perf_counter() - start
 
     for on in (True, False):
@@ -94,7 +102,8 @@ def main() -> int:
         f"{statistics.mean(seconds[True]):.3f} / {statistics.mean(seconds[False]):.3f} s; exact {exact}/{len(prompts)}"
         f"; same tokens and verdicts {same}/{len(prompts)}; wrong claimed {wrong}"
     )
-    print(f"{args.model} ({args.dtype}), {args.leak} at {args.layer}; torch {torch.__version__}, "
+    under = f" under {args.source}" if args.source else ""
+    print(f"{args.model} ({args.dtype}), {args.leak} at {args.layer}{under}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     return 0 if same == len(prompts) and wrong == 0 else 1
 
