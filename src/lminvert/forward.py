@@ -13,6 +13,7 @@ States come back as float32 on the CPU whatever the model's dtype and device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -25,6 +26,7 @@ from .errors import LminvertError
 from .models import LoadedModel
 from .models.layers import Layer, LayerSpec
 from .models.loading import require_loaded
+from .models.single_key import single_key
 from .states import HiddenStates
 
 log = logging.getLogger(__name__)
@@ -171,7 +173,9 @@ def vocabulary_states(
     try:
         with torch.no_grad():
             for chunk in tokens.split(batch):
-                states = probe.continuation(prefix, token_ids=chunk, layers=resolved)
+                # tokens alone attend to their own key only: no query or key products (:mod:`.models.single_key`)
+                with single_key(probe.blocks) if not prefix_ids else contextlib.nullcontext():
+                    states = probe.continuation(prefix, token_ids=chunk, layers=resolved)
                 assert isinstance(states, dict)
                 yield chunk, {layer: s.float().cpu() for layer, s in states.items()}
                 bar.update(len(chunk))

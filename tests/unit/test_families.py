@@ -251,3 +251,36 @@ def test_packed_continuations_with_eager_attention(monkeypatch):
     model.model.set_attn_implementation("eager")
     assert model.model.config._attn_implementation == "eager"
     assert _packed_and_single(model.probe, monkeypatch)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tokens_alone_without_query_and_key_products_have_the_models_own_states_bit_for_bit(name):
+    """models.single_key: a first-position table's forward (every token alone, its query and key projections giving
+    zeros where they are separate modules) equals the model's own forward of each token alone at every layer, bit for
+    bit; outside it the projections are the model's again, and a token after a prefix is unaffected."""
+    from lminvert.forward import vocabulary_states
+    from lminvert.models.single_key import single_key
+
+    model = lminvert.load_model(name)
+    probe = model.probe
+    layers = probe.layers([1, probe.n_layers])
+    tokens = torch.tensor([0, 5, 17, 4021, VOCAB - 1])
+    ((_, states),) = vocabulary_states(model, [], layers, tokens=tokens)
+    own = probe.states(tokens[:, None], layers)  # the plain forward of each token alone
+    for layer in layers:
+        assert torch.equal(states[layer], own[layer][:, 0].float().cpu()), (name, layer.name)
+
+    def queries() -> list[type]:
+        return [type(getattr(getattr(b, "self_attn", None), "q_proj", None)) for b in probe.blocks]
+
+    before = queries()
+    with single_key(probe.blocks):
+        swapped = queries()
+    assert queries() == before
+    assert (swapped != before) == (before[0] is nn.Linear)  # separate projections are swapped, fused ones are not
+    ((_, after),) = vocabulary_states(model, [3, 9], layers, tokens=tokens)  # after a prefix: every product runs
+    full = probe.states(torch.cat([torch.tensor([[3, 9]]).expand(5, 2), tokens[:, None]], 1), layers)
+    top = layers[-1]
+    assert torch.allclose(
+        after[top], full[top][:, -1].float().cpu(), rtol=1e-4, atol=1e-4 * float(full[top].abs().max())
+    )

@@ -29,9 +29,11 @@ change speed, never an answer. :func:`prepare` skips what is cached already (ide
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,15 +85,18 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
                 done.append(f"KV read-back maps at {made} of blocks 2-{probe.n_layers}: {seconds:.1f} s")
     deep = [probe.layer(probe.n_layers - i) for i in range(min(settings.deep, probe.n_layers))]
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
+    # the held-out check prompts' states at the deep layers and the upper half's, one forward for both checks
+    upper = probe.layers(list(range(max(1, probe.n_layers - probe.n_layers // 2), probe.n_layers + 1)))
+    checks = functools.cache(lambda: _check_prompts(model, sorted({*deep, *upper}, key=int), settings.check))
     if wanted:
         start = time.perf_counter()
         options, extra = _network_data(settings.network, shared, wanted)
         shared.clear()  # the maps' states at the other layers are not needed any more
         trained = train_readers(model, wanted, progress=progress, kind=QUICK_KIND, cache=False, extra=extra, **options)
-        done += [_kept(model, layer, net, settings.check) for layer, net in trained.items()]
+        done += [_kept(model, layer, net, checks) for layer, net in trained.items()]
         done.append(f"quick reading networks trained and checked: {time.perf_counter() - start:.1f} s")
     if deep and (source := load_reader(model, deep[0])) is not None:
-        done += _lent(model, deep[0], source, settings.check)
+        done += _lent(model, deep[0], source, checks)
     if settings.tables:
         done += [line for layer in deep if (line := _layer_table(model, layer, progress))]
         done += _every_layer(model)
@@ -142,10 +147,13 @@ def _network_data(
 CHECK_SEED = 555  # the held-out prompts' draw (the maps' training prompts: 123; the networks': 321)
 
 
-def _kept(model: LoadedModel, layer: Layer, net: torch.nn.Module, count: int) -> str:
-    """Keep ``net`` as ``layer``'s quick network where it reads ``count`` held-out prompts better than the linear map;
-    what was decided, as a line."""
-    prompts, states = _check_prompts(model, [layer], count)
+Checks = Callable[[], tuple[list[list[int]], list[dict]]]  # held-out prompts and their states (:func:`_check_prompts`)
+
+
+def _kept(model: LoadedModel, layer: Layer, net: torch.nn.Module, checks: Checks) -> str:
+    """Keep ``net`` as ``layer``'s quick network where it reads the held-out prompts of ``checks()`` better than the
+    linear map; what was decided, as a line."""
+    prompts, states = checks()
     scores = {
         name: _score(model, weights, prompts, states, layer)
         for name, weights in (("network", net), ("map", reading_map(model, layer)))
@@ -173,12 +181,12 @@ def _score(model: LoadedModel, weights, prompts: list[list[int]], states: list[d
     return sum(math.log2(2 + r) for r in ranks) / len(ranks)
 
 
-def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, count: int) -> list[str]:
-    """The layers of the model's upper half without a network of their own, from the top down, that read ``count``
-    held-out prompts better with ``source``'s network ``net`` than with their own linear map: each is lent it
-    (:func:`.reader.lend`). The first layer down whose map reads better, and those below it, are recorded as reading
-    with their maps, so that each layer is decided once. A network trained on the last layer's states reads the
-    layers below it too (SmolLM2, the quick network of layer 30 at layers 25-29: mean ``log2(2 + rank)`` 4.3-4.4
+def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, checks: Checks) -> list[str]:
+    """The layers of the model's upper half without a network of their own, from the top down, that read the
+    held-out prompts of ``checks()`` better with ``source``'s network ``net`` than with their own linear map: each is
+    lent it (:func:`.reader.lend`). The first layer down whose map reads better, and those below it, are recorded as
+    reading with their maps, so that each layer is decided once. A network trained on the last layer's states reads
+    the layers below it too (SmolLM2, the quick network of layer 30 at layers 25-29: mean ``log2(2 + rank)`` 4.3-4.4
     against their maps' 7.2-8.5), less well the lower they are. A line where any layer was decided."""
     n = model.probe.n_layers
     layers = [
@@ -189,7 +197,7 @@ def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, count: int) -
     if not layers:
         return []
     start = time.perf_counter()
-    prompts, states = _check_prompts(model, layers, count)
+    prompts, states = checks()
     lent = []
     for layer in layers:
         own = _score(model, reading_map(model, layer), prompts, states, layer)
