@@ -502,3 +502,31 @@ def test_the_calibration_of_several_layers_runs_in_one_pass_the_forwards_each_la
             assert t == u and torch.equal(a, c) and torch.equal(b, d)
         others = rc._others(tiny, [layer], alone.prompts)[layer]
         assert torch.equal(rc.kept(tiny, layer, rc.GAP_KIND, per_device=True).cpu(), others)
+
+
+@pytest.mark.parametrize("source", [None, "noise:0.01"])
+def test_block_1s_candidates_read_from_the_table_are_the_cached_forwards_bit_for_bit(tiny, source, monkeypatch):
+    """invert.rows.search.ALONE_TABLE: block 1's cache (an alone view) verifies its later candidates from the layer-0
+    table instead of a prefix's forward; every distance, margin and verdict is the same, bit for bit, and no prefix is
+    made for a later position."""
+    from lminvert.invert.rows import search
+    from lminvert.invert.rows.attack import Attack, Observed
+
+    leak = make_leak("kv", tiny, tiny.probe.layer(1))
+    ids = [5, 310, 17, 17, 4021, 9, 88]
+    rows = leak.capture(ids)
+    if source is not None:
+        rows = parse_source(source).simulate(rows, torch.Generator().manual_seed(0))
+    found = {}
+    for on in (False, True):
+        monkeypatch.setattr(search, "ALONE_TABLE", on)
+        made: list[int] = []
+        real = type(tiny.probe).prefix
+        counted = lambda self, *a, made=made, real=real, **k: made.append(1) or real(self, *a, **k)  # noqa: E731
+        monkeypatch.setattr(type(tiny.probe), "prefix", counted)
+        found[on] = Attack(leak, memo=False).run([Observed(rows, source)])[0]
+        monkeypatch.undo()
+        assert (not made) == on or source is not None, made
+    off, on = found[False], found[True]
+    assert on.token_ids == off.token_ids and on.verdicts == off.verdicts and on.checked == off.checked
+    assert on.distances == off.distances and on.margins == off.margins

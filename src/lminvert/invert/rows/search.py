@@ -68,6 +68,8 @@ FIRST = 32  # the first batch at a position after the first (RowSearch._sizes): 
 # nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
 # prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
+ALONE_TABLE = True  # an alone view's later candidates' layer-0 states read from the first-position table, no prefix
+# made (RowSearch._verify; False: the cached forward over the prefix, the same states)
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -295,6 +297,10 @@ class RowSearch:
         probe, t = self.model.probe, len(prefix_ids)
         if t == 0:
             return self.table[ids]
+        if self.alone is not None and int(self.layer) == 0 and ALONE_TABLE:
+            # an alone view's states are the input vectors, whatever came before: the layer-0 table's rows, the cached
+            # forward's own bit for bit (both run the embedding alone), without a prefix made for each position
+            return self.rows_of(first_position_table(self.model, self.layer, progress=False)[ids.to(probe.device)], t)
         made = prefix or (lambda: probe.prefix(prefix_ids, self.layer))
 
         def compute(missing: torch.Tensor) -> torch.Tensor:
