@@ -34,14 +34,16 @@ class Secant:
 
     def __init__(self, model: LoadedModel, layer, states: bool, through: Through | None = None) -> None:
         """``states``: the rows are the layer's states themselves (the position-1 map is then the first fit);
-        ``through``: else a view's rows (``(name, rows_of)``), whose position-1 map
+        ``through``: else a view's rows (``(name, rows_of)``; a ``ValueError`` with ``states``), whose position-1 map
         (:func:`lminvert.invert.tables.second_position_map` through it) is the first fit where :data:`VIEW_PRIOR` is
         on. A KV cache's position 1 after its attention sink: the model's prediction put the true token of 8 held-out
         prompts 33rd to 42,170th at block 15, this map (its offset from 32 verified rows) 1st to 569th for 6 of them."""
+        if states and through is not None:
+            raise ValueError("a secant model fits the layer's states or a view's rows, not both")
         self.probe = model.probe
         self.ranker = SecantRanker()
         self.ranker.prepare(model, layer, states, None)
-        if through is not None and not states and VIEW_PRIOR:
+        if through is not None and VIEW_PRIOR:
             self.ranker.start_from(position1_projection(model, layer, through))
         self.ctx: PositionContext  # the position being searched (set by :meth:`begin`)
 
