@@ -86,8 +86,9 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
     deep = [probe.layer(probe.n_layers - i) for i in range(min(settings.deep, probe.n_layers))]
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
     # the held-out check prompts' states at the deep layers and the upper half's, one forward for both checks
-    upper = probe.layers(list(range(max(1, probe.n_layers - probe.n_layers // 2), probe.n_layers + 1)))
-    checks = functools.cache(lambda: _check_prompts(model, sorted({*deep, *upper}, key=int), settings.check))
+    checks = functools.cache(
+        lambda: _check_prompts(model, sorted({*deep, *_upper_half(model)}, key=int), settings.check)
+    )
     if wanted:
         start = time.perf_counter()
         options, extra = _network_data(settings.network, shared, wanted)
@@ -181,6 +182,12 @@ def _score(model: LoadedModel, weights, prompts: list[list[int]], states: list[d
     return sum(math.log2(2 + r) for r in ranks) / len(ranks)
 
 
+def _upper_half(model: LoadedModel) -> list[Layer]:
+    """The block layers of the model's upper half below its last (the layers a deep network may be lent to)."""
+    n = model.probe.n_layers
+    return model.probe.layers(list(range(max(1, n - n // 2), n)))
+
+
 def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, checks: Checks) -> list[str]:
     """The layers of the model's upper half without a network of their own, from the top down, that read the
     held-out prompts of ``checks()`` better with ``source``'s network ``net`` than with their own linear map: each is
@@ -188,10 +195,9 @@ def _lent(model: LoadedModel, source: Layer, net: torch.nn.Module, checks: Check
     reading with their maps, so that each layer is decided once. A network trained on the last layer's states reads
     the layers below it too (SmolLM2, the quick network of layer 30 at layers 25-29: mean ``log2(2 + rank)`` 4.3-4.4
     against their maps' 7.2-8.5), less well the lower they are. A line where any layer was decided."""
-    n = model.probe.n_layers
     layers = [
         layer
-        for layer in sorted(model.probe.layers(list(range(max(1, n - n // 2), n))), reverse=True)
+        for layer in sorted(_upper_half(model), reverse=True)
         if layer != source and load_reader(model, layer) is None and lent_from(model, layer) is None
     ]
     if not layers:

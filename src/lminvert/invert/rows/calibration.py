@@ -77,7 +77,7 @@ class Calibration:
 
     @functools.cached_property
     def prompts(self) -> list[list[int]]:
-        return calibration_prompts(self.model, n=2, length=12)
+        return _prompts(self.model)
 
     @functools.cached_property
     def plains(self) -> list[torch.Tensor]:
@@ -164,8 +164,8 @@ class Calibration:
 
     def _run(self) -> list[Pair]:
         """The cached forward's states of every calibration position beside the plain forward's (:func:`_cached`)."""
-        found = _cached(self.model, [self.layer], self.prompts, _plains(self.model, [self.layer], self.prompts))
-        return found[self.layer]
+        plains = [{self.layer: plain} for plain in self.plains]
+        return _cached(self.model, [self.layer], self.prompts, plains)[self.layer]
 
 
 def calibrate_rows(model: LoadedModel, layers: list[Layer]) -> list[Layer]:
@@ -180,7 +180,7 @@ def calibrate_rows(model: LoadedModel, layers: list[Layer]) -> list[Layer]:
     blocks = [layer for layer in wanted if 1 <= int(layer) <= probe.n_layers and not layer.is_final]
     groups = [blocks] if blocks else []
     groups += [[layer] for layer in wanted if layer not in blocks]
-    prompts = calibration_prompts(model, n=2, length=12)
+    prompts = _prompts(model)
     for group in groups:
         pairs = _cached(model, group, prompts, _plains(model, group, prompts))
         others = _others(model, group, prompts)
@@ -188,6 +188,11 @@ def calibrate_rows(model: LoadedModel, layers: list[Layer]) -> list[Layer]:
             cached(model, layer, KIND, lambda found=pairs[layer]: _packed(found), per_device=True)
             cached(model, layer, GAP_KIND, lambda found=others[layer]: found, per_device=True)
     return wanted
+
+
+def _prompts(model: LoadedModel) -> list[list[int]]:
+    """The calibration prompts: two of each kind, 12 tokens (:func:`lminvert.invert.tolerance.calibration_prompts`)."""
+    return calibration_prompts(model, n=2, length=12)
 
 
 def _packed(pairs: list[Pair]) -> torch.Tensor:
