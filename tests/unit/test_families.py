@@ -284,3 +284,26 @@ def test_tokens_alone_without_query_and_key_products_have_the_models_own_states_
     assert torch.allclose(
         after[top], full[top][:, -1].float().cpu(), rtol=1e-4, atol=1e-4 * float(full[top].abs().max())
     )
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_kv_rows_computed_from_states_are_the_models_own_cache_at_every_block(name):
+    """A KV leak's rows as lminvert computes them from each position's state (keys turned at their position) equal
+    transformers' own cache, at every block: on Gemma-3 the sliding and the full attention blocks turn keys with
+    different bases (one rotary embedding per kind of attention)."""
+    from lminvert.models.kv import kv_block
+
+    model = lminvert.load_model(name)
+    try:
+        kv_block(model, 1)
+    except LminvertError:
+        pytest.skip(f"{name}: no Llama-style attention (the KV leak refuses it)")
+    ids = [3, 17, 250, 9, 1024, 77, 5]
+    for block in range(1, model.probe.n_layers + 1):
+        kv = kv_block(model, block)
+        states = encode(model, [ids], block - 1).states[0]
+        rows = torch.cat([kv.rows(states[t : t + 1], t) for t in range(len(ids))])
+        cached = kv.cached(ids)  # a sliding window's block holds its last positions only (tiny-mistral: 3 of 7)
+        assert 0 < len(cached) <= len(rows) and rows.shape[1:] == cached.shape[1:]
+        held = rows[len(rows) - len(cached) :]
+        assert torch.allclose(held, cached, rtol=1e-4, atol=1e-5 * float(cached.abs().max())), (name, block)

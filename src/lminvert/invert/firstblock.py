@@ -39,7 +39,7 @@ from torch.func import jacrev
 
 from ..corpora import sample_prompts
 from ..models import LoadedModel
-from ..models.kv import rotary_turn
+from ..models.kv import attention_kind, rotary_turn
 from .firstorder import orders
 from .firstsupport import FITTED, strength, support
 
@@ -110,6 +110,11 @@ class FirstBlock:
         return found if found._agrees() else None
 
     # ------------------------------------------------------------------ the block's pieces
+    @property
+    def _kind(self) -> str | None:
+        """The first block's kind of attention where the rotary module keeps one embedding per kind."""
+        return attention_kind(self.rotary, self.model.probe.config, 1)
+
     def embeds(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
             return self.model.probe.embedding(torch.tensor(ids, device=self.model.probe.device)).double().cpu()
@@ -144,7 +149,9 @@ class FirstBlock:
         """``[heads, head_dim]``: the query of a normed row at position ``length - 1``, turned."""
         with torch.no_grad():
             query = self.attention.q_proj(normed[None]).view(1, self.heads, self.head_dim)
-        turned = rotary_turn(self.rotary, query, torch.tensor([length - 1]), device=self.model.probe.device)
+        turned = rotary_turn(
+            self.rotary, query, torch.tensor([length - 1]), device=self.model.probe.device, kind=self._kind
+        )
         return turned[0]
 
     def _keys(self, normed: torch.Tensor) -> torch.Tensor:
@@ -154,7 +161,7 @@ class FirstBlock:
 
     def _scores(self, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[heads, n]``: the scaled logit of ``query`` on each key turned at its position in ``positions``."""
-        turned = rotary_turn(self.rotary, keys, positions, device=self.model.probe.device)
+        turned = rotary_turn(self.rotary, keys, positions, device=self.model.probe.device, kind=self._kind)
         group = self.heads // self.kv_heads
         logits = torch.einsum("nhd,hd->hn", turned.repeat_interleave(group, 1), query)
         return logits * float(getattr(self.attention, "scaling", self.head_dim**-0.5))

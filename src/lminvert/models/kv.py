@@ -38,14 +38,27 @@ def rotary_turn(
     positions: torch.Tensor,
     sign: float = 1.0,
     device: torch.device | None = None,
+    kind: str | None = None,
 ) -> torch.Tensor:
     """``rows [n, heads, head_dim]`` (on the CPU) with row ``i`` turned by the model's rotary embedding at
-    ``positions[i]`` (``sign`` -1: the turn undone), in the rows' dtype; ``device``: where the rotary module lives."""
+    ``positions[i]`` (``sign`` -1: the turn undone), in the rows' dtype; ``device``: where the rotary module lives;
+    ``kind``: the block's kind of attention (``config.layer_types``), for a rotary module that keeps one embedding per
+    kind (Gemma-3: sliding and full attention, each with its own base; :func:`attention_kind`)."""
     shape = torch.zeros(1, len(positions), rows.shape[-1], device=device, dtype=torch.float32)
     with torch.no_grad():
-        cos, sin = rotary(shape, positions.to(device)[None])
+        at = positions.to(device)[None]
+        cos, sin = rotary(shape, at) if kind is None else rotary(shape, at, kind)
     cos, sin = cos[0].to(rows.dtype).cpu()[:, None], sin[0].to(rows.dtype).cpu()[:, None]  # [n, 1, head_dim]
     return rows * cos + sign * _rotate_half(rows) * sin
+
+
+def attention_kind(rotary: nn.Module, config, block: int) -> str | None:
+    """Block ``block``'s (1-based) kind of attention where ``rotary`` keeps an embedding per kind (its
+    ``layer_types``: Gemma-3's sliding and full attention), else None (one embedding for every block)."""
+    kinds, per_layer = getattr(rotary, "layer_types", None), getattr(config, "layer_types", None)
+    if not kinds or not per_layer:
+        return None
+    return str(per_layer[block - 1])
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,8 @@ class KVBlock:
             raise LminvertError(f"{self.loaded.name} has no rotary embedding where a Llama-style model keeps it")
         split = self.heads * self.head_dim
         keys = rows[:, :split].float().view(len(rows), self.heads, self.head_dim)
-        keys = rotary_turn(rotary, keys, positions, sign, probe.device)
+        kind = attention_kind(rotary, probe.config, self.block)
+        keys = rotary_turn(rotary, keys, positions, sign, probe.device, kind)
         return torch.cat([keys.flatten(1), rows[:, split:].float()], dim=-1)
 
     def turned(self, rows: torch.Tensor, position: int, back: bool = False) -> torch.Tensor:
