@@ -359,6 +359,11 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     assert load_reader(again, first) is load_reader(again, last)
     shared = reading_map(fresh, first)
     back = back_map(make_view("kv", fresh, last))  # block 2's, made by the preparation from the same forward
+    table_path(fresh, first, "back-map1-kv").unlink()  # a preparation stopped after the maps: the next one makes it
+    resumed = lminvert.load_model("tiny-llama")
+    lines = [line.split(":")[0] for line in prepare(resumed, small, progress=False)]
+    assert lines == ["reading maps at layers 1-2", "KV read-back maps at 1 of blocks 2-2"]
+    assert torch.equal(back_map(make_view("kv", resumed, last)), back)  # from the same forward, bit for bit
     monkeypatch.setenv("LMINVERT_CACHE", str(tmp_path / "alone"))
     (tmp_path / "alone" / "models").mkdir(parents=True)
     (tmp_path / "alone" / "models" / "smollm2-135m").symlink_to(isolated_cache / "models" / "smollm2-135m")

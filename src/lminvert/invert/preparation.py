@@ -78,11 +78,10 @@ def prepare(model: LoadedModel, settings: Preparation = Preparation(), progress:
         layers = probe.layers("all")
         reading_maps(model, layers, shared)
         done.append(f"reading maps at layers 1-{probe.n_layers}: {time.perf_counter() - start:.1f} s")
-        if shared:  # the same forward's states read KV caches' rows back (blocks 2..L)
-            start = time.perf_counter()
-            if made := back_maps(model, shared):
-                seconds = time.perf_counter() - start
-                done.append(f"KV read-back maps at {made} of blocks 2-{probe.n_layers}: {seconds:.1f} s")
+        start = time.perf_counter()  # the same forward's states read KV caches' rows back (blocks 2..L)
+        if made := back_maps(model, shared):  # where the maps were kept already, that forward runs for those missing
+            seconds = time.perf_counter() - start
+            done.append(f"KV read-back maps at {made} of blocks 2-{probe.n_layers}: {seconds:.1f} s")
     deep = [probe.layer(probe.n_layers - i) for i in range(min(settings.deep, probe.n_layers))]
     wanted = [layer for layer in deep if load_reader(model, layer) is None]
     # the held-out check prompts' states at the deep layers and the upper half's, one forward for both checks

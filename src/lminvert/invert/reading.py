@@ -135,8 +135,7 @@ def reading_maps(
 
     def build(layer: Layer) -> torch.Tensor:
         if not shared:
-            shared["prompts"] = training_prompts(model)
-            shared["states"] = training_states(model, shared["prompts"], layers, half_states(model, None), False)
+            shared.update(training_forward(model, layers))
         if not targets:
             vocab = model.probe.vocab_matrix(torch.float32).cpu().double()
             targets.append(torch.cat([vocab[torch.tensor(p[1:])] for p in shared["prompts"]]))
@@ -144,6 +143,14 @@ def reading_maps(
         return fit_secant_map(x.to(PRODUCTS), targets[0].to(PRODUCTS), ridge=RIDGE, solve=torch.float64).float()
 
     return {layer: cached(model, layer, "reading-map", lambda layer=layer: build(layer)) for layer in layers}
+
+
+def training_forward(model: LoadedModel, layers: Sequence[Layer]) -> dict[str, list]:
+    """The maps' training ``prompts`` and their ``states`` at ``layers`` (``[T, d]`` per layer and prompt), from one
+    forward whose products run in bfloat16 where those are native (:func:`half_states`): what :func:`reading_maps` fits
+    on and shares."""
+    prompts = training_prompts(model)
+    return {"prompts": prompts, "states": training_states(model, prompts, layers, half_states(model, None), False)}
 
 
 def reading_orders(model: LoadedModel, weights: Reading, states: torch.Tensor, depth: int) -> torch.Tensor:

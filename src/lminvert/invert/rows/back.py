@@ -18,7 +18,7 @@ import torch
 from ...errors import LminvertError
 from ...forward import prompt_states
 from ...models import LoadedModel
-from ..reading import reading_maps, training_prompts
+from ..reading import reading_maps, training_forward, training_prompts
 from ..secant import fit_secant_map
 from ..tables import cached, kept
 from ..views import View, make_view
@@ -60,8 +60,9 @@ def back_map(view: View, shared: dict[str, list] | None = None) -> torch.Tensor:
 
 def back_maps(model: LoadedModel, shared: dict[str, list]) -> int:
     """:func:`back_map` of every KV block after the first (block 1's rows are ranked by the table) from the reading's
-    training states at every layer (``shared``, as :func:`lminvert.invert.reading.reading_maps` fills it), those not
-    kept yet; how many were made (0 for a model whose attention is not Llama-style)."""
+    training states at every layer (``shared``, as :func:`lminvert.invert.reading.reading_maps` fills it; where it is
+    empty and a map is missing, that forward is run now and ``shared`` filled), those not kept yet; how many were made
+    (0 for a model whose attention is not Llama-style)."""
     made = 0
     for block in range(2, model.probe.n_layers + 1):
         try:
@@ -69,6 +70,8 @@ def back_maps(model: LoadedModel, shared: dict[str, list]) -> int:
         except LminvertError:
             return made
         if kept(model, view.states_layer, f"{KIND}-{view.name}") is None:
+            if not shared:  # the reading maps were kept already (a preparation stopped after them)
+                shared.update(training_forward(model, model.probe.layers("all")))
             back_map(view, shared)
             made += 1
     return made
