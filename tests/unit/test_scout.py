@@ -13,10 +13,10 @@ import torch
 
 import lminvert
 from lminvert.forward import encode
-from lminvert.invert import invert
+from lminvert.invert import invert, scout
 from lminvert.invert.engine import InvertConfig, invert_prompts
 from lminvert.invert.scout import MAX_ERROR, pays, scouting_calibration
-from lminvert.invert.tolerance import screen_calibration
+from lminvert.invert.tolerance import SAFETY, scout_error, screen_calibration
 
 from ..conftest import TINY
 
@@ -110,7 +110,7 @@ def test_where_the_scout_goes():
     model = lminvert.load_model("tiny-llama")
     probe = model.probe
     wants = engine._scouts
-    small = screen_calibration(model, probe.layer(2)) <= MAX_ERROR
+    small = scout.error(model, probe.layer(2)) <= MAX_ERROR
     assert pays(model, probe.layer(2)) == (probe.can_screen and small)
     assert not pays(model, probe.layer(0))
     assert wants(model, probe.layer(0), InvertConfig(scout=True), True)
@@ -138,3 +138,18 @@ def test_a_scout_asked_of_a_model_that_cannot_run_it_is_a_one_line_error(cli, tm
     states.save(path)
     proc = cli("invert", str(path), "--model", "tiny-llama", "--dtype", "bfloat16", "--scout")
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1 and "--scout" in proc.stderr
+
+
+def test_the_scout_reads_the_screened_disagreements_typical_quantile(monkeypatch):
+    """The scout's ball and its rule read the 90th percentile of the screened states' disagreements, kept beside their
+    maximum (which screening reads); with ``scout.TYPICAL`` off, the maximum."""
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(2)
+    typical, worst = scout_error(model, layer), screen_calibration(model, layer)
+    assert 0.0 < typical <= worst
+    assert scout.error(model, layer) == typical
+    assert scouting_calibration(model, layer).cached == typical
+    assert scouting_calibration(model, layer).gap == 2.0 * SAFETY * typical
+    monkeypatch.setattr(scout, "TYPICAL", False)
+    assert scout.error(model, layer) == worst
+    assert scouting_calibration(model, layer).cached == worst
