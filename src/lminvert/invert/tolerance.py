@@ -65,7 +65,7 @@ class Calibration:
     samples: int  # positions measured
     scale: float = 1.0  # multiplies the radii (InvertConfig.tolerance_scale)
     screen: float | None = None  # max ||screened state - plain|| / ||plain|| of the true token (None: not screening)
-    # the same disagreements' TYPICAL quantile (None: not screening): what the scout's ball and its rule read
+    # the same disagreements' SCREEN_QUANTILE (None: not screening): what the scout's ball and its rule read
     # (:func:`scout_error`), where the maximum is one outlier's (Gemma-3-270m layer 18: 5.8% at one position of 72, the
     # 90th percentile 1.9%)
     screen_typical: float | None = None
@@ -165,7 +165,7 @@ class _Found:
             gap=min(self.gap) if self.gap else math.inf,
             samples=len(self.cached),
             screen=max(self.screen, default=0.0) if screen else None,
-            screen_typical=_quantile(self.screen, TYPICAL) if screen else None,
+            screen_typical=_quantile(self.screen, SCREEN_QUANTILE) if screen else None,
         )
 
 
@@ -285,9 +285,9 @@ def calibration_kind(model: LoadedModel) -> str:
     return KIND + "".join(f"-b{n + 1}" for n in _large_shapes(model.probe.device))  # other shapes apart
 
 
-SCREEN_KIND = "screen2"  # the cache's name for the screening disagreement (its maximum, then its TYPICAL quantile); a
+SCREEN_KIND = "screen2"  # the cache's name for the screening disagreement (its maximum, then its SCREEN_QUANTILE); a
 # new name whenever it is measured anew (2: the quantile kept beside the maximum)
-TYPICAL = 0.9  # the quantile of the screened disagreements kept beside their maximum (:func:`scout_error`)
+SCREEN_QUANTILE = 0.9  # the quantile of the screened disagreements kept beside their maximum (:func:`scout_error`)
 
 
 def screen_calibration(model: LoadedModel, layer: Layer) -> float:
@@ -298,7 +298,7 @@ def screen_calibration(model: LoadedModel, layer: Layer) -> float:
 
 
 def scout_error(model: LoadedModel, layer: Layer) -> float:
-    """The screened states' typical relative disagreement (the :data:`TYPICAL` quantile of those
+    """The screened states' typical relative disagreement (the :data:`SCREEN_QUANTILE` quantile of those
     :func:`screen_calibration` takes the maximum of, on the worse of its two paths; cached beside it)."""
     return float(_screened(model, layer)[1])
 
