@@ -12,7 +12,7 @@ from lminvert.forward import encode, prompt_states
 from lminvert.invert import invert, preparation, reading
 from lminvert.invert import proposal as proposal_module
 from lminvert.invert.preparation import Preparation, prepare
-from lminvert.invert.reader import QUICK_KIND, load_reader, train_reader
+from lminvert.invert.reader import QUICK_KIND, load_reader, reading_for, train_reader
 from lminvert.invert.reading import reading_map, reading_orders
 from lminvert.invert.rows.back import back_map
 from lminvert.invert.tables import table_path
@@ -331,12 +331,19 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
         "layer 2's reading network lent to 1 of layers 1-1, where it reads held-out prompts better than their maps",
         "first-position table at layer 2",
         "position-1 maps and calibrations at layers 1-2 and final",
+        "the fused source's weights at layers 1-2 and final",
     ]
     assert table_path(model, last, "table").is_file() and not table_path(model, first, "table").is_file()
     kinds = (("position1-map", None), (calibration_kind(model), "cpu"))  # every layer's, made in one pass each
     final = model.probe.final  # the final layer's too: its first prompt would otherwise make them
     assert all(
         table_path(model, layer, kind, device).is_file() for layer in (first, last, final) for kind, device in kinds
+    )
+    from lminvert.invert import fusion  # the fused source's weight for each layer's reading, fitted in one pass
+
+    assert all(
+        table_path(model, layer, fusion._kind(model, reading_for(model, layer))).is_file()
+        for layer in (first, last, final)
     )
     alone = measure(model, first, calibration_prompts(model))  # what layer 1 measures alone, bit for bit
     with model.probe.always_packed():
@@ -362,7 +369,11 @@ def test_the_preparation_makes_every_reading_map_and_a_quick_network_once(isolat
     table_path(fresh, first, "back-map1-kv").unlink()  # a preparation stopped after the maps: the next one makes it
     resumed = lminvert.load_model("tiny-llama")
     lines = [line.split(":")[0] for line in prepare(resumed, small, progress=False)]
-    assert lines == ["reading maps at layers 1-2", "KV read-back maps at 1 of blocks 2-2"]
+    assert lines == [
+        "reading maps at layers 1-2",
+        "KV read-back maps at 1 of blocks 2-2",
+        "the fused source's weights at layers 1-2 and final",  # for the network --reader trained since: its own
+    ]
     assert torch.equal(back_map(make_view("kv", resumed, last)), back)  # from the same forward, bit for bit
     monkeypatch.setenv("LMINVERT_CACHE", str(tmp_path / "alone"))
     (tmp_path / "alone" / "models").mkdir(parents=True)

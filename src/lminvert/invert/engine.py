@@ -32,6 +32,7 @@ import torch
 from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
 from . import acceptor, scout
 from .context import batch_scale
+from .fusion import fitted_weight
 from .layouts import foreign_calibration
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
@@ -165,6 +166,8 @@ def invert_prompts(
     if wants_prior and prior is None:
         start_prior = time.perf_counter()
         fused = max(policy.fused for policy in policies) if reading is not None else 0.0
+        if fused > 0 and all(policy.fit_fused for policy in policies):  # the weight fitted for this layer's reading
+            fused = fitted_weight(model, layer, reading, fused)
         prior = NextTokenPrior(model, layer, [search.targets for search in searches], reading=reading, fused=fused)
         prior_share = (time.perf_counter() - start_prior) / len(searches)  # ranking, counted at position 0
     if prior is not None and config.speculate and chains_reproduce(probe):

@@ -62,10 +62,10 @@ class LinearPolicy(Policy):
     The secant fit's settings (``memory``, ``ridge``, ``prior``, ``outlier``, ``fresh``, ``norm_rank``,
     ``local_from``) are :class:`.rankers.FitSettings`'. A ranker is left out by its setting: ``local_from=0``
     (``local``), ``carried=0`` (``carried``), ``lm_prior=False`` (``next-token``, ``reading`` and ``fused``),
-    ``reading=False`` (``reading`` and ``fused``), ``fused=0`` (``fused``: the reading's weight in it, default
-    :data:`FUSED`), ``reread=False`` (``reread``), ``sink=False`` (``sink``: at a position whose state is an
-    attention sink, its token, where it stands apart, leads the first batch: :mod:`.sinks`, whose switch
-    :data:`.sinks.SINK_LEAD` turns it off everywhere).
+    ``reading=False`` (``reading`` and ``fused``), ``fused=0`` (``fused``: the reading's weight in it; by default
+    the weight fitted for the layer's reading, :mod:`.fusion`, else :data:`FUSED`), ``reread=False`` (``reread``),
+    ``sink=False`` (``sink``: at a position whose state is an attention sink, its token, where it stands apart, leads
+    the first batch: :mod:`.sinks`, whose switch :data:`.sinks.SINK_LEAD` turns it off everywhere).
     ``extra``: rankers that join the later batches as streams of their own (default: one of each in
     :data:`.rankers.EXTRA`). The whole ranking runs in float32 on the model's device whatever the model's precision: a
     half-precision model only verifies candidates in its own dtype.
@@ -108,6 +108,7 @@ class LinearPolicy(Policy):
         self.carrier = CarriedRanker(self.secant) if carried > 0 else None
         self.sources = [OrderRanker("next-token", 0)] if lm_prior else []
         self.fused = (FUSED if fused is None else fused) if lm_prior and reading else 0.0
+        self.fit_fused = fused is None and self.fused > 0  # the default weight: fitted per layer (:mod:`.fusion`)
         if lm_prior and reading:
             self.sources.append(OrderRanker("reading", 1))
         if self.fused > 0:

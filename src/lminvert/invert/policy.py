@@ -21,6 +21,7 @@ class Policy:
     uses_next_tokens = False  # the engine then fills ``ctx.next_tokens`` (the model's own next-token order)
     uses_reading = False  # ... beside the reading's order (:mod:`.reading`), as a second source
     fused = 0.0  # ... and, above 0, a third: both sources' scores summed, the reading's times this (:mod:`.proposal`)
+    fit_fused = False  # ... that weight replaced by the one fitted for the layer's reading (:mod:`.fusion`)
 
     def prepare(
         self, model: LoadedModel, layer: Layer, first_table: bool = True, reading: Reading | None = None

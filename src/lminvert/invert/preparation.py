@@ -21,7 +21,8 @@ inverts at every layer as a prepared one does, and nothing is built on a user's 
   :attr:`Preparation.deep` layers (one forward of every token alone: SmolLM2's last layer 112 s of a fresh machine's
   first prompt on an AVX-512 CPU, 132 s on an AVX2 one), which ranks position 0 at every layer below them too (a
   position-0 state lifted to the table's layer, :func:`.tables.first_table_for`), and every layer's position-1
-  map and radii's calibrations, each kind measured for all layers in one pass.
+  map and radii's calibrations, and the reading's weight in the proposal's fused source (:mod:`.fusion`), each kind
+  measured for all layers in one pass.
 
 Like every reading, these only order candidates: each one is verified and the acceptor alone gives verdicts, so they
 change speed, never an answer. :func:`prepare` skips what is cached already (idempotent).
@@ -41,6 +42,7 @@ import torch
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from ..models.halfmath import native_bfloat16
+from .fusion import fit_weights, readings_at
 from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
 from .rows.back import back_maps
@@ -114,18 +116,24 @@ def _layer_table(model: LoadedModel, layer: Layer, progress: bool) -> str | None
 
 
 def _every_layer(model: LoadedModel) -> list[str]:
-    """Every layer's position-1 map and calibrations (radii; screening's where the model screens), those not
-    cached made in one pass each (:func:`.tables.fit_position1_maps`, :func:`.tolerance.calibrate_layers`): what
+    """Every layer's position-1 map, calibrations (radii; screening's where the model screens) and fused weight, those
+    not cached made in one pass each (:func:`.tables.fit_position1_maps`, :func:`.tolerance.calibrate_layers`,
+    :func:`.fusion.fitted_weights`): what
     :func:`lminvert.invert.engine.invert_prompts` reads at a layer, which a layer's first prompt would otherwise make
     (SmolLM2, layer 25: 32 s on a 2-core CPU). A line where any was made."""
     probe = model.probe
     layers = probe.layers([*range(1, probe.n_layers + 1), "final"])
     start = time.perf_counter()
     made = fit_position1_maps(model, layers) + calibrate_layers(model, layers, screen=probe.can_screen)
-    if not made:
-        return []
-    seconds = time.perf_counter() - start
-    return [f"position-1 maps and calibrations at layers 1-{probe.n_layers} and final: {seconds:.1f} s"]
+    lines = []
+    if made:
+        seconds = time.perf_counter() - start
+        lines.append(f"position-1 maps and calibrations at layers 1-{probe.n_layers} and final: {seconds:.1f} s")
+    start = time.perf_counter()
+    if fit_weights(model, readings_at(model, layers)):
+        seconds = time.perf_counter() - start
+        lines.append(f"the fused source's weights at layers 1-{probe.n_layers} and final: {seconds:.1f} s")
+    return lines
 
 
 def _network_data(

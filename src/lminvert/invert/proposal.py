@@ -50,6 +50,18 @@ def merge(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torc
     return merged[~later][:k]
 
 
+def reading_log_probs(distances: torch.Tensor) -> torch.Tensor:
+    """The reading's log-probabilities ``[N, |V|]``: the log-softmax of minus its ``distances``
+    (:func:`.reading.input_distances`, ``||e_v - p||^2 - ||p||^2``: its scores ``2 p.e_v - ||e_v||^2``)."""
+    return (-distances).log_softmax(-1)
+
+
+def fuse(prior: torch.Tensor, reading: torch.Tensor, weight: float) -> torch.Tensor:
+    """The fused source's scores ``[N, |V|]`` (highest first): the prior's log-probabilities ``prior`` plus ``weight``
+    times the reading's (:func:`reading_log_probs`)."""
+    return prior + weight * reading.to(prior.device)
+
+
 class NextTokenPrior:
     """Next-token orders ``[depth]`` at every position of N prompts (position ``t``: what the model predicts after
     the states of positions ``0..t-1``), computed once from their observed states; with ``reading``, each position's
@@ -91,7 +103,7 @@ class NextTokenPrior:
                     sources = [order, ranked]
                     firsts = torch.cat([ranked[:, :1], firsts], dim=1)
                     if fused > 0:  # both, as a product of experts: a third source
-                        both = logits.log_softmax(-1) + fused * (-distances).log_softmax(-1).to(logits.device)
+                        both = fuse(logits.log_softmax(-1), reading_log_probs(distances), fused)
                         sources.append(both.topk(self.depth, dim=-1).indices)
                         firsts = torch.cat([firsts, sources[-1][:, :1]], dim=1)
                     order = torch.stack(sources, dim=1)
