@@ -397,3 +397,30 @@ def test_a_float_capture_is_decided_in_a_decisive_ball_and_a_box_never_is(tiny):
     _check(results, prompts)
     later = [(p.verdict, p.reason) for r in results for p in r.positions[1:]]
     assert (CONFIDENT, "the only match in a ball narrower than the gaps") in later, later
+
+
+def test_the_position_1_maps_vocabulary_norms_are_kept_on_disk_for_the_map_they_were_computed_from(isolated_cache):
+    """``tables.position1_projection``'s norms ``||e_v J||^2``: computed on a process's first use and kept beside the
+    map, so another loaded model reads them (bit for bit, without the vocabulary product); a map made anew (another
+    ``J``) gets its own."""
+    from lminvert.invert import tables
+
+    first = lminvert.load_model("tiny-llama")
+    layer = first.probe.layer(2)
+    jac, norms = tables.position1_projection(first, layer)
+    assert torch.equal(norms, (first.probe.vocab_matrix(torch.float32) @ jac.float()).square().sum(1))
+    second = lminvert.load_model("tiny-llama")
+
+    def product(*args, **kwargs):
+        raise AssertionError("the vocabulary product ran again")
+
+    second.probe.vocab_matrix = product  # type: ignore[method-assign]
+    again = tables.position1_projection(second, layer)
+    assert torch.equal(again[0], jac) and torch.equal(again[1], norms)
+    third = lminvert.load_model("tiny-llama")
+    for path in (isolated_cache / "tables").glob("*layer2-position1-map.safetensors"):
+        path.unlink()  # the map made anew, on other draws: its norms are its own
+    tables.fit_position1_maps(third, [layer], samples=64, seed=5)
+    remade, renormed = tables.position1_projection(third, layer)
+    assert not torch.equal(remade, jac)
+    assert torch.equal(renormed, (third.probe.vocab_matrix(torch.float32) @ remade.float()).square().sum(1))
