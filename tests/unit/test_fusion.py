@@ -11,6 +11,9 @@ import lminvert
 from lminvert.forward import prompt_states
 from lminvert.invert import fusion
 from lminvert.invert.reading import input_distances, read, reading_map
+from lminvert.models.loading import LoadedModel
+
+from ..conftest import small_vocab_llama
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +103,17 @@ def test_the_weight_is_fitted_once_per_reading_and_the_switch_gives_the_default(
         fusion.fitted_weight(tiny, layer, reading * 1.5, 1.0)
     monkeypatch.setattr(fusion, "FIT", False)
     assert fusion.fitted_weight(tiny, layer, reading * 1.5, 0.75) == 0.75
+
+
+def test_a_model_without_text_keeps_the_default_weight_and_seeks_no_text_again(monkeypatch):
+    model = LoadedModel.wrap("small-vocab", small_vocab_llama())  # no tokenizer: no text windows
+    layer = model.probe.layer(2)
+    reading = reading_map(model, layer)
+    assert fusion.fitted_weight(model, layer, reading, 0.75) == 0.75
+    assert model.memo.get(fusion.NO_TEXT) is True
+
+    def sought(*args, **kwargs):
+        raise AssertionError("text sought again")
+
+    monkeypatch.setattr(fusion, "training_prompts", sought)
+    assert fusion.fitted_weight(model, layer, reading, 0.5) == 0.5

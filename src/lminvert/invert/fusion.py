@@ -39,6 +39,7 @@ WEIGHTS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # the weights tried (each twic
 PROMPTS = 8  # text windows fitted on (12 chose the same weight at every layer of SmolLM2, 16 at 27 of 30)
 LENGTH = 20  # tokens each
 CHUNK = 8  # positions per part of the ranking, which stays in the cache (all at once: SmolLM2's fit 26 s, not 11)
+NO_TEXT = "fused-weight-no-text"  # the loaded model's memo: no text windows to fit on
 SEED = 777  # their draw (the maps' training prompts: 123; the networks': 321; the preparation's checks: 555)
 
 
@@ -57,10 +58,11 @@ def fit_weights(model: LoadedModel, readings: dict[Layer, Reading]) -> list[Laye
     forward of the prompts; the layers fitted (none where the model has no text to fit on)."""
     kinds = {layer: _kind(model, reading) for layer, reading in readings.items()}
     missing = [layer for layer, kind in kinds.items() if kept(model, layer, kind) is None]
-    if not missing:
+    if not missing or model.memo.get(NO_TEXT):
         return []
     prompts = training_prompts(model, text=PROMPTS, random=0, length=LENGTH, seed=SEED)
-    if not prompts:
+    if not prompts:  # no text for this tokenizer: not sought again by this loaded model
+        model.memo[NO_TEXT] = True
         return []
     weights = _fit(model, prompts, {layer: readings[layer] for layer in missing})
     for layer in missing:
