@@ -300,3 +300,29 @@ def test_is_kv_file_tells_states_from_caches(tmp_path, run):
         assert not is_kv_file(tmp_path / name), name
     for name in ("cache.pt", "list.pt", "block.pt"):
         assert is_kv_file(tmp_path / name), name
+
+
+def test_a_sliding_window_blocks_cache_end_to_end(tmp_path, cli):
+    """tiny-mistral attends over a window of 4, and transformers' cache of each block keeps a prompt's last 3
+    positions: saved whole, the file says so and is refused in one line; saved as bare (keys, values) pairs it cannot
+    say so, and the inversion counts the 3 rows from position 0: no prompt fits them, every position is uncertain, and
+    a note says why."""
+    import json
+
+    import lminvert
+
+    model = lminvert.load_model("tiny-mistral")
+    ids = list(model.tokenize("The quick brown fox jumps over the lazy dog near the river bank today", 12))
+    with torch.no_grad():
+        cache = model.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    assert cache.layers[0].keys.shape[-2] == 3
+    torch.save(cache, tmp_path / "cache.pt")
+    torch.save(_pairs(cache), tmp_path / "pairs.pt")
+    refused = cli("invert", str(tmp_path / "cache.pt"), "--leak", "kv", "--model", "tiny-mistral")
+    assert refused.returncode != 0 and "sliding-window layer that kept only the last 3 of 12" in refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    done = cli("invert", str(tmp_path / "pairs.pt"), "--leak", "kv", "--model", "tiny-mistral", "--json")
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads(done.stdout)
+    assert result["verdicts"] == ["uncertain"] * 3
+    assert any("sliding window of 4 positions" in note for note in result["notes"])

@@ -8,6 +8,7 @@ from ..errors import LminvertError
 from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
+from ..models.kv import sliding_window
 from ..states import HiddenStates
 from .blockfit import resolve_block
 from .last import LastOptions, invert_last
@@ -41,9 +42,25 @@ def invert_leak(
             f"{model.name} has {view.width}: check --leak and --layer"
         )
     check_dtype(states.dtype, model, "rows")
+    if leak == "kv":
+        notes = (*notes, *_window_note(model, resolved, [len(s) for s in states.states]))
     if leak == "last":
         return invert_last(model, last_vectors(states), resolved, source, last or LastOptions(), notes)
     return invert_rows(model, list(states.states), view, source, notes, screen, offsets)
+
+
+def _window_note(model: LoadedModel, block: Layer, lengths: list[int]) -> list[str]:
+    """A note where ``block`` attends over a sliding window and a prompt holds as many rows as transformers keeps of
+    such a block's cache (its window less one, or the window): they may be a longer prompt's last positions, which
+    fit no prompt counted from position 0 (every position ``uncertain``)."""
+    window = sliding_window(model.probe.config, int(block))
+    if window is None or not any(length in (window - 1, window) for length in lengths):
+        return []
+    return [
+        f"block {block.name} of {model.name} attends over a sliding window of {window} positions, and transformers' "
+        f"cache of such a block keeps only a prompt's last {window - 1}: if these rows are those of a longer prompt, "
+        "no prompt fits them (every position uncertain); a full-attention block's cache holds every position"
+    ]
 
 
 def last_vectors(states: HiddenStates) -> list:

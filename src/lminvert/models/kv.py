@@ -61,6 +61,17 @@ def attention_kind(rotary: nn.Module, config, block: int) -> str | None:
     return str(per_layer[block - 1])
 
 
+def sliding_window(config, block: int) -> int | None:
+    """Block ``block``'s (1-based) sliding window of attention (the positions a query sees), or None where it attends
+    over every position: Mistral's ``sliding_window`` at every block, Gemma-2/3's at their ``sliding_attention``
+    blocks. transformers' cache of such a block keeps only a prompt's last positions."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if not isinstance(window, int) or window <= 0 or (kinds and kinds[block - 1] != "sliding_attention"):
+        return None
+    return window
+
+
 @dataclass(frozen=True)
 class KVBlock:
     """Block ``block``'s keys and values (see the module docstring)."""
