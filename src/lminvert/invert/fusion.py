@@ -18,7 +18,6 @@ every layer by the preparation. A model whose tokenizer the corpora cannot serve
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ from ..models import Layer, LoadedModel
 from .proposal import fuse, reading_log_probs
 from .reader import reading_for
 from .reading import Reading, input_distances, read, training_prompts
-from .tables import cached, kept
+from .tables import cached, digest, kept
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +47,22 @@ def fitted_weight(model: LoadedModel, layer: Layer, reading: Reading, default: f
     ``default`` where :data:`FIT` is off or the model has no text to fit on."""
     if not FIT:
         return default
-    fit_weights(model, {layer: reading})
-    value = kept(model, layer, _kind(model, reading))
+    kind = _kind(model, reading)
+    _fit_missing(model, {layer: reading}, {layer: kind})
+    value = kept(model, layer, kind)
     return default if value is None else float(value[0])
 
 
-def fit_weights(model: LoadedModel, readings: dict[Layer, Reading]) -> list[Layer]:
-    """Fit and cache the weight at each layer of ``readings`` where none is cached for its reading, all from one
-    forward of the prompts; the layers fitted (none where the model has no text to fit on)."""
-    kinds = {layer: _kind(model, reading) for layer, reading in readings.items()}
+def fit_weights(model: LoadedModel, layers: Sequence[Layer]) -> list[Layer]:
+    """Fit and cache the weight at each of ``layers`` for the reading the proposal reads it with
+    (:func:`.reader.reading_for`) where none is cached, all from one forward of the prompts; the layers fitted (none
+    where the model has no text to fit on)."""
+    readings = {layer: reading_for(model, layer) for layer in layers}
+    return _fit_missing(model, readings, {layer: _kind(model, reading) for layer, reading in readings.items()})
+
+
+def _fit_missing(model: LoadedModel, readings: dict[Layer, Reading], kinds: dict[Layer, str]) -> list[Layer]:
+    """:func:`fit_weights` of ``readings``, whose cache kinds are ``kinds``."""
     missing = [layer for layer, kind in kinds.items() if kept(model, layer, kind) is None]
     if not missing or model.memo.get(NO_TEXT):
         return []
@@ -102,10 +108,4 @@ def _kind(model: LoadedModel, reading: Reading) -> str:
     the same map or network)."""
     width = model.probe.hidden_size
     fixed = torch.randn(4, width, generator=torch.Generator().manual_seed(0)).to(model.probe.device)
-    out = read(reading, fixed).float().cpu().numpy().tobytes()
-    return f"fused-weight-{hashlib.blake2b(out, digest_size=6).hexdigest()}"
-
-
-def readings_at(model: LoadedModel, layers: Sequence[Layer]) -> dict[Layer, Reading]:
-    """What the proposal reads each of ``layers`` with (:func:`.reader.reading_for`)."""
-    return {layer: reading_for(model, layer) for layer in layers}
+    return f"fused-weight-{digest(read(reading, fixed))}"

@@ -42,7 +42,7 @@ import torch
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from ..models.halfmath import native_bfloat16
-from .fusion import fit_weights, readings_at
+from .fusion import fit_weights
 from .reader import BORROWED_KIND, QUICK_KIND, held_out_ranks, keep, lend, lent_from, load_reader, train_readers
 from .reading import RANDOM_PROMPTS, reading_map, reading_maps, training_prompts
 from .rows.back import back_maps
@@ -118,9 +118,8 @@ def _layer_table(model: LoadedModel, layer: Layer, progress: bool) -> str | None
 def _every_layer(model: LoadedModel) -> list[str]:
     """Every layer's position-1 map, calibrations (radii; screening's where the model screens) and fused weight, those
     not cached made in one pass each (:func:`.tables.fit_position1_maps`, :func:`.tolerance.calibrate_layers`,
-    :func:`.fusion.fitted_weights`): what
-    :func:`lminvert.invert.engine.invert_prompts` reads at a layer, which a layer's first prompt would otherwise make
-    (SmolLM2, layer 25: 32 s on a 2-core CPU). A line where any was made."""
+    :func:`.fusion.fit_weights`): what :func:`lminvert.invert.engine.invert_prompts` reads at a layer, which a
+    layer's first prompt would otherwise make (SmolLM2, layer 25: 32 s on a 2-core CPU). A line where any was made."""
     probe = model.probe
     layers = probe.layers([*range(1, probe.n_layers + 1), "final"])
     start = time.perf_counter()
@@ -130,7 +129,7 @@ def _every_layer(model: LoadedModel) -> list[str]:
         seconds = time.perf_counter() - start
         lines.append(f"position-1 maps and calibrations at layers 1-{probe.n_layers} and final: {seconds:.1f} s")
     start = time.perf_counter()
-    if fit_weights(model, readings_at(model, layers)):
+    if fit_weights(model, layers):
         seconds = time.perf_counter() - start
         lines.append(f"the fused source's weights at layers 1-{probe.n_layers} and final: {seconds:.1f} s")
     return lines

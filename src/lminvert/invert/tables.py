@@ -256,6 +256,12 @@ Through = tuple[str, Callable[[torch.Tensor, int], torch.Tensor]]
 PROJECTION_CACHED = True  # the position-1 map's vocabulary norms kept on disk (:func:`position1_projection`)
 
 
+def digest(values: torch.Tensor) -> str:
+    """12 hex digits of ``values``' float32 bytes: names a cache entry made from them (an entry made from other values
+    gets another name)."""
+    return hashlib.blake2b(values.float().cpu().contiguous().numpy().tobytes(), digest_size=6).hexdigest()
+
+
 def _position1_kind(through: Through | None) -> str:
     return POSITION1 if through is None else f"{POSITION1}-{through[0]}"
 
@@ -324,7 +330,6 @@ def position1_projection(
         def norms() -> torch.Tensor:
             return (model.probe.vocab_matrix(torch.float32) @ jac.float()).square().sum(1)
 
-        digest = hashlib.blake2b(jac.float().cpu().numpy().tobytes(), digest_size=6).hexdigest()
-        kind = f"{_position1_kind(through)}-norms-{digest}"  # of this map: a map made anew has its own
+        kind = f"{_position1_kind(through)}-norms-{digest(jac)}"  # of this map: a map made anew has its own
         model.memo[key] = (jac, cached(model, layer, kind, norms) if PROJECTION_CACHED else norms())
     return model.memo[key]
