@@ -9,7 +9,9 @@ For each dtype and layer, in the same process, every prompt inverted three ways 
 * ``right`` / ``left`` - all prompts in ONE padded batch as a deployment captures them (right, then left padding; the
   prompts cut by 0..3 tokens from their ends so that the batch really pads), the real tokens' rows taken out
   (:func:`lminvert.invert.layouts.padded_states`), wrapped as a bare array (``HiddenStates.from_array``) and inverted
-  with ``source="float"`` (the error model of states computed elsewhere in the same dtype).
+  with ``source="float"`` (the error model of states computed elsewhere in the same dtype);
+* ``eager`` (``--layouts right,left,eager``) - the same right-padded batch run with transformers' eager attention
+  (what a capture that asks for attention weights, or another library's own attention, computes).
 
 Then a noise sweep at ``--noise-layer`` in float32: ``invert(model, own_states, noise=level)`` (relative Gaussian
 noise added and modelled by lminvert), against the noiseless ``own`` inversion of the same prompts, measured alongside.
@@ -44,12 +46,13 @@ import lminvert
 from bench_invert import _summarise
 from evalset import EvalPrompt, evaluation_prompts
 from lminvert.invert.acceptor import UNCERTAIN, VERDICTS
-from lminvert.invert.layouts import foreign_calibration, padded_states
+from lminvert.invert.layouts import Disagreement, foreign_calibration, padded_states
 from lminvert.invert.reader import reading_for
 from lminvert.invert.tables import first_position_table, second_position_map
 from lminvert.invert.tolerance import calibrate, screen_calibration
+from lminvert.models.observed import attention
 
-LAYOUTS = ("right", "left")
+LAYOUTS = ("right", "left")  # the default captures; ``eager`` on request
 WARM = 6  # positions of the untimed warm-up inversions
 FOREIGN_TARGET = {"median_over_own": 2.0, "decided_share": 0.95}
 NOISE_TARGET = {"level": 1e-2, "layer": 15, "median_over_noiseless": 3.0}
@@ -66,6 +69,7 @@ def main() -> int:
     ap.add_argument("--noise-layer", default="15")
     ap.add_argument("--device", default="cpu", help="cpu, auto, cuda, cuda:N or mps")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="captures: right, left, eager (comma-separated)")
     ap.add_argument("--out", default="out/bench/foreign.json")
     args = ap.parse_args()
 
@@ -98,13 +102,15 @@ def main() -> int:
         },
         "prompts": [{"kind": p.kind, "ids": list(p.ids)} for p in prompts],
         "layers": {},
+        "layouts": args.layouts.split(","),
     }
     alarms: list[str] = []
     for layer in layers:
         print(f"\nlayer {layer}")
         entry: dict = {}
         for dtype in dtypes:
-            entry[dtype] = _foreign(models[dtype], layer, prompts, args.seed, alarms, f"{dtype} layer {layer}")
+            label = f"{dtype} layer {layer}"
+            entry[dtype] = _foreign(models[dtype], layer, prompts, args.seed, alarms, label, args.layouts.split(","))
         report["layers"][str(layer)] = entry
     if levels:
         report["noise"] = _noise_sweep(models["float32"], args.noise_layer, prompts, levels, args.seed, alarms)
@@ -143,7 +149,7 @@ def _device(model) -> dict:
     return {"torch": str(dev), "name": name}
 
 
-def _warm(model, layer) -> tuple[float, tuple[float, float]]:
+def _warm(model, layer) -> tuple[float, Disagreement]:
     """Everything invert() measures once per model, dtype and layer and caches (not in the times below)."""
     start = time.perf_counter()
     first_position_table(model, layer, progress=False)
@@ -156,20 +162,21 @@ def _warm(model, layer) -> tuple[float, tuple[float, float]]:
     return time.perf_counter() - start, bound
 
 
-def _foreign(model, layer, prompts, seed: int, alarms: list[str], label: str) -> dict:
-    """Own, right- and left-padded captures of ``prompts`` at ``layer``, each prompt inverted three ways in a row."""
+def _foreign(model, layer, prompts, seed: int, alarms: list[str], label: str, layouts: list[str]) -> dict:
+    """Own and ``layouts``' captures of ``prompts`` at ``layer``, each prompt inverted every way in a row."""
     warm, bound = _warm(model, layer)
     ids = [list(p.ids) for p in prompts]
     own = lminvert.encode(model, ids, layer)
     captured = {"own": own}
-    for side in LAYOUTS:
-        captured[side] = lminvert.HiddenStates.from_array(padded_states(model.probe, layer, ids, side))
-    sources = {"own": "exact", "right": "float", "left": "float"}
+    for side in layouts:
+        captured[side] = lminvert.HiddenStates.from_array(_captured(model, layer, ids, side))
+    sources = {"own": "exact", **dict.fromkeys(layouts, "float")}
     print(
         f"  {model.dtype}: tables, reading, calibrations {warm:.1f} s (cached); float model's disagreement "
-        f"{bound[0]:.1e} at position 0, {bound[1]:.1e} later (relative)"
+        f"{bound.first:.1e} at position 0, {bound.rest:.1e} later (relative); at sink-like positions "
+        f"{', '.join(f'{rel:.1e} from norm {size:.0f}' for size, rel in bound.bands) or 'no more'}"
     )
-    distance = {side: _distance(captured[side], own, bound) for side in LAYOUTS}
+    distance = {side: _distance(captured[side], own, bound) for side in layouts}
     for side, d in distance.items():
         print(
             f"  foreign vs own, {side}: max {d['first']:.1e} at position 0 ({d['first_over_bound']:.2f}x the float "
@@ -192,7 +199,13 @@ def _foreign(model, layer, prompts, seed: int, alarms: list[str], label: str) ->
     _header()
     for name in captured:
         _row(f"{name}/{model.dtype}", rows[name], rows[name]["median_over_own"])
-    return {"precompute_seconds": warm, "float_model": list(bound), "distance": distance, "captures": rows}
+    return {
+        "precompute_seconds": warm,
+        "float_model": [bound.first, bound.rest],
+        "sink_bands": [list(b) for b in bound.bands],
+        "distance": distance,
+        "captures": rows,
+    }
 
 
 def _warm_invert(model, layer, runs, seed: int) -> None:
@@ -202,7 +215,16 @@ def _warm_invert(model, layer, runs, seed: int) -> None:
         lminvert.invert(model, states.with_meta(states=(states.states[0][:WARM],)), layer, seed=seed, **options)
 
 
-def _distance(foreign, own, bound: tuple[float, float]) -> dict:
+def _captured(model, layer, ids: list[list[int]], layout: str) -> list[torch.Tensor]:
+    """Every prompt's states from one batch padded on the right or left, or (``eager``) on the right with the eager
+    attention."""
+    if layout != "eager":
+        return padded_states(model.probe, layer, ids, layout)
+    with attention(model.probe, "eager"):
+        return padded_states(model.probe, layer, ids, "right")
+
+
+def _distance(foreign, own, bound: Disagreement) -> dict:
     """Max relative L2 distance of the foreign capture from lminvert's own states, at position 0 and later."""
     first = rest = 0.0
     identical = 0
@@ -214,8 +236,8 @@ def _distance(foreign, own, bound: tuple[float, float]) -> dict:
     return {
         "first": first,
         "rest": rest,
-        "first_over_bound": first / bound[0] if bound[0] > 0 else float("inf"),
-        "rest_over_bound": rest / bound[1] if bound[1] > 0 else float("inf"),
+        "first_over_bound": first / bound.first if bound.first > 0 else float("inf"),
+        "rest_over_bound": rest / bound.rest if bound.rest > 0 else float("inf"),
         "identical": identical,
     }
 
@@ -321,7 +343,7 @@ def _targets(report: dict) -> dict:
     checked = 0
     for layer, entry in report["layers"].items():
         for dtype, e in entry.items():
-            for side in LAYOUTS:
+            for side in report["layouts"]:
                 r = e["captures"][side]
                 checked += 1
                 why = []
@@ -339,10 +361,10 @@ def _targets(report: dict) -> dict:
     foreign_ok = not misses and checked > 0
     worst = max(
         (e["captures"][s]["median_over_own"] for entry in report["layers"].values() for e in entry.values()
-         for s in LAYOUTS), default=float("nan"),
+         for s in report["layouts"]), default=float("nan"),
     )  # fmt: skip
     print(
-        f"  foreign float (layers {layers}; {', '.join(report['dtypes'])}; right, left): "
+        f"  foreign float (layers {layers}; {', '.join(report['dtypes'])}; {', '.join(report['layouts'])}): "
         f"{'MET' if foreign_ok else 'NOT MET'} - every token right, "
         f"median <= {FOREIGN_TARGET['median_over_own']:g}x own "
         f"(worst {worst:.2f}x), >= {100 * FOREIGN_TARGET['decided_share']:.0f}% certified or confident, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -147,6 +148,40 @@ def test_confident_needs_the_rankings_top_candidates():
     assert not few.final
     enough = _run(_evidence([1.0] + [100.0] * (POPULATION - 1), reproducible=False, ranked=True), radii)
     assert (enough.token, enough.verdict) == (0, CONFIDENT)
+
+
+def test_a_sink_like_state_computed_elsewhere_is_not_confident_by_separation_in_a_ball_wider_than_the_gaps():
+    """Where the error model's bound is a sink-like band's (``Radii.fragile``), the nearest verified candidate,
+    separated from the others, is a guess unless the ball is decisive or the observation is reproduced (SmolLM2
+    bfloat16, layer 15, eager attention: a wrong sink state 5x nearer than the true one, which ranked past every
+    verified candidate)."""
+    dists = [1.0] + [100.0] * POPULATION
+    loose = _radii(cached=40.0, plain=40.0, source=39.0, rounding=1.0, gap=5.0)
+    plain = _run(_evidence(dists, reproducible=False), loose)
+    assert (plain.token, plain.verdict) == (0, CONFIDENT)
+    fragile = _run(_evidence(dists, reproducible=False), replace(loose, fragile=True))
+    assert (fragile.token, fragile.verdict, fragile.guess, fragile.reason) == (0, UNCERTAIN, True, acceptor.FRAGILE)
+    decisive = _radii(cached=4.0, plain=4.0, source=3.0, rounding=1.0, gap=50.0)
+    narrow = _run(_evidence([3.9] + [100.0] * POPULATION, reproducible=False), replace(decisive, fragile=True))
+    assert (narrow.token, narrow.verdict) == (0, CONFIDENT)
+    reproduced = _run(_evidence([0.0] + [100.0] * POPULATION, reproducible=False), replace(loose, fragile=True))
+    assert (reproduced.token, reproduced.verdict) == (0, CERTIFIED)
+
+
+def test_the_float_bound_takes_the_sink_bands_floor_from_its_norm_and_says_where_it_is_fragile():
+    source = Float().calibrated(0.0, 0.01, ((10.0, 0.005), (20.0, 0.3), (40.0, 0.5)))
+
+    def at(size: float) -> torch.Tensor:
+        return torch.full((4,), size / 2.0)  # norm ``size``
+
+    assert source.bound(at(5.0), 1) == pytest.approx(4 * 0.01 * 5.0)
+    assert source.bound(at(15.0), 1) == pytest.approx(4 * 0.01 * 15.0)  # a band under ``rest`` does not lower it
+    assert source.bound(at(30.0), 1) == pytest.approx(4 * 0.3 * 30.0)
+    assert source.bound(at(50.0), 1) == pytest.approx(4 * 0.5 * 50.0)
+    assert source.bound(at(50.0), 0) == 0.0  # position 0 is ``first``'s
+    assert [source.fragile(at(x), 1) for x in (5.0, 15.0, 30.0, 50.0)] == [False, False, True, True]
+    assert not source.fragile(at(50.0), 0)
+    assert not Float().calibrated(0.0, 0.01).fragile(at(50.0), 1)
 
 
 def test_two_fitting_candidates_are_uncertain_once_the_search_is_over():

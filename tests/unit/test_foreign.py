@@ -156,3 +156,34 @@ def test_constructed_non_injective_models_are_never_wrong_and_sure(construction,
         assert set(wrong) <= set(r.uncertain_positions), (construction, source, r.verdicts, wrong)
     if construction == "tied-rows":
         assert 0 in results[0].uncertain_positions  # token 9's twin cannot be told apart
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_sink_bands_cover_every_eager_state_they_were_measured_on(dtype):
+    """:func:`lminvert.invert.layouts.sink_bands`: the bands never decrease with the norm, and the bound they give
+    holds every sink-like eager-attention state of the random prompts they were measured on without its safety factor
+    (by the state's own norm); :func:`foreign_calibration` turns them into absolute norms of that layer."""
+    from lminvert.invert import Float
+    from lminvert.invert.layouts import SINK_BANDS, SINK_PROMPTS, SINK_SEED, foreign_calibration, sink_bands
+    from lminvert.invert.tolerance import SAFETY
+    from lminvert.models.observed import attention
+
+    model = lminvert.load_model("tiny-llama", dtype=dtype)
+    layer = model.probe.layer(LAYER)
+    measured = sink_bands(model, layer)
+    typical, rels = float(measured[0]), measured[1:]
+    assert typical > 0 and len(rels) == len(SINK_BANDS)
+    assert torch.equal(rels, torch.cummax(rels, dim=0).values)
+    ids = torch.randint(0, model.probe.vocab_size, SINK_PROMPTS, generator=torch.Generator().manual_seed(SINK_SEED))
+    plain = model.probe.states(ids, [layer])[layer].float()
+    with attention(model.probe, "eager"):
+        eager = model.probe.states(ids, [layer])[layer].float()
+    calibrated = foreign_calibration(model, layer)
+    source = Float().calibrated(calibrated.first, calibrated.rest, calibrated.bands)
+    rows, got = plain[:, 1:].flatten(0, 1).double(), eager[:, 1:].flatten(0, 1).double()
+    sinklike = got.norm(dim=1) >= SINK_BANDS[0] * typical
+    assert int(sinklike.sum()) > 0  # the bands saw something
+    for h, g in zip(rows[sinklike], got[sinklike], strict=True):
+        assert float((g - h).norm()) <= source.bound(g.float(), 1) / SAFETY + 1e-9
+    edges = [size / typical for size, _ in calibrated.bands]
+    assert all(any(abs(e - edge) < 1e-6 for edge in SINK_BANDS) for e in edges)

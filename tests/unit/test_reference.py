@@ -58,7 +58,8 @@ def test_engine_agrees_with_reference_on_foreign_states(name):
     layer = 1
     prompts = random_prompts(model.probe.vocab_size, lengths=(6, 3, 5), seed=7)
     observed = right_padded_states(model, prompts, layer)
-    source = Float().calibrated(*foreign_calibration(model, model.probe.layer(layer)))
+    measured = foreign_calibration(model, model.probe.layer(layer))
+    source = Float().calibrated(measured.first, measured.rest, measured.bands)
     fast = lminvert.invert(model, HiddenStates.from_array(observed), layer=layer, source=source)
     decided = 0
     for i, ids in enumerate(prompts):

@@ -132,7 +132,8 @@ def sequential_baseline(
         target = states[t].to(device=device, dtype=torch.float32)
         plain = calibration.confirm_radius(target) + source.bound(target, t)
         size = norm(target)
-        radii = Radii(plain, plain, source.bound(target, t), plain, calibration.gap * size, FLOOR * size)
+        bound, fragile = source.bound(target, t), source.fragile(target, t)
+        radii = Radii(plain, plain, bound, plain, calibration.gap * size, FLOOR * size, fragile)
         position = _Position(target, radii, source, len(vocab))
         prefix = embed(torch.tensor(recovered, dtype=torch.long, device=device)).detach() if recovered else None
         x = vocab.mean(0).clone().requires_grad_(True)

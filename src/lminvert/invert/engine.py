@@ -93,7 +93,8 @@ def bound_source(model: LoadedModel, layer: Layer, source: ErrorModel) -> ErrorM
     """``source`` with this model's measured foreign disagreements where its bound needs them (cached)."""
     if not source.needs_calibration:
         return source
-    return source.calibrated(*foreign_calibration(model, layer))
+    measured = foreign_calibration(model, layer)
+    return source.calibrated(measured.first, measured.rest, measured.bands)
 
 
 def _make_policy(config: InvertConfig) -> Policy:

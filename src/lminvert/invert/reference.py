@@ -92,6 +92,7 @@ def _radii(calibration: Calibration, source: ErrorModel, t: int, target: torch.T
         rounding=rounding,
         gap=calibration.gap * norm(target),
         resolution=FLOOR * norm(target),
+        fragile=source.fragile(target, t),
     )
 
 

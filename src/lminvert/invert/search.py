@@ -133,6 +133,7 @@ class PromptSearch:
             rounding=rounding,
             gap=calibration.gap * norm(target),
             resolution=FLOOR * norm(target),
+            fragile=self.settings.source.fragile(target, t),
         )
         # contenders: inside the ball, or in a decisive one's reach (accepted only when confirmed by the plain forward)
         gap = self.radii.gap

@@ -42,6 +42,9 @@ class ErrorModel:
     reproducible: bool = True  # a plain forward shaped like the observer's can give the observation bit for bit
     first: float = 0.0  # relative disagreement allowed at position 0 by how the states were computed
     rest: float = 0.0  # the same at later positions
+    # the same at sink-like later positions: (norm, relative) pairs, each a floor over ``rest`` for a target whose norm
+    # is at least that (:class:`.layouts.Disagreement`)
+    bands: tuple[tuple[float, float], ...] = ()
     elsewhere: bool = False  # computed elsewhere: ``float``'s measured disagreement is part of the bound
     # the observation may still be a plain forward's bit for bit (``float``: computed elsewhere, perhaps as lminvert
     # computes it; not under noise or quantisation), so a candidate that reproduces it is evidence
@@ -49,11 +52,19 @@ class ErrorModel:
 
     def computed(self, target: torch.Tensor, position: int) -> float:
         """The part of the bound that comes from where the states were computed (``float``'s calibration)."""
-        rel = self.first if position == 0 else self.rest
-        return SAFETY * max(rel, FLOOR) * norm(target) if rel > 0 else 0.0
+        size = norm(target)
+        rel = self.first if position == 0 else max([self.rest, *(r for top, r in self.bands if size >= top)])
+        return SAFETY * max(rel, FLOOR) * size if rel > 0 else 0.0
 
     def bound(self, target: torch.Tensor, position: int) -> float:
         return self.computed(target, position)
+
+    def fragile(self, target: torch.Tensor, position: int) -> bool:
+        """Whether the bound here is a sink-like band's (:class:`.layouts.Disagreement`), wider than ``rest``: the
+        state is dominated by a few huge coordinates that amplify where it was computed, so its own row does not
+        choose among tokens, short of reproducing it (:attr:`lminvert.invert.acceptor.Radii.fragile`)."""
+        size = norm(target) if self.bands and position > 0 else 0.0
+        return any(size >= top and r > self.rest for top, r in self.bands)
 
     def measured(self, target: torch.Tensor, position: int) -> float:
         """How far the true token's state lay from the observation in the measurement the bound was made from (the
@@ -94,9 +105,9 @@ class ErrorModel:
         """Whether :meth:`calibrated` must be given the foreign layouts' measurement."""
         return self.elsewhere
 
-    def calibrated(self, first: float, rest: float) -> ErrorModel:
+    def calibrated(self, first: float, rest: float, bands: tuple[tuple[float, float], ...] = ()) -> ErrorModel:
         """This model with the measured foreign disagreements (:func:`.layouts.foreign_calibration`)."""
-        return replace(self, first=first, rest=rest)
+        return replace(self, first=first, rest=rest, bands=bands)
 
     @property
     def label(self) -> str:

@@ -98,7 +98,7 @@ class Calibration:
         rest = max(_relative(seen(a), rows(b, t)) for t, a, b in self._observed if t > 0)
         if layouts and public is None and self.name is not None:
             elsewhere = foreign_calibration(self.model, self.layer, self.rows_of, self.name)
-            first, rest = max(first, elsewhere[0]), max(rest, elsewhere[1])
+            first, rest = max(first, elsewhere.first), max(rest, elsewhere.rest)
         return Measured(rounding, first, rest, self.gap(public))
 
     def gap(self, public: Map | None = None) -> float:
