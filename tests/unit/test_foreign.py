@@ -187,3 +187,39 @@ def test_the_sink_bands_cover_every_eager_state_they_were_measured_on(dtype):
         assert float((g - h).norm()) <= source.bound(g.float(), 1) / SAFETY + 1e-9
     edges = [size / typical for size, _ in calibrated.bands]
     assert all(any(abs(e - edge) < 1e-6 for edge in SINK_BANDS) for e in edges)
+
+
+def test_a_rows_search_asks_the_acceptor_again_where_the_chosen_tokens_state_is_sink_like(monkeypatch):
+    """The rows search (a leak searched in its rows' space: here int8-quantised states) tells the acceptor where a
+    confident token's own state is sink-like (:mod:`lminvert.invert.rows.sinklike`), and the acceptor makes it a
+    guess where the ball is not decisive; a state that is not sink-like keeps its verdict."""
+    from lminvert.invert.rows import sinklike
+    from lminvert.invert.sources import parse_source
+
+    model = lminvert.load_model("tiny-llama")
+    ids = torch.randint(0, model.probe.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).tolist()
+    source = parse_source("quant:int8")
+    own = lminvert.encode(model, ids, LAYER).states
+    rows = torch.stack([source.simulate(s.float(), torch.Generator().manual_seed(0)) for s in own])
+    plain = invert(model, HiddenStates.from_array(rows), LAYER, source="quant:int8")
+    assert [r.token_ids for r in plain] == ids
+    assert all(v == acceptor.CONFIDENT for r in plain for v in r.verdicts[1:])
+    monkeypatch.setattr(sinklike.SinkLike, "fragile", lambda self, prefix, token: bool(prefix))
+    told = invert(model, HiddenStates.from_array(rows), LAYER, source="quant:int8")
+    assert all(p.reason == acceptor.FRAGILE for r in told for p in r.positions[1:2])
+    assert all(v == acceptor.UNCERTAIN for r in told for v in r.verdicts[1:])
+
+
+def test_a_state_is_sink_like_by_its_norm_against_the_bands_never_at_position_0(monkeypatch):
+    from lminvert.invert.layouts import Disagreement
+    from lminvert.invert.rows import sinklike
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(LAYER)
+    norm = float(model.probe.states(torch.tensor([[3, 5]]), [layer])[layer][0, 1].float().norm())
+    for top, expected in ((norm / 2, True), (norm * 2, False)):
+        bands = Disagreement(0.0, 1e-3, ((top, 0.5),))
+        monkeypatch.setattr(sinklike, "foreign_calibration", lambda model, layer, bands=bands: bands)
+        check = sinklike.SinkLike(model, layer)
+        assert check.fragile([3], 5) is expected
+        assert check.fragile([], 5) is False

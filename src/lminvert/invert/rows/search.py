@@ -59,6 +59,7 @@ from .rankers import Ridge, Secant, StateReading
 from .replay import Replay
 from .running import Running
 from .screen import Screen, Screened
+from .sinklike import SinkLike
 from .verified import Found, Measure, Verified, measure
 
 BATCH = 256  # candidates verified per forward, at most
@@ -114,6 +115,7 @@ class RowSearch:
         self.first, self.alone = first, alone
         self._norms: torch.Tensor | None = None  # the table's squared row norms, for an alone view's order
         self.source = source.calibrated(measured.first, measured.rest)
+        self.sinks = SinkLike(model, layer) if source.needs_calibration else None  # a leak computed elsewhere
         self.rounding, self.gap = measured.rounding, measured.gap
         probe = model.probe
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
@@ -184,12 +186,16 @@ class RowSearch:
 
     def _decided(self, evidence: Evidence, radii: Radii, prefix: list[int], seen: Verified) -> acceptor.Decision:
         """The acceptor's decision; where several candidates fit a later position's row, after their replay through
-        the view's capture (:meth:`.replay.Replay.later`) when one reproduced the row."""
+        the view's capture (:meth:`.replay.Replay.later`) when one reproduced the row; a confident one where its
+        state is sink-like (:mod:`.sinklike`), again with that said."""
         decision = acceptor.decide(evidence, radii)
         if decision.reason == acceptor.SEVERAL and self.replay.later(
             prefix, self.length, seen, evidence.dists, evidence.ids, radii
         ):
-            return acceptor.decide(evidence, radii)
+            decision = acceptor.decide(evidence, radii)
+        sinks = self.sinks if decision.verdict == acceptor.CONFIDENT else None
+        if sinks is not None and sinks.fragile(prefix, decision.token):  # the acceptor again, told the state's kind
+            return acceptor.decide(evidence, replace(radii, fragile=True))
         return decision
 
     def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
