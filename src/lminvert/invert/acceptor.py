@@ -19,12 +19,11 @@ Verdicts, never better than the evidence:
   every other verified candidate beyond a margin (:func:`margin`: ``SEPARATION`` times farther, or outside the error
   bound with slack); a wrong state does not come that much nearer to the observation than the right one's error (the
   rate at which this rule was wrong is measured on calibration prompts under the same error model:
-  ``benchmarks/bench_foreign.py``), but not at a sink-like state computed elsewhere in a ball that may hold several
-  tokens' states (``Radii.fragile``), where the ranking missed the true token and a wrong one passed; or a first
-  token that its own row does not choose (several fit), where the next row fits under it alone
-  (:func:`chosen_by_next` on :class:`NextRow` evidence, with the rule's false-confident rate measured at 0 on
-  calibration prompts under the same error model); or a whole prompt (one vector's candidate) in the bound, its
-  distance and the bound together far under half the smallest gap between two prompts' last states seen;
+  ``benchmarks/bench_foreign.py``; not at a sink-like state computed elsewhere, ``Radii.fragile``, unless the ball is
+  decisive); or a first token that its own row does not choose (several fit), where the next row fits under it alone
+  (:func:`chosen_by_next` on :class:`NextRow` evidence, its false-confident rate measured at 0 on calibration prompts
+  under the same error model); or a whole prompt (one vector's candidate) in the bound, its distance and the bound
+  together far under half the smallest gap between two prompts' last states seen;
 * ``uncertain`` - anything else (and other whole prompts that do not reproduce the vector): several
   candidates fit, none fits within the budget, the token has a tied twin
   (bit-identical input vector: no state separates them), or an earlier position was such a guess (several fit, or
@@ -47,37 +46,32 @@ VERDICTS = (CERTIFIED, CONFIDENT, UNCERTAIN)
 SEPARATION = 8.0
 # for a source that cannot be reproduced, the separation asked is at most the chosen distance plus this many times the
 # plain radius (engine rounding + the error bound): a candidate that far cannot be the true token under the error model,
-# with the bound doubled for slack. It matters where the error is a tight statistical bound (noise: the chosen token's
-# distance is the noise itself, and 8x it would rule out tokens whose states lie a few noise norms away; SmolLM2 layer
-# 15, relative noise 1e-2: every position uncertain with 8x alone); the float model's bound is loose, so there the
-# ratio decides
+# with the bound doubled for slack. It matters under a tight statistical bound (noise: 8x the chosen token's distance,
+# the noise itself, would rule out tokens a few noise norms away; SmolLM2 layer 15, relative noise 1e-2: every position
+# uncertain with 8x alone); the float model's bound is loose, so there the ratio decides
 SLACK = 2.0
-# contenders re-measured by one plain forward per round (closest in angle first; the first round: one, the
-# observer's shape)
-MAX_CONFIRM = 16
+MAX_CONFIRM = 16  # contenders re-measured by one plain forward per round (closest in angle first; the first: one)
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
 # the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
 SEARCH_ON = 4096
 # candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model
 # (more cannot make the verdict better than ``uncertain``), or while nothing fits and no earlier position of the prompt
-# did (another model, another layer, a fine-tune, noise above the gaps: the search ends in bounded time). Where an
-# earlier position fitted, a position is searched through its budget as for lminvert's own states (SmolLM2 layer 30,
-# no reading network: the true token of a random-id prompt's position can rank past 1,024), unless an earlier position
-# was a guess: the prefix is likely wrong, so nothing may fit, and the verdict is uncertain whatever is found (SmolLM2
-# layer 15, bfloat16 states of a random-id prompt from a right-padded batch: after a wrong guess at position 1, each
-# later position swept the vocabulary, 67 s each)
+# did (another model or layer, a fine-tune, noise above the gaps: bounded time). Where an earlier position fitted, a
+# position is searched through its budget as for lminvert's own states (SmolLM2 layer 30, no reading network: a
+# random-id prompt's true token can rank past 1,024), unless an earlier position was a guess: the prefix is likely
+# wrong, so nothing may fit, and the verdict is uncertain whatever is found (SmolLM2 layer 15, bfloat16 random ids
+# from a right-padded batch: after a wrong guess at position 1, each later position swept the vocabulary, 67 s each)
 GIVE_UP = 1024
 # candidates a position of a source that cannot be reproduced may verify while two of them fit (within each other's
 # margin): a candidate verified later rarely separates them (it would have to lie decisively nearer than both), and the
 # verdict is uncertain either way. SmolLM2 layer 15, relative noise 1e-3..1e-2: the attention sink at position 0 (its
 # norm ~100x the others') holds several first tokens within the noise there
 RIVALS = 256
-# the same, where every candidate that fits lies beyond the distance the error model's own measurement saw the true
-# token's state at (:attr:`Evidence.expected`: they fit only through the bound's safety factor) and no earlier position
-# of the prompt was a guess: the true token is likely not verified yet. SmolLM2 layer 15, bfloat16 states of a random-id
-# prompt from a right-padded batch (bit for bit lminvert's own): at position 1 two wrong tokens fitted at 36% of the
-# state's norm within the first 256 (the measured disagreement: 5.7%), the true token came 5,077th at 0.8%; in another
-# (seed 3's sixth), about 14,300th: 8,192 ended in a wrong guess there, and every later position uncertain
+# the same, where every candidate that fits lies beyond where the error model's own measurement saw the true token's
+# state (:attr:`Evidence.expected`: they fit through the safety factor) and no earlier position was a guess: the true
+# token is likely not verified yet. SmolLM2 layer 15, bfloat16 random ids from a right-padded batch: at position 1
+# two wrong tokens fitted at 36% of the norm within the first 256 (the disagreement measured: 5.7%), the true token
+# 5,077th at 0.8%; in another, about 14,300th (8,192 ended in a wrong guess, every later position uncertain)
 FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
@@ -87,8 +81,7 @@ WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie fart
 FRAGILE = "a sink-like state computed elsewhere, not reproduced: its own row does not choose"
 GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
-# outside a decisive ball: the separation test needs runner-ups (a wrong token alone in a loose error bound passes it;
-# SmolLM2 layer 15, foreign bfloat16 states: a chain's wrong guess lay within the bound)
+# outside a decisive ball: separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
 POPULATION = 16
 
 
@@ -102,11 +95,7 @@ class Radii:
     rounding: float  # the cached forward's own rounding (a plain distance is at least cached - rounding)
     gap: float  # the smallest gap between two tokens' (whole prompts') states the calibration saw (inf: none seen)
     resolution: float  # float32's resolution at the state's norm
-    # the error model's bound here is a sink-like state's (:meth:`lminvert.invert.sources.ErrorModel.fragile`): a
-    # source that cannot be reproduced is not ``confident`` by separation there unless the ball is decisive (a wrong
-    # sink state lay 5x nearer to an eager attention's bfloat16 observation than the true one's, which ranked past
-    # every verified candidate: at 2 of 10 such prompts at layer 15; verifying the whole vocabulary there, 30 s a
-    # position at layer 6, was tried and not kept)
+    # the bound is a sink-like state's (:meth:`lminvert.invert.sources.ErrorModel.fragile`): see :func:`_verdict`
     fragile: bool = False
 
     @property
@@ -323,8 +312,8 @@ def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
         return Decision(best, CONFIDENT, reason="separated from every other candidate")
     if evidence.swept and _alone(evidence, radii, best):
         return Decision(best, CERTIFIED, reason="the only token of the vocabulary within the error bound")
-    if radii.fragile and not radii.decisive:  # the ranking may not have reached the true token there
-        return Decision(best, UNCERTAIN, guess=True, reason=FRAGILE)
+    if radii.fragile and not radii.decisive:  # a wrong sink state 5x nearer than the true one, ranked past every
+        return Decision(best, UNCERTAIN, guess=True, reason=FRAGILE)  # verified one (SmolLM2 bfloat16, eager attention)
     return Decision(best, CONFIDENT, reason="nearest, within the error bound, separated from every other candidate")
 
 

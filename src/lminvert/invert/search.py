@@ -126,15 +126,9 @@ class PromptSearch:
         self.screen_radius = None if screen is None else screen + source  # None: this search is not screened
         self.screened_out: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, screened distances) not verified
         self.unscreening = False  # the policy is spent: the screened-out candidates are being verified in full
-        self.radii = Radii(
-            cached=self.radius,
-            plain=self.confirm_radius,
-            source=source,
-            rounding=rounding,
-            gap=calibration.gap * norm(target),
-            resolution=FLOOR * norm(target),
-            fragile=self.settings.source.fragile(target, t),
-        )
+        size, fragile = norm(target), self.settings.source.fragile(target, t)
+        radii = (self.radius, self.confirm_radius, source, rounding, calibration.gap * size, FLOOR * size, fragile)
+        self.radii = Radii(*radii)  # cached, plain, source, rounding, gap, resolution, fragile
         # contenders: inside the ball, or in a decisive one's reach (accepted only when confirmed by the plain forward)
         gap = self.radii.gap
         self.reach = max(self.radius, min(REACH * self.radius, gap / 2)) if self.decisive else self.radius

@@ -1,0 +1,84 @@
+"""Attention sinks after the first position, captured elsewhere: random-id prompts whose position 1 is a sink (its
+state's norm over 4 times the median of the later positions'), their states or KV cache computed with transformers'
+eager attention (what a capture that asks for attention weights, or another library's attention, computes; lminvert
+runs the model's default kernel) and inverted as foreign states (``source="float"``).
+
+    python benchmarks/bench_sinks.py --layer 15 --dtype bfloat16 --prompts 10
+    python benchmarks/bench_sinks.py --leak kv --layer 15 --dtype bfloat16 --prompts 8
+
+Per prompt: whether every token is right, the verdicts, seconds; then the positions claimed (certified or confident)
+with a WRONG token, which must be 0 (exit status 1 otherwise). The prompts: the first ``--prompts`` of 600 random-id
+prompts of ``--length`` tokens (``--seed``) with a sink at position 1 in the states the leak reads (the KV cache of
+block ``b``: layer ``b - 1``'s)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import lminvert
+from lminvert.models.observed import attention
+from lminvert.states import HiddenStates
+
+CLAIMED = ("certified", "confident")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--leak", choices=("states", "kv"), default="states")
+    parser.add_argument("--layer", type=int, default=15, help="the states' layer, or the KV cache's block")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--length", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+
+    model = lminvert.load_model(args.model, dtype=args.dtype)
+    probe = model.probe
+    reads = probe.layer(args.layer if args.leak == "states" else args.layer - 1)
+    torch.manual_seed(args.seed)
+    pool = torch.randint(0, probe.vocab_size, (600, args.length))
+    norms = probe.states(pool, [reads])[reads].float().norm(dim=2)
+    sinks = (norms[:, 1] > 4 * norms[:, 2:].median(dim=1).values).nonzero().flatten()[: args.prompts]
+    prompts = [pool[i].tolist() for i in sinks]
+    print(f"{args.model} {args.dtype}, {args.leak} at {args.layer}: {len(prompts)} prompts with a sink at position 1")
+    wrong, exact, seconds = 0, 0, []
+    for ids in prompts:
+        leak = _capture(model, ids, args.leak, args.layer)
+        start = time.perf_counter()
+        (result,) = lminvert.invert(model, leak, args.layer, **({"leak": "kv"} if args.leak == "kv" else {}))
+        seconds.append(time.perf_counter() - start)
+        bad = [t for t, (got, truth) in enumerate(zip(result.token_ids, ids, strict=True)) if got != truth]
+        claimed = [t for t in bad if result.verdicts[t] in CLAIMED]
+        wrong += len(claimed)
+        exact += not bad
+        print(
+            f"  {'exact' if not bad else f'{len(bad)} wrong'}  {' '.join(v[:4] for v in result.verdicts)}  "
+            f"position 1: {result.positions[1].reason}  {seconds[-1]:.1f} s{'  WRONG CLAIMED' if claimed else ''}"
+        )
+    print(
+        f"exact {exact}/{len(prompts)}; median {statistics.median(seconds):.2f} s; wrong tokens claimed "
+        f"certified or confident: {wrong}"
+    )
+    return 1 if wrong else 0
+
+
+def _capture(model, ids: list[int], leak: str, layer: int) -> HiddenStates:
+    """The prompt's states at ``layer`` (``leak="states"``) or block ``layer``'s KV cache rows (keys after the rotary
+    embedding, then values), computed with the eager attention."""
+    with attention(model.probe, "eager"), torch.no_grad():
+        out = model.model(input_ids=torch.tensor([ids]), use_cache=leak == "kv", output_hidden_states=leak == "states")
+    if leak == "states":
+        return HiddenStates.from_array(out.hidden_states[layer][0].float())
+    entry = out.past_key_values.layers[layer - 1]
+    rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
+    return HiddenStates.from_array(rows.float())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
