@@ -223,3 +223,14 @@ def test_a_state_is_sink_like_by_its_norm_against_the_bands_never_at_position_0(
         check = sinklike.SinkLike(model, layer)
         assert check.fragile([3], 5) is expected
         assert check.fragile([], 5) is False
+
+
+def test_a_model_that_runs_eager_attention_measures_its_sink_bands_against_sdpa():
+    from lminvert.invert.layouts import sink_bands
+    from lminvert.models.observed import attention
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(LAYER)
+    with attention(model.probe, "eager"):
+        measured = sink_bands(model, layer)
+    assert float(measured[0]) > 0 and float(measured[1:].max()) > 0  # SDPA's states differ from eager's somewhere

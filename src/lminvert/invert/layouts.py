@@ -121,17 +121,19 @@ def foreign_calibration(
 def sink_bands(model: LoadedModel, layer: Layer) -> torch.Tensor:
     """``[typical, rel_1, ..., rel_B]``: the median norm of later positions of :data:`SINK_PROMPTS` random-id prompts'
     plain states, and per band of :data:`SINK_BANDS` the largest disagreement ``||foreign - h|| / ||foreign||`` of the
-    eager attention's states (where the model does not run it already: else the bands are empty, 0) at later
-    positions whose foreign norm lies in the band, made non-decreasing (a band sees what every band below it saw)."""
+    eager attention's states (PyTorch's SDPA where the model runs eager; none where its config names no
+    implementation: the bands are 0) at later positions whose foreign norm lies in the band, made non-decreasing (a band
+    sees what every band below it saw)."""
     probe = model.probe
     count, length = SINK_PROMPTS
     ids = torch.randint(0, probe.vocab_size, (count, length), generator=torch.Generator().manual_seed(SINK_SEED))
     plain, foreign = [], []
-    eager = attn_implementation(probe.model.config) not in (None, "eager")
+    runs = attn_implementation(probe.model.config)
+    other = None if runs is None else "sdpa" if runs == "eager" else "eager"
     for chunk in ids.split(SINK_CHUNK):
         plain.append(probe.states(chunk, [layer])[layer].float().cpu()[:, 1:])
-        if eager:
-            with attention(probe, "eager"):
+        if other is not None:
+            with attention(probe, other):
                 foreign.append(probe.states(chunk, [layer])[layer].float().cpu()[:, 1:])
     h = torch.cat(plain).double().flatten(0, 1)
     typical = float(h.norm(dim=1).median())
