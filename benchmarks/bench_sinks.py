@@ -21,6 +21,7 @@ import time
 import torch
 
 import lminvert
+from bench_leaks import _capture
 from lminvert.models.observed import attention
 from lminvert.states import HiddenStates
 
@@ -49,7 +50,8 @@ def main() -> int:
     print(f"{args.model} {args.dtype}, {args.leak} at {args.layer}: {len(prompts)} prompts with a sink at position 1")
     wrong, exact, seconds = 0, 0, []
     for ids in prompts:
-        leak = _capture(model, ids, args.leak, args.layer)
+        with attention(probe, "eager"):  # transformers' capture, as bench_leaks.py makes it, with the eager attention
+            leak = HiddenStates.from_array(_capture(model, ids, args.leak, args.layer, None, args.seed).float())
         start = time.perf_counter()
         (result,) = lminvert.invert(model, leak, args.layer, **({"leak": "kv"} if args.leak == "kv" else {}))
         seconds.append(time.perf_counter() - start)
@@ -66,18 +68,6 @@ def main() -> int:
         f"certified or confident: {wrong}"
     )
     return 1 if wrong else 0
-
-
-def _capture(model, ids: list[int], leak: str, layer: int) -> HiddenStates:
-    """The prompt's states at ``layer`` (``leak="states"``) or block ``layer``'s KV cache rows (keys after the rotary
-    embedding, then values), computed with the eager attention."""
-    with attention(model.probe, "eager"), torch.no_grad():
-        out = model.model(input_ids=torch.tensor([ids]), use_cache=leak == "kv", output_hidden_states=leak == "states")
-    if leak == "states":
-        return HiddenStates.from_array(out.hidden_states[layer][0].float())
-    entry = out.past_key_values.layers[layer - 1]
-    rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
-    return HiddenStates.from_array(rows.float())
 
 
 if __name__ == "__main__":

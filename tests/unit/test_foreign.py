@@ -164,6 +164,7 @@ def test_the_sink_bands_cover_every_eager_state_they_were_measured_on(dtype):
     holds every sink-like eager-attention state of the random prompts they were measured on without its safety factor
     (by the state's own norm); :func:`foreign_calibration` turns them into absolute norms of that layer."""
     from lminvert.invert import Float
+    from lminvert.invert.engine import bound_source
     from lminvert.invert.layouts import SINK_BANDS, SINK_PROMPTS, SINK_SEED, foreign_calibration, sink_bands
     from lminvert.invert.tolerance import SAFETY
     from lminvert.models.observed import attention
@@ -179,7 +180,7 @@ def test_the_sink_bands_cover_every_eager_state_they_were_measured_on(dtype):
     with attention(model.probe, "eager"):
         eager = model.probe.states(ids, [layer])[layer].float()
     calibrated = foreign_calibration(model, layer)
-    source = Float().calibrated(calibrated.first, calibrated.rest, calibrated.bands)
+    source = bound_source(model, layer, Float())
     rows, got = plain[:, 1:].flatten(0, 1).double(), eager[:, 1:].flatten(0, 1).double()
     sinklike = got.norm(dim=1) >= SINK_BANDS[0] * typical
     assert int(sinklike.sum()) > 0  # the bands saw something
@@ -204,24 +205,26 @@ def test_a_rows_search_asks_the_acceptor_again_where_the_chosen_tokens_state_is_
     plain = invert(model, HiddenStates.from_array(rows), LAYER, source="quant:int8")
     assert [r.token_ids for r in plain] == ids
     assert all(v == acceptor.CONFIDENT for r in plain for v in r.verdicts[1:])
-    monkeypatch.setattr(sinklike.SinkLike, "fragile", lambda self, prefix, token: bool(prefix))
+    monkeypatch.setattr(sinklike.SinkLike, "fragile", lambda self, prefix, token, memo=None: bool(prefix))
     told = invert(model, HiddenStates.from_array(rows), LAYER, source="quant:int8")
     assert all(p.reason == acceptor.FRAGILE for r in told for p in r.positions[1:2])
     assert all(v == acceptor.UNCERTAIN for r in told for v in r.verdicts[1:])
 
 
 def test_a_state_is_sink_like_by_its_norm_against_the_bands_never_at_position_0(monkeypatch):
-    from lminvert.invert.layouts import Disagreement
+    from lminvert.invert import Float
     from lminvert.invert.rows import sinklike
+    from lminvert.invert.rows.memo import StateMemo
 
     model = lminvert.load_model("tiny-llama")
     layer = model.probe.layer(LAYER)
     norm = float(model.probe.states(torch.tensor([[3, 5]]), [layer])[layer][0, 1].float().norm())
     for top, expected in ((norm / 2, True), (norm * 2, False)):
-        bands = Disagreement(0.0, 1e-3, ((top, 0.5),))
-        monkeypatch.setattr(sinklike, "foreign_calibration", lambda model, layer, bands=bands: bands)
+        source = Float().calibrated(0.0, 1e-3, ((top, 0.5),))
+        monkeypatch.setattr(sinklike, "bound_source", lambda model, layer, float_, source=source: source)
         check = sinklike.SinkLike(model, layer)
         assert check.fragile([3], 5) is expected
+        assert check.fragile([3], 5, StateMemo(model, layer)) is expected  # the state kept by the search, or run
         assert check.fragile([], 5) is False
 
 

@@ -8,7 +8,7 @@ import torch
 import lminvert
 from lminvert.invert import Float
 from lminvert.invert.acceptor import UNCERTAIN
-from lminvert.invert.layouts import foreign_calibration
+from lminvert.invert.engine import bound_source
 from lminvert.invert.reference import reference_invert
 from lminvert.states import HiddenStates
 
@@ -58,8 +58,7 @@ def test_engine_agrees_with_reference_on_foreign_states(name):
     layer = 1
     prompts = random_prompts(model.probe.vocab_size, lengths=(6, 3, 5), seed=7)
     observed = right_padded_states(model, prompts, layer)
-    measured = foreign_calibration(model, model.probe.layer(layer))
-    source = Float().calibrated(measured.first, measured.rest, measured.bands)
+    source = bound_source(model, model.probe.layer(layer), Float())
     fast = lminvert.invert(model, HiddenStates.from_array(observed), layer=layer, source=source)
     decided = 0
     for i, ids in enumerate(prompts):

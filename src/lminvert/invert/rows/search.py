@@ -194,7 +194,7 @@ class RowSearch:
         ):
             decision = acceptor.decide(evidence, radii)
         sinks = self.sinks if decision.verdict == acceptor.CONFIDENT else None
-        if sinks is not None and sinks.fragile(prefix, decision.token):  # the acceptor again, told the state's kind
+        if sinks is not None and sinks.fragile(prefix, decision.token, self.memo):  # the acceptor again, so told
             return acceptor.decide(evidence, replace(radii, fragile=True))
         return decision
 

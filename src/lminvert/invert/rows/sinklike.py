@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from ...models import Layer, LoadedModel
-from ..layouts import foreign_calibration
+from ..engine import bound_source
 from ..sources import ErrorModel, Float
+from .memo import StateMemo
 
 
 class SinkLike:
@@ -20,18 +21,24 @@ class SinkLike:
         self.model, self.layer = model, layer
         self._bands: ErrorModel | None = None
 
-    def fragile(self, prefix: list[int], token: int) -> bool:
-        """Whether ``token``'s state after ``prefix`` (one forward) lies in a band wider than the later positions'
-        disagreement (position 0 never: it is computed alone)."""
+    def fragile(self, prefix: list[int], token: int, memo: StateMemo | None = None) -> bool:
+        """Whether ``token``'s state after ``prefix`` lies in a band wider than the later positions' disagreement
+        (position 0 never: it is computed alone); the state from ``memo`` where the search kept it, else one forward."""
         if not prefix:
             return False
         if self._bands is None:
-            measured = foreign_calibration(self.model, self.layer)
-            self._bands = Float().calibrated(measured.first, measured.rest, measured.bands)
+            self._bands = bound_source(self.model, self.layer, Float())
         if not self._bands.bands:
             return False
         probe = self.model.probe
-        with torch.no_grad():
-            states = probe.continuation(probe.prefix(prefix, self.layer), torch.tensor([token], device=probe.device))
-        assert isinstance(states, torch.Tensor)
-        return self._bands.fragile(states[0], len(prefix))
+
+        def compute(ids: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                states = probe.continuation(probe.prefix(prefix, self.layer), ids.to(probe.device))
+            assert isinstance(states, torch.Tensor)
+            return states
+
+        ids = torch.tensor([token])
+        return self._bands.fragile(
+            (compute(ids) if memo is None else memo.states(prefix, ids, compute))[0], len(prefix)
+        )
