@@ -275,6 +275,69 @@ def test_a_first_token_several_fit_is_chosen_by_the_next_row(tiny):
     assert all(v == "uncertain" for f in found.values() for v in f.verdicts)
 
 
+def _rows_search(model, layer, leak, attack, source: str, lookahead: bool):
+    """A rows search of ``leak`` under ``source`` with ``attack``'s measurement and table, no capture."""
+    from lminvert.invert.rows.search import RowSearch
+
+    return RowSearch(
+        model, layer, leak.rows_of, parse_source(source), attack._measure(None), attack.table, lookahead=lookahead
+    )
+
+
+def test_a_later_guess_whose_state_is_sink_like_is_chosen_by_the_next_row(tiny):
+    """Where a later position's own row does not choose and its guess's state is sink-like (a capture made elsewhere:
+    :mod:`lminvert.invert.rows.sinklike`, told here), the next row chooses among every token of the vocabulary
+    (:meth:`lminvert.invert.rows.lookahead.Lookahead.later`): the row at position 2 lies nearer another token's than
+    its own, beyond the error bound of both. Without it the nearer wrong token is kept; with it the prompt comes back
+    whole. Without a measured rate the choice stays a guess: every verdict from position 2 on ``uncertain``."""
+    from lminvert.invert.rows.attack import Attack
+
+    layer = tiny.probe.layer(2)
+    leak = make_leak("states", tiny, layer)
+    ids = [5, 17, 300, 2, 999, 42]
+    attack = Attack(leak, memo=False)
+    shipped = leak.capture(ids)
+    rows = leak.rows_of(tiny.probe.continuation(tiny.probe.prefix(ids[:2], layer), torch.arange(1000)).float(), 2)
+    gaps = (rows - rows[ids[2]]).norm(dim=1)
+    gaps[ids[2]] = float("inf")
+    other = int(gaps.argmin())
+    shipped[2] = rows[ids[2]] + 0.6 * (rows[other] - rows[ids[2]])  # nearer the other token
+
+    class Told:  # position 2's guess is sink-like
+        def fragile(self, prefix, token, memo=None):
+            return len(prefix) == 2
+
+    asked = []
+    found = {}
+    for lookahead in (False, True):
+        search = _rows_search(tiny, layer, leak, attack, "noise:0.05", lookahead)
+        search.sinks = Told()
+        later = search.ahead.later
+        search.ahead.later = lambda prefix, *args, later=later: asked.append(list(prefix)) or later(prefix, *args)
+        found[lookahead] = search.run(shipped)
+    assert asked == [ids[:2]]  # only at the sink-like guess, only with the lookahead
+    assert found[False].token_ids[2] == other
+    assert found[True].token_ids == ids
+    for f in found.values():
+        assert all(v != "uncertain" for v in f.verdicts[:2]) and all(v == "uncertain" for v in f.verdicts[2:])
+
+
+def test_each_rule_by_the_next_row_is_measured_once_under_its_own_name(tiny):
+    """:meth:`lminvert.invert.rows.lookahead.Lookahead.calibration`: position 0's rule and a later sink's are measured
+    apart, each once, kept under their own names; none without a capture."""
+    from lminvert.invert.rows.lookahead import LATER, Lookahead
+
+    kept: list[str] = []
+    capture = lambda ids: torch.zeros(3, 4)  # noqa: E731
+    ahead = Lookahead(None, capture=capture, kept=lambda name, build: kept.append(name) or build())
+    ahead._measure = lambda: torch.tensor([4.0, 0.0])
+    ahead._measure_later = lambda: torch.tensor([2.0, 1.0])
+    assert ahead.calibration() == (4, 0) and ahead.calibration(LATER) == (2, 1)
+    assert ahead.calibration() == (4, 0) and ahead.calibration(LATER) == (2, 1)
+    assert kept == ["", LATER]
+    assert Lookahead(None).calibration(LATER) is None
+
+
 @pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("at", [1, 2, "final"])
 def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, at, reuse, monkeypatch):
@@ -337,11 +400,7 @@ def test_a_missing_position_is_chosen_by_the_next_row(tiny):
     attack = Attack(leak, memo=False)
     found = {}
     for lookahead in (False, True):
-        search = RowSearch(
-            tiny, layer, leak.rows_of, parse_source("noise:0.01"), attack._measure(None), attack.table,
-            lookahead=lookahead,
-        )  # fmt: skip
-        found[lookahead] = search.run(shipped)
+        found[lookahead] = _rows_search(tiny, layer, leak, attack, "noise:0.01", lookahead).run(shipped)
     assert found[False].token_ids[3] != ids[3]
     assert found[True].token_ids == ids
     for f in found.values():

@@ -79,6 +79,7 @@ SEVERAL = "several candidates fit the observation"
 WHOLE = "the nearest prompt tried, not reproduced: prompts not tried are not ruled out"
 WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie farther apart (the calibration's gap)"
 FRAGILE = "a sink-like state computed elsewhere, not reproduced: its own row does not choose"
+BY_NEXT = "its own row did not choose; the next position's row chose"
 GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
@@ -385,10 +386,10 @@ def chosen_by_next(token: int, evidence: NextRow | None = None) -> Decision:
     ):
         claims = evidence.calibration[0]
         return Decision(
-            token, CONFIDENT, reason=f"the only first token under which the next row fits (rule right on {claims} of "
+            token, CONFIDENT, reason=f"the only token under which the next row fits (rule right on {claims} of "
             f"{claims} calibration prompts)",
         )  # fmt: skip
-    return Decision(token, UNCERTAIN, guess=True, reason="its own row did not choose; the next position's row chose")
+    return Decision(token, UNCERTAIN, guess=True, reason=BY_NEXT)
 
 
 def final_verdict(decision: Decision, tied: bool, after_guess: bool) -> str:

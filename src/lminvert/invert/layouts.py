@@ -118,6 +118,13 @@ def foreign_calibration(
     return Disagreement(float(values[0]), float(values[1]), bands)
 
 
+def other_attention(probe) -> str | None:
+    """The attention implementation a capture elsewhere is measured with: transformers' eager attention, or PyTorch's
+    SDPA where the model runs eager (None: its config names no implementation)."""
+    runs = attn_implementation(probe.model.config)
+    return None if runs is None else "sdpa" if runs == "eager" else "eager"
+
+
 def sink_bands(model: LoadedModel, layer: Layer) -> torch.Tensor:
     """``[typical, rel_1, ..., rel_B]``: the median norm of later positions of :data:`SINK_PROMPTS` random-id prompts'
     plain states, and per band of :data:`SINK_BANDS` the largest disagreement ``||foreign - h|| / ||foreign||`` of the
@@ -128,8 +135,7 @@ def sink_bands(model: LoadedModel, layer: Layer) -> torch.Tensor:
     count, length = SINK_PROMPTS
     ids = torch.randint(0, probe.vocab_size, (count, length), generator=torch.Generator().manual_seed(SINK_SEED))
     plain, foreign = [], []
-    runs = attn_implementation(probe.model.config)
-    other = None if runs is None else "sdpa" if runs == "eager" else "eager"
+    other = other_attention(probe)
     for chunk in ids.split(SINK_CHUNK):
         plain.append(probe.states(chunk, [layer])[layer].float().cpu()[:, 1:])
         if other is not None:

@@ -20,7 +20,6 @@ cache, defended states and one vector, and what ``lminvert audit`` runs on the l
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -219,7 +218,11 @@ class Attack:
         capture = kept = None
         if public is None:  # the lookahead's rule at position 0 measured on the view's own rows (kept per source)
             kind = f"{NEXT_KIND}-{self.leak.name}-{source.label.replace(':', '-')}"
-            capture, kept = self.leak.capture, functools.partial(cached, self.model, layer, kind, per_device=True)
+            capture = self.leak.capture
+
+            def kept(name: str, build):
+                return cached(self.model, layer, f"{kind}-{name}" if name else kind, build, per_device=True)
+
         # an alone view's later rows moved back to position 0, to be ranked against the table (not through a map)
         alone = self.leak.moved_back if self.leak.alone and public is None else None
         search = RowSearch(

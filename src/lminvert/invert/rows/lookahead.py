@@ -11,18 +11,24 @@ token, the next position's own search under the chosen one, the runner-up's own 
 calibration prompt wrongly under the same error model (:meth:`Lookahead.calibration`, measured on prompts the model
 provides with the source's own perturbation: :meth:`lminvert.invert.sources.ErrorModel.simulate`). Where it is
 ``confident``, later positions are judged on their own rows; else it is a guess and every later position is
-``uncertain``."""
+``uncertain``. A later position whose own row does not choose and whose guess's state is sink-like (a capture made
+elsewhere: :mod:`.sinklike`) is chosen the same way (:meth:`Lookahead.later`): the next token found under the guess,
+every token of the vocabulary verified under it, the same evidence, with the rule's rate measured on calibration prompts
+with a sink at position 1."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from ...models.observed import attention
 from .. import acceptor
-from ..acceptor import Decision, Evidence, NextRow
+from ..acceptor import Decision, Evidence, NextRow, Radii
+from ..layouts import other_attention
 from ..tolerance import calibration_prompts
 from .running import Running
 from .verified import Verified
@@ -35,6 +41,11 @@ COVER = 2048  # first tokens within position 0's error bound that may all be ver
 # 4,096 claimed no prompt of 4 and took a test 3x the time; about 27,000 under quant:int4)
 PROMPTS = 4  # calibration prompts of each kind (random ids, the model's own continuations) for the rule's rate
 RIVAL = 256  # candidates the runner-up first token's own search at the next position may verify
+LATER = "later"  # the name a later sink's rule is measured under (:meth:`Lookahead.calibration`)
+LATER_PROMPTS = 8  # calibration prompts with a sink at position 1 for that rule (4 claimed 1: too few to say a rate)
+FOLLOW = 4096  # candidates the next position's search under a later sink's guess may verify (SmolLM2 block 15, a
+# random-id calibration prompt: the true next token about the 1,200th; 1,024, the give-up budget, missed it)
+LATER_CHUNK = 2048  # two-token chains per forward where every token is verified under the next one
 
 
 @dataclass(frozen=True)
@@ -55,15 +66,15 @@ class Looked:
 class Lookahead:
     """The choices of one :class:`.search.RowSearch` (``search``; not imported here: it holds this) by the next row
     (see the module docstring); ``capture``: the view's own rows of a prompt, for measuring the rule on calibration
-    prompts (None: not measured, and a choice at position 0 stays a guess); ``kept``: where the measurement is kept
-    (``(build) -> tensor``: the tables' cache)."""
+    prompts (None: not measured, and a choice by the next row stays a guess); ``kept``: where a measurement is kept
+    (``(name, build) -> tensor``: the tables' cache; name "" for position 0's rule, ``LATER`` for a later sink's)."""
 
     def __init__(
         self, search: Any, capture: Callable[[list[int]], torch.Tensor] | None = None,
-        kept: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None,
+        kept: Callable[[str, Callable[[], torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         self.search, self.capture, self.kept = search, capture, kept
-        self._calibration: tuple[int, int] | None = None
+        self._calibration: dict[str, tuple[int, int]] = {}
 
     def first(
         self, row: torch.Tensor, dists: torch.Tensor, after: torch.Tensor, reading, measuring: bool = False
@@ -82,43 +93,89 @@ class Lookahead:
             # the choice made anew with every first token its own row allows verified under the next token at once
             choice, count, tried = self.under([], looked.following.token, order, after, None, cover=inside)
             looked, ran = replace(looked, choice=choice, tried=tried), ran + count
-            following = looked.following
-            if looked.under != looked.token or following.verdict == acceptor.UNCERTAIN:
-                # the next position's own search under the chosen first token, the next token found verified first
-                # (the rankers' order from one token of context can miss it: "Inv" + "oice", 38,786th)
-                following, count, _ = search._position([looked.token], after, 1, False, reading, lead=following.token)
-                ran += count
-            rival_fits, count = self._rival(looked, after, reading)
+            evidence, count = self._next_row([], looked, after, reading, None if measuring else "")
             ran += count
-            sure = following.verdict != acceptor.UNCERTAIN and not rival_fits
-            calibration = (1, 0) if measuring else self.calibration() if sure else None
-            evidence = NextRow(choice, following, True, rival_fits, calibration)
         lead = None if looked.following is None else looked.following.token
         return acceptor.chosen_by_next(looked.token, evidence), ran, lead
 
-    def _rival(self, looked: Looked, after: torch.Tensor, reading) -> tuple[bool, int]:
-        """Whether the next row fits any next token under the first token nearest to fitting it after the chosen one
-        (its own search, ``RIVAL`` candidates at most); and the candidates run."""
+    def later(
+        self,
+        prefix_ids: list[int],
+        order: torch.Tensor,
+        after: torch.Tensor,
+        reading,
+        running: Running | None,
+        measuring: bool = False,
+    ) -> tuple[Decision, int, int | None]:
+        """The token at a later position ``t = len(prefix_ids)`` whose own row did not choose and whose state is
+        sink-like (:mod:`.sinklike`: the bound there may hold every token), chosen by the next row ``after``: the next
+        token found under the first of ``order`` (the position's own guess), then every token of the vocabulary
+        verified at ``t`` under it (``LATER_CHUNK`` chains at a time), the acceptor choosing by the next row alone;
+        with the same evidence as at position 0 (the next position's own search under the choice, the runner-up's,
+        and the rule's rate on calibration prompts with such a sink: :meth:`_measure_later`). Returns the decision
+        (the own guess where the next row fits under no token), the candidates run, and the next token."""
+        search, t = self.search, len(prefix_ids)
+        guess = int(order[0])
+        # the prefix fitted (else this is not asked): the next position is searched past the give-up budget
+        following, ran, _ = search._position([*prefix_ids, guess], after, t + 1, True, reading, budget=FOLLOW)
+        assert following.token is not None  # where nothing fitted, the nearest: often the true next token all the same
+        cover = search.model.probe.vocab_size
+        choice, count, tried = self.under(prefix_ids, following.token, order, after, running, cover=cover)
+        ran += count
+        if choice.unfitted or choice.token is None:
+            return acceptor.chosen_by_next(guess), ran, following.token
+        evidence = None
+        if choice.verdict != acceptor.UNCERTAIN:
+            looked = Looked(choice.token, ran, True, choice, guess, following, tried)
+            evidence, count = self._next_row(prefix_ids, looked, after, reading, None if measuring else LATER)
+            ran += count
+        return acceptor.chosen_by_next(choice.token, evidence), ran, following.token
+
+    def _next_row(
+        self, prefix_ids: list[int], looked: Looked, after: torch.Tensor, reading, rule: str | None
+    ) -> tuple[NextRow, int]:
+        """The evidence of a choice by the next row made with every token the position's own row allows verified
+        under the next token (``looked``): the next position's own search under the chosen token (the next token
+        found verified first; the rankers' order from the prefix can miss it: "Inv" + "oice", 38,786th), whether the
+        runner-up lets the next row fit, and ``rule``'s rate on calibration prompts (None: being measured); the
+        candidates run."""
+        assert looked.choice is not None and looked.following is not None
+        search, t, ran = self.search, len(prefix_ids), 0
+        following = looked.following
+        if looked.under != looked.token or following.verdict == acceptor.UNCERTAIN:
+            following, ran, _ = search._position(
+                [*prefix_ids, looked.token], after, t + 1, False, reading, lead=following.token
+            )
+        rival_fits, count = self._rival(prefix_ids, looked, after, reading)
+        sure = following.verdict != acceptor.UNCERTAIN and not rival_fits
+        calibration = (1, 0) if rule is None else self.calibration(rule) if sure else None
+        return NextRow(looked.choice, following, True, rival_fits, calibration), ran + count
+
+    def _rival(self, prefix_ids: list[int], looked: Looked, after: torch.Tensor, reading) -> tuple[bool, int]:
+        """Whether the next row fits any next token under the token nearest to fitting it after the chosen one (its
+        own search, ``RIVAL`` candidates at most); and the candidates run."""
         assert looked.tried is not None
         ids, dists = looked.tried
         others = ids != looked.token
         if not bool(others.any()):
             return False, 0
         rival = int(ids[others][dists[others].argmin()])
-        decision, count, _ = self.search._position([rival], after, 1, False, reading, budget=RIVAL)
+        t = len(prefix_ids)
+        decision, count, _ = self.search._position([*prefix_ids, rival], after, t + 1, False, reading, budget=RIVAL)
         return not decision.unfitted, count
 
-    def calibration(self) -> tuple[int, int] | None:
-        """How many calibration prompts the rule claimed (position 0 ``confident`` by the next row) and how many of
-        them wrongly, under the search's error model: each prompt's first two rows as the view captures them,
-        perturbed as the source would (:meth:`lminvert.invert.sources.ErrorModel.simulate`), searched as a leak is.
-        Measured once (kept beside the tables); None where the search has no capture."""
+    def calibration(self, name: str = "") -> tuple[int, int] | None:
+        """How many calibration prompts the rule claimed (``confident`` by the next row) and how many of them wrongly,
+        under the search's error model: position 0's rule (``name`` "": :meth:`_measure`) or a later sink's
+        (``LATER``: :meth:`_measure_later`). Measured once (kept beside the tables); None where the search has no
+        capture."""
         if self.capture is None:
             return None
-        if self._calibration is None:
-            counts = self.kept(self._measure) if self.kept is not None else self._measure()
-            self._calibration = (int(counts[0]), int(counts[1]))
-        return self._calibration
+        if name not in self._calibration:
+            build = self._measure if name == "" else self._measure_later
+            counts = self.kept(name, build) if self.kept is not None else build()
+            self._calibration[name] = (int(counts[0]), int(counts[1]))
+        return self._calibration[name]
 
     def _measure(self) -> torch.Tensor:
         search, claims, wrong = self.search, 0, 0
@@ -138,6 +195,54 @@ class Lookahead:
                 claims += 1
                 wrong += decision.token != ids[0]
         return torch.tensor([claims, wrong], dtype=torch.float64)
+
+    def _measure_later(self) -> torch.Tensor:
+        """A later sink's rule (:meth:`later`) on calibration prompts of three random tokens whose second one's state
+        is sink-like (:meth:`.sinklike.SinkLike.prompts`), the first token given, each as the view captures it with the
+        other attention implementation where the source is states computed elsewhere in the model's dtype (what
+        the ``float`` model's sink-like bands were measured against: :func:`lminvert.invert.layouts.other_attention`),
+        else perturbed as the source would (:meth:`lminvert.invert.sources.ErrorModel.simulate`); claims and wrong
+        claims."""
+        search, claims, wrong = self.search, 0, 0
+        assert self.capture is not None
+        generator = torch.Generator().manual_seed(0)
+        other = other_attention(search.model.probe) if search.source.name == "float" else None
+        prompts = [] if search.sinks is None else search.sinks.prompts(LATER_PROMPTS)
+        for ids in prompts:
+            if other is not None:
+                with attention(search.model.probe, other):
+                    rows = self.capture(ids)[:3].float()
+            else:
+                rows = search.source.simulate(self.capture(ids)[:3].float(), generator)
+            if search.secant is not None:
+                search.secant.begin_prompt()
+            reads = search.reading.orders(rows) if search.reading is not None else [None] * 3
+            own, _, _ = search._position(ids[:1], rows[1], 1, True, reads[1])  # the position's own guess, as a leak's
+            if not own.guess or own.token is None:
+                continue
+            order = search._order(ids[:1], reads[1], None, own.token, rows[1])
+            decision, _, _ = self.later(ids[:1], order, rows[2], reads[2], None, measuring=True)
+            if decision.verdict != acceptor.UNCERTAIN:
+                claims += 1
+                wrong += decision.token != ids[1]
+        return torch.tensor([claims, wrong], dtype=torch.float64)
+
+    def missing(
+        self, prefix: list[int], after: torch.Tensor | None, reading, running: Running, broken: bool
+    ) -> tuple[acceptor.Decision, int, bool]:
+        """A missing position: chosen by the next row where it is shipped (:meth:`by_next`, the model's prediction
+        first) and the row before fitted (``broken``: it did not, so the prefix is likely wrong and nothing would fit
+        the next row), else the prediction's first token; a guess either way. And the candidates this ran, and
+        whether the next row fitted under the token (True where it was not tried)."""
+        search = self.search
+        predicted = search._prediction(prefix, running)
+        if after is not None and not torch.isnan(after).any() and search.lookahead and not broken:
+            looked = self.by_next(prefix, predicted, after, reading, running)
+            return acceptor.chosen_by_next(looked.token), looked.ran, looked.fit
+        guess = predicted[:1]
+        empty = torch.empty(0)
+        evidence = Evidence(guess, torch.full((1,), math.inf), empty, empty, {}, 0.0, False, exhausted=True)
+        return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)), 0, not broken
 
     def by_next(
         self, prefix_ids: list[int], order: torch.Tensor, after: torch.Tensor, reading,
@@ -197,7 +302,9 @@ class Lookahead:
             batch = order[~done[order]][: max(size, cover) if n == 0 else size]
             done[batch] = True
             pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
-            rows = search.rows_of(probe.chains(prefix, pairs)[0][:, 1], t + 1)
+            rows = torch.cat(
+                [search.rows_of(probe.chains(prefix, p)[0][:, 1], t + 1) for p in pairs.split(LATER_CHUNK)]
+            )
             ids, rows, dists = seen.add(batch, rows)
             spent = bool(done.all())
             evidence = Evidence(

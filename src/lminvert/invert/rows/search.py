@@ -16,14 +16,14 @@ block 1's cache, the table's rows nearest the row moved back to position 0 inste
 of the first 256, then 256 at a time. Later batches merge
 that order with the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a
 ridge fit on this position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's
-candidates double. Where several first tokens fit
-position 0's row (an attention sink's norm lets noise cover the gaps between them) or none does, the next row chooses
-among the nearest (``lookahead``, :mod:`.lookahead`: ``confident`` where the next row fits under one first token alone,
-else a guess), and position 1 verifies the next token it was chosen under first; a missing row's token is chosen by the
-next row the same way, the prediction first (a guess: uncertain, and so is everything after it). Distances are the
-error model's (:meth:`lminvert.invert.sources.ErrorModel.distances`: L2, or L2 beyond a quantisation's box). The
-recovered prefix's cache grows a token at a time, from the chosen candidate's forward where it can
-(:class:`.running.Running`); later batches of 64 or more may be screened with bfloat16 GEMMs first (:mod:`.screen`).
+candidates double. Where several first tokens fit position 0's row (an attention sink's norm lets noise cover the gaps
+between them) or none does, the next row chooses among the nearest (``lookahead``, :mod:`.lookahead`: ``confident``
+where the next row fits under one first token alone, else a guess), and position 1 verifies the next token it was chosen
+under first; so is a later guess whose state is sink-like (a capture made elsewhere), and a missing row's token the same
+way, the prediction first (a guess: uncertain, and so is everything after it). Distances are the error model's
+(:meth:`lminvert.invert.sources.ErrorModel.distances`: L2, or L2 beyond a quantisation's box). The recovered prefix's
+cache grows a token at a time, from the chosen candidate's forward where it can (:class:`.running.Running`); later
+batches of 64 or more may be screened with bfloat16 GEMMs first (:mod:`.screen`).
 
 A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
 prefix, so another defence's search verifies a candidate one of them already ran without a forward.
@@ -85,7 +85,7 @@ class RowSearch:
         table: torch.Tensor | None = None, memo: StateMemo | None = None, reading: StateReading | None = None,
         lookahead: bool = True, first: int = FIRST, secant: Secant | None = None, reuse: bool = True,
         screen: Screen | None = None, capture: Callable[[list[int]], torch.Tensor] | None = None,
-        kept: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None,
+        kept: Callable[[str, Callable[[], torch.Tensor]], torch.Tensor] | None = None,
         alone: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
@@ -147,7 +147,8 @@ class RowSearch:
         trail = Found()
         ids = trail.token_ids
         after_guess = fitted = broken = False
-        lead = None  # the next token position 0 was chosen under (by the next row), verified first at position 1
+        # the next token a position was chosen under (by the next row), verified first at the position after it (led)
+        lead, led = None, 1
         reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
         running = Running(self.model, self.layer, self.reuse)
         if self.secant is not None:
@@ -159,21 +160,28 @@ class RowSearch:
             # after a guess under which the last row fitted nothing, the prefix is likely wrong: this position is
             # offered BROKEN candidates at most, and a missing one is not chosen by the next row
             budget = BROKEN if after_guess and broken else None
-            if torch.isnan(row).any():
-                decision, count, fit = self._missing(ids, after, following, running, broken)
+            missing = bool(torch.isnan(row).any())
+            if missing:
+                decision, count, fit = self.ahead.missing(ids, after, following, running, broken)
                 chosen, broken = Measure(), not fit
             else:
                 # an alone view's candidates need no running prefix: its rows do not read it
                 decision, count, chosen = self._position(
                     ids, row, t, fitted, reads[t], None if self.alone else running, budget,
-                    lead if t == 1 else None, after_guess,
+                    lead if t == led else None, after_guess,
                 )  # fmt: skip
                 broken = decision.unfitted
-            if t == 0 and decision.guess and self.lookahead and after is not None and not torch.isnan(after).any():
+            ahead = decision.guess and self.lookahead and after is not None and not torch.isnan(after).any()
+            if ahead and t == 0:
                 dists = self.source.distances(self.table, row)
                 decision, looked, lead = self.ahead.first(row, dists, after, following)
                 count += looked
                 chosen = measure(torch.arange(len(dists)), self.table, dists, decision.token)
+            elif ahead and not missing and not after_guess and self._sinklike(ids, decision.token):  # under the next
+                order = self._order(ids, reads[t], running, decision.token, row)
+                own = decision.token
+                decision, looked, lead = self.ahead.later(ids, order, after, following, running)
+                count, chosen, led = count + looked, chosen if decision.token == own else Measure(), t + 1
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
             after_guess = after_guess or decision.guess
@@ -184,6 +192,11 @@ class RowSearch:
             running.add(decision.token)
         return replace(trail, seconds=time.perf_counter() - start)
 
+    def _sinklike(self, prefix: list[int], token: int | None) -> bool:
+        """Whether ``token``'s state after ``prefix`` is sink-like (:mod:`.sinklike`; never for lminvert's own
+        states)."""
+        return self.sinks is not None and token is not None and self.sinks.fragile(prefix, token, self.memo)
+
     def _decided(self, evidence: Evidence, radii: Radii, prefix: list[int], seen: Verified) -> acceptor.Decision:
         """The acceptor's decision; where several candidates fit a later position's row, after their replay through
         the view's capture (:meth:`.replay.Replay.later`) when one reproduced the row; a confident one where its
@@ -193,8 +206,7 @@ class RowSearch:
             prefix, self.length, seen, evidence.dists, evidence.ids, radii
         ):
             decision = acceptor.decide(evidence, radii)
-        sinks = self.sinks if decision.verdict == acceptor.CONFIDENT else None
-        if sinks is not None and sinks.fragile(prefix, decision.token, self.memo):  # the acceptor again, so told
+        if decision.verdict == acceptor.CONFIDENT and self._sinklike(prefix, decision.token):  # asked again, so told
             return acceptor.decide(evidence, replace(radii, fragile=True))
         return decision
 
@@ -276,22 +288,6 @@ class RowSearch:
             yield BATCH - self.first
         while True:
             yield BATCH
-
-    def _missing(
-        self, prefix: list[int], after: torch.Tensor | None, reading, running: Running, broken: bool
-    ) -> tuple[acceptor.Decision, int, bool]:
-        """A missing position: chosen by the next row where it is shipped (:meth:`_by_next`, the model's prediction
-        first) and the row before fitted (``broken``: it did not, so the prefix is likely wrong and nothing would fit
-        the next row), else the prediction's first token; a guess either way. And the candidates this ran, and
-        whether the next row fitted under the token (True where it was not tried)."""
-        predicted = self._prediction(prefix, running)
-        if after is not None and not torch.isnan(after).any() and self.lookahead and not broken:
-            looked = self.ahead.by_next(prefix, predicted, after, reading, running)
-            return acceptor.chosen_by_next(looked.token), looked.ran, looked.fit
-        guess = predicted[:1]
-        empty = torch.empty(0)
-        evidence = Evidence(guess, torch.full((1,), math.inf), empty, empty, {}, 0.0, False, exhausted=True)
-        return acceptor.decide(evidence, Radii(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)), 0, not broken
 
     def _verify(
         self, prefix_ids: list[int], ids: torch.Tensor, prefix: Callable[[], Prefix] | None = None,
