@@ -322,6 +322,32 @@ def test_a_later_guess_whose_state_is_sink_like_is_chosen_by_the_next_row(tiny):
         assert all(v != "uncertain" for v in f.verdicts[:2]) and all(v == "uncertain" for v in f.verdicts[2:])
 
 
+def test_a_later_sink_is_found_from_a_wrong_guess(tiny, monkeypatch):
+    """:meth:`lminvert.invert.rows.lookahead.Lookahead.later` given a wrong own guess (the token whose row lies
+    farthest from the position's): the next row chooses the true token, under the next token found from the guess or,
+    where nothing fits under that one, from the token whose own row lay nearest in the same chains; a guess, never
+    claimed, without a measured rate. With one try alone, nothing wrong is claimed either."""
+    from lminvert.invert.rows import lookahead
+    from lminvert.invert.rows.attack import Attack
+
+    layer = tiny.probe.layer(2)
+    leak = make_leak("states", tiny, layer)
+    ids = [5, 17, 300, 2, 999, 42]
+    attack = Attack(leak, memo=False)
+    shipped = leak.capture(ids)
+    search = _rows_search(tiny, layer, leak, attack, "noise:0.01", True)
+    rows = leak.rows_of(tiny.probe.continuation(tiny.probe.prefix(ids[:2], layer), torch.arange(1000)).float(), 2)
+    wrong = int((rows - shipped[2]).norm(dim=1).argmax())
+    order = torch.cat(
+        [torch.tensor([wrong]), torch.arange(tiny.probe.vocab_size)[torch.arange(tiny.probe.vocab_size) != wrong]]
+    )
+    decision, ran, _ = search.ahead.later(ids[:2], shipped[2], order, shipped[3], None, None)
+    assert decision.token == ids[2] and decision.verdict == "uncertain" and ran >= tiny.probe.vocab_size
+    monkeypatch.setattr(lookahead, "LATER_TRIES", 1)
+    once, _, _ = search.ahead.later(ids[:2], shipped[2], order, shipped[3], None, None)
+    assert once.token in (ids[2], wrong) and once.verdict == "uncertain"
+
+
 def test_each_rule_by_the_next_row_is_measured_once_under_its_own_name(tiny):
     """:meth:`lminvert.invert.rows.lookahead.Lookahead.calibration`: position 0's rule and a later sink's are measured
     apart, each once, kept under their own names; none without a capture."""

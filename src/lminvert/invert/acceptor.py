@@ -69,9 +69,9 @@ GIVE_UP = 1024
 RIVALS = 256
 # the same, where every candidate that fits lies beyond where the error model's own measurement saw the true token's
 # state (:attr:`Evidence.expected`: they fit through the safety factor) and no earlier position was a guess: the true
-# token is likely not verified yet. SmolLM2 layer 15, bfloat16 random ids from a right-padded batch: at position 1
-# two wrong tokens fitted at 36% of the norm within the first 256 (the disagreement measured: 5.7%), the true token
-# 5,077th at 0.8%; in another, about 14,300th (8,192 ended in a wrong guess, every later position uncertain)
+# token is likely not verified yet. SmolLM2 layer 15, bfloat16 random ids from a right-padded batch: at position 1 two
+# wrong tokens fitted at 36% of the norm within the first 256 (the disagreement measured: 5.7%), the true token 5,077th
+# at 0.8%; in another, about 14,300th (8,192 ended in a wrong guess, every later position uncertain)
 FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
@@ -384,11 +384,9 @@ def chosen_by_next(token: int, evidence: NextRow | None = None) -> Decision:
         and evidence.calibration[0] > 0
         and evidence.calibration[1] == 0
     ):
-        claims = evidence.calibration[0]
-        return Decision(
-            token, CONFIDENT, reason=f"the only token under which the next row fits (rule right on {claims} of "
-            f"{claims} calibration prompts)",
-        )  # fmt: skip
+        n = evidence.calibration[0]
+        reason = f"the only token under which the next row fits (rule right on {n} of {n} calibration prompts)"
+        return Decision(token, CONFIDENT, reason=reason)
     return Decision(token, UNCERTAIN, guess=True, reason=BY_NEXT)
 
 

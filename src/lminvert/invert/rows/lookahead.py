@@ -41,11 +41,27 @@ COVER = 2048  # first tokens within position 0's error bound that may all be ver
 # 4,096 claimed no prompt of 4 and took a test 3x the time; about 27,000 under quant:int4)
 PROMPTS = 4  # calibration prompts of each kind (random ids, the model's own continuations) for the rule's rate
 RIVAL = 256  # candidates the runner-up first token's own search at the next position may verify
-LATER = "later"  # the name a later sink's rule is measured under (:meth:`Lookahead.calibration`)
+LATER = "later2"  # the name a later sink's rule is measured under (:meth:`Lookahead.calibration`)
+LATER_TRIES = 2  # guesses a later sink's next token is sought under: the position's own, then (where the next row
+# fitted nothing) the token whose own row lay nearest in the chains tried (bench_sinks.py --leak kv, block 15: the rule
+# claimed 4 of 8 calibration prompts, 1 with the own guess alone; sought first under the nearest of the vocabulary, a
+# sweep of its own: the same tokens and verdicts on the 8 prompts, 1.34x the time)
 LATER_PROMPTS = 8  # calibration prompts with a sink at position 1 for that rule (4 claimed 1: too few to say a rate)
 FOLLOW = 4096  # candidates the next position's search under a later sink's guess may verify (SmolLM2 block 15, a
 # random-id calibration prompt: the true next token about the 1,200th; 1,024, the give-up budget, missed it)
 LATER_CHUNK = 2048  # two-token chains per forward where every token is verified under the next one
+
+
+@dataclass(frozen=True)
+class Under:
+    """A choice by the next row under one next token (:meth:`Lookahead.under`): the acceptor's decision, the
+    candidates run, the tokens tried with their distances to the next row, and (where the position's own row was
+    given) the token whose own row lies nearest it among those tried."""
+
+    decision: Decision
+    ran: int
+    tried: tuple[torch.Tensor, torch.Tensor]
+    nearest: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +107,8 @@ class Lookahead:
         if looked.choice is not None and looked.choice.verdict != acceptor.UNCERTAIN and inside <= COVER:
             assert looked.following is not None and looked.following.token is not None
             # the choice made anew with every first token its own row allows verified under the next token at once
-            choice, count, tried = self.under([], looked.following.token, order, after, None, cover=inside)
-            looked, ran = replace(looked, choice=choice, tried=tried), ran + count
+            got = self.under([], looked.following.token, order, after, None, cover=inside)
+            looked, ran = replace(looked, choice=got.decision, tried=got.tried), ran + got.ran
             evidence, count = self._next_row([], looked, after, reading, None if measuring else "")
             ran += count
         lead = None if looked.following is None else looked.following.token
@@ -101,32 +117,41 @@ class Lookahead:
     def later(
         self,
         prefix_ids: list[int],
+        row: torch.Tensor,
         order: torch.Tensor,
         after: torch.Tensor,
         reading,
         running: Running | None,
         measuring: bool = False,
     ) -> tuple[Decision, int, int | None]:
-        """The token at a later position ``t = len(prefix_ids)`` whose own row did not choose and whose state is
-        sink-like (:mod:`.sinklike`: the bound there may hold every token), chosen by the next row ``after``: the next
-        token found under the first of ``order`` (the position's own guess), then every token of the vocabulary
-        verified at ``t`` under it (``LATER_CHUNK`` chains at a time), the acceptor choosing by the next row alone;
-        with the same evidence as at position 0 (the next position's own search under the choice, the runner-up's,
-        and the rule's rate on calibration prompts with such a sink: :meth:`_measure_later`). Returns the decision
-        (the own guess where the next row fits under no token), the candidates run, and the next token."""
+        """The token at a later position ``t = len(prefix_ids)`` whose own row ``row`` did not choose and whose state
+        is sink-like (:mod:`.sinklike`: the bound there may hold every token), chosen by the next row ``after``: the
+        next token found under a guess (the first of ``order``, the position's own), then every token of the
+        vocabulary verified at ``t`` under it (``LATER_CHUNK`` chains at a time), the acceptor choosing by the next row
+        alone; where nothing fits, again under the token whose own row lay nearest ``row`` in those chains
+        (``LATER_TRIES`` guesses at most). With the same evidence as at position 0 (the next position's own search
+        under the choice, the runner-up's, and the rule's rate on calibration prompts with such a sink:
+        :meth:`_measure_later`). Returns the decision (the own guess where the next row fits under no token), the
+        candidates run, and the next token."""
         search, t = self.search, len(prefix_ids)
-        guess = int(order[0])
-        # the prefix fitted (else this is not asked): the next position is searched past the give-up budget
-        following, ran, _ = search._position([*prefix_ids, guess], after, t + 1, True, reading, budget=FOLLOW)
-        assert following.token is not None  # where nothing fitted, the nearest: often the true next token all the same
         cover = search.model.probe.vocab_size
-        choice, count, tried = self.under(prefix_ids, following.token, order, after, running, cover=cover)
-        ran += count
+        guesses, ran = [int(order[0])], 0
+        for guess in guesses:
+            # the prefix fitted (else this is not asked): the next position is searched past the give-up budget
+            following, count, _ = search._position([*prefix_ids, guess], after, t + 1, True, reading, budget=FOLLOW)
+            assert following.token is not None  # where nothing fitted, the nearest: often the true next token anyway
+            got = self.under(prefix_ids, following.token, order, after, running, cover=cover, own=row)
+            ran += count + got.ran
+            if not got.decision.unfitted and got.decision.token is not None:
+                break
+            if got.nearest is not None and got.nearest not in guesses and len(guesses) < LATER_TRIES:
+                guesses.append(got.nearest)
+        choice = got.decision
         if choice.unfitted or choice.token is None:
-            return acceptor.chosen_by_next(guess), ran, following.token
+            return acceptor.chosen_by_next(guesses[0]), ran, following.token
         evidence = None
         if choice.verdict != acceptor.UNCERTAIN:
-            looked = Looked(choice.token, ran, True, choice, guess, following, tried)
+            looked = Looked(choice.token, ran, True, choice, guess, following, got.tried)
             evidence, count = self._next_row(prefix_ids, looked, after, reading, None if measuring else LATER)
             ran += count
         return acceptor.chosen_by_next(choice.token, evidence), ran, following.token
@@ -221,7 +246,7 @@ class Lookahead:
             if not own.guess or own.token is None:
                 continue
             order = search._order(ids[:1], reads[1], None, own.token, rows[1])
-            decision, _, _ = self.later(ids[:1], order, rows[2], reads[2], None, measuring=True)
+            decision, _, _ = self.later(ids[:1], rows[1], order, rows[2], reads[2], None, measuring=True)
             if decision.verdict != acceptor.UNCERTAIN:
                 claims += 1
                 wrong += decision.token != ids[1]
@@ -268,8 +293,9 @@ class Lookahead:
             if following.token in tried:
                 continue
             tried.add(following.token)
-            pick, under, seen = self.under(prefix_ids, following.token, order, after, running, cover)
-            ran += under
+            got = self.under(prefix_ids, following.token, order, after, running, cover)
+            pick, seen = got.decision, got.tried
+            ran += got.ran
             picks.append(pick)
             found.append((guess, following, seen))
             if not pick.unfitted:
@@ -285,27 +311,31 @@ class Lookahead:
 
     def under(
         self, prefix_ids: list[int], following: int, order: torch.Tensor, after: torch.Tensor,
-        running: Running | None, cover: int = 0,
-    ) -> tuple[Decision, int, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        running: Running | None, cover: int = 0, own: torch.Tensor | None = None,
+    ) -> Under:  # fmt: skip
         """The acceptor's choice of the token at ``t = len(prefix_ids)`` by the next row, the next token being
         ``following``: tokens in ``order`` (the first batch ``cover`` of them at least), then by a ridge fit of the
         next row on their input vectors, a batch of two-token continuations of the prefix at a time
-        (:meth:`LayerProbe.chains`; batches as :meth:`.search.RowSearch._sizes`); the tokens tried; and their ids
-        and distances to the next row."""
+        (:meth:`LayerProbe.chains`; batches as :meth:`.search.RowSearch._sizes`), with the candidates run, the tokens
+        tried and their distances to the next row (``own``: the position's own row, the tried token's row nearest it
+        too, from the same chains)."""
         search = self.search
         t, probe = len(prefix_ids), search.model.probe
         radii = search.radii(after, t + 1)
         prefix = search._prefix(prefix_ids, running)()
         done = torch.zeros(len(order), dtype=torch.bool)
         seen = Verified(after, search.source.distances)
+        nearest, best = None, math.inf
         for n, size in enumerate(search._sizes()):
             batch = order[~done[order]][: max(size, cover) if n == 0 else size]
             done[batch] = True
             pairs = torch.stack([batch, torch.full_like(batch, following)], 1).to(probe.device)
-            rows = torch.cat(
-                [search.rows_of(probe.chains(prefix, p)[0][:, 1], t + 1) for p in pairs.split(LATER_CHUNK)]
-            )
-            ids, rows, dists = seen.add(batch, rows)
+            states = torch.cat([probe.chains(prefix, p)[0] for p in pairs.split(LATER_CHUNK)])
+            if own is not None:
+                mine = search.source.distances(search.rows_of(states[:, 0], t), own)
+                if float(mine.min()) < best:
+                    best, nearest = float(mine.min()), int(batch[mine.argmin()])
+            ids, rows, dists = seen.add(batch, search.rows_of(states[:, 1], t + 1))
             spent = bool(done.all())
             evidence = Evidence(
                 ids, dists, rows, after, seen.measured, radii.cached, False,
@@ -313,6 +343,6 @@ class Lookahead:
             )  # fmt: skip
             decision = acceptor.decide(evidence, radii)
             if decision.final:
-                return decision, len(ids), (ids, dists)
+                return Under(decision, len(ids), (ids, dists), nearest)
             order = search.ridge.order(ids, rows, after) if len(ids) >= search.ridge_from else order
         raise AssertionError("unreachable: the batches never end")

@@ -180,7 +180,7 @@ class RowSearch:
             elif ahead and not missing and not after_guess and self._sinklike(ids, decision.token):  # under the next
                 order = self._order(ids, reads[t], running, decision.token, row)
                 own = decision.token
-                decision, looked, lead = self.ahead.later(ids, order, after, following, running)
+                decision, looked, lead = self.ahead.later(ids, row, order, after, following, running)
                 count, chosen, led = count + looked, chosen if decision.token == own else Measure(), t + 1
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
