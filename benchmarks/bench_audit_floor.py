@@ -67,7 +67,7 @@ def _grown(fresh: Running) -> None:
     """``TOKEN`` chosen: the blocks above the layer on its state (or one forward through all), and the prediction
     that gives the next position's first candidates."""
     fresh.add(TOKEN)
-    fresh.prediction()
+    fresh.log_probs()
 
 
 def main() -> int:

@@ -366,6 +366,18 @@ def test_merged_orders_keep_each_token_once_at_its_first_place_and_follow_the_we
     assert merge(a[None]).tolist() == a.tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(2, 4), k=st.integers(1, 300), vocab=st.integers(1, 400))
+def test_merged_orders_alternate_alike_with_and_without_the_sort(seed, count, k, vocab):
+    """proposal.merge's equal-weight path (no sort) gives the weighted path's order with every weight 1, for orders
+    with repeats and ids missing."""
+    from lminvert.invert.proposal import merge
+
+    gen = torch.Generator().manual_seed(seed)
+    sources = torch.randint(0, vocab, (count, k), generator=gen)
+    assert torch.equal(merge(sources), merge(sources, [1.0] * count))
+
+
 def test_a_source_that_keeps_missing_stops_diluting_the_others_ranks():
     """Random token ids: the next-token prior misses at every position while the reading hits; the reading's 21st
     guess then comes at about place 21 of the merged order instead of 41 (alternately)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy
 import torch
 
 from ..models import Layer, LoadedModel
@@ -32,13 +33,30 @@ from .reading import Reading, input_distances, read
 TOKENS = 8192  # positions x prompts per forward of the upper blocks (bounds its activations)
 
 
+def ranked(scores: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """Every index of ``scores`` ``[k]``, the lowest first (``descending``: the highest), ties in no promised order:
+    an order to try candidates in. On the CPU by numpy's sort (about 0.6 ms for SmolLM2's 49,152 scores on this
+    project's CPU, against 3.3-3.7 ms for torch's), elsewhere by torch's."""
+    if scores.device.type != "cpu" or scores.dim() != 1:
+        return scores.argsort(dim=-1, descending=descending)
+    values = scores.detach().float().numpy()
+    return torch.from_numpy(numpy.argsort(-values if descending else values))
+
+
 def merge(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
     """One order ``[k]`` from several ``[S, k]`` (most likely first): source ``s``'s ``i``-th id at place
     ``(i + 1/2) / weights[s]`` (equal weights: alternately, the first source first), each id kept at its first place
-    only, cut to ``k``. A source of weight 0.25 gives one id for every four of a source of weight 1."""
+    only, cut to ``k``. A source of weight 0.25 gives one id for every four of a source of weight 1. Equal weights by
+    default, without a sort (the same order as ``weights`` all 1)."""
     count, k = sources.shape
     if count == 1:
         return sources[0]
+    if weights is None:  # alternately: place by place (the first source first), each id kept where first seen
+        merged = sources.T.reshape(-1)
+        places = torch.arange(len(merged), device=merged.device)
+        first = torch.full((int(merged.max()) + 1,), len(merged), dtype=torch.long, device=merged.device)
+        first.scatter_reduce_(0, merged, places, reduce="amin")
+        return merged[first[merged] == places][:k]
     w = torch.ones(count) if weights is None else torch.tensor([float(x) for x in weights])
     keys = (torch.arange(k, dtype=torch.float64)[None] + 0.5) / w.double().clamp_min(1e-3)[:, None]
     merged = sources.reshape(-1)[keys.reshape(-1).argsort(stable=True).to(sources.device)]

@@ -9,9 +9,9 @@ this machine's plain forward of the true prefix + token; :mod:`.acceptor` decide
 * ``float``   - computed elsewhere in the same dtype (another batch layout, kernel, thread count or library): the
   largest relative disagreement measured on this machine across such layouts (:func:`.layouts.foreign_calibration`),
   first position and later positions apart, times ``SAFETY``;
-* ``noise:S`` - relative Gaussian noise of level ``S`` (``S * ||h|| * g / sqrt(d)``): its 4-sigma norm bound, plus
-  ``float``'s (the noise was added to states computed somewhere; not where lminvert adds it to its own states,
-  ``invert(noise=S)``);
+* ``noise:S`` - relative Gaussian noise of level ``S`` (``S * ||h|| * g / sqrt(d)``): its norm's 5-sigma bound,
+  from the observed state (:func:`.tolerance.noise_tolerance`), plus ``float``'s (the noise was added to states
+  computed somewhere; not where lminvert adds it to its own states, ``invert(noise=S)``);
 * ``quant:B`` - per-token quantisation of the states: ``int8``/``int4`` (or ``8``/``4``: symmetric absmax),
   ``bf16`` (a cast), ``fp8`` (e4m3, each token scaled so that its absmax maps to 448): the worst-case rounding of
   that format, plus ``float``'s.

@@ -343,16 +343,23 @@ def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> l
     return wanted
 
 
-def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
-    """Upper bound (4 standard deviations) on the norm of relative Gaussian noise of level ``sigma``.
+NOISE_SIGMAS = 5.0  # standard deviations of the noise's norm that :func:`noise_tolerance` allows beyond its mean
 
-    The noise is ``sigma * ||h|| * g / sqrt(d)`` with ``g ~ N(0, I_d)``; ``||g||`` concentrates at sqrt(d)
-    with standard deviation ~1/sqrt(2).
+
+def noise_tolerance(target: torch.Tensor, sigma: float) -> float:
+    """Upper bound on the norm of relative Gaussian noise of level ``sigma``, from the state as observed (``target``,
+    the noise in it).
+
+    The noise is ``sigma * ||h|| * g / sqrt(d)`` with ``g ~ N(0, I_d)``; ``||g||`` concentrates at sqrt(d) with
+    standard deviation ~1/sqrt(2), so within :data:`NOISE_SIGMAS` of them its norm is at most ``k ||h||`` with
+    ``k = sigma * (1 + NOISE_SIGMAS / sqrt(2 d))`` (beyond: a chance of about 3e-7 per state). The clean state's norm is
+    not known, only the observed one's: ``||h|| <= ||target|| + ||noise||``, so the noise's norm is at most
+    ``k ||target|| / (1 - k)`` (no bound, ``inf``, where ``k >= 1``: the noise may hide the state entirely).
     """
     if sigma <= 0:
         return 0.0
-    d = target.numel()
-    return float(sigma * norm(target) * (1.0 + 4.0 / math.sqrt(2.0 * d)))
+    k = sigma * (1.0 + NOISE_SIGMAS / math.sqrt(2.0 * target.numel()))
+    return math.inf if k >= 1.0 else float(k * norm(target) / (1.0 - k))
 
 
 def add_noise(states: torch.Tensor, sigma: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -40,8 +40,9 @@ from .rankers import Secant, StateReading
 from .screen import Screen
 from .search import FIRST, RowSearch
 
-NEXT_KIND = "rows-next6"  # the cache's name for the lookahead rule's measurement (with the view's and source's); a new
-# one whenever the rule changes (5: lookahead.COVER 4,096; 6: 2,048)
+NEXT_KIND = "rows-next7"  # the cache's name for the lookahead rule's measurement (with the view's and source's); a new
+# one whenever the rule changes (5: lookahead.COVER 4,096; 6: 2,048; 7: the noise bound from the observed norm at 5
+# sigma, the reading fused with the prediction)
 
 
 class Shipped(Protocol):

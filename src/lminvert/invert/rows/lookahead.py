@@ -213,7 +213,7 @@ class Lookahead:
             own, _, _ = search._position([], rows[0], 0, False)
             if not own.guess:
                 continue
-            reads = search.reading.orders(rows) if search.reading is not None else [None, None]
+            reads = search.reading.scores(rows) if search.reading is not None else [None, None]
             dists = search.source.distances(search.table, rows[0])
             decision, _, _ = self.first(rows[0], dists, rows[1], reads[1], measuring=True)
             if decision.verdict != acceptor.UNCERTAIN:
@@ -241,7 +241,7 @@ class Lookahead:
                 rows = search.source.simulate(self.capture(ids)[:3].float(), generator)
             if search.secant is not None:
                 search.secant.begin_prompt()
-            reads = search.reading.orders(rows) if search.reading is not None else [None] * 3
+            reads = search.reading.scores(rows) if search.reading is not None else [None] * 3
             own, _, _ = search._position(ids[:1], rows[1], 1, True, reads[1])  # the position's own guess, as a leak's
             if not own.guess or own.token is None:
                 continue

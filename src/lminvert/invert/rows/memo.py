@@ -20,11 +20,11 @@ class _Kept:
     def __init__(self) -> None:
         self.index: dict[int, int] = {}
         self.states: torch.Tensor | None = None
-        self.order: torch.Tensor | None = None
+        self.prediction: torch.Tensor | None = None
 
     @property
     def bytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.states, self.order) if x is not None)
+        return sum(x.numel() * x.element_size() for x in (self.states, self.prediction) if x is not None)
 
 
 class StateMemo:
@@ -78,13 +78,13 @@ class StateMemo:
         return torch.tensor([i in index for i in ids.tolist()], dtype=torch.bool)
 
     def prediction(self, prefix_ids: list[int], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The model's prediction after ``prefix_ids`` (every token, most likely first), ``compute()`` once."""
+        """The model's prediction after ``prefix_ids`` (its log-probabilities of every token), ``compute()`` once."""
         entry = self._entry(prefix_ids)
-        if entry.order is None:
+        if entry.prediction is None:
             before = entry.bytes
-            entry.order = compute().to(torch.int32)
+            entry.prediction = compute()
             self._grown(entry, before)
-        return entry.order.long()
+        return entry.prediction
 
     def clear(self) -> None:
         """Drop everything kept (the counts stay)."""

@@ -10,9 +10,11 @@ import torch
 
 from ...models import LayerProbe, LoadedModel
 from ..context import PositionContext
+from ..linear import FUSED
+from ..proposal import fuse, merge, ranked, reading_log_probs
 from ..rankers import SecantRanker
 from ..reader import reading_for
-from ..reading import nearest_inputs, read
+from ..reading import input_distances, read
 from ..tables import Through, position1_projection
 from ..views import View
 from .back import back_map, read_back
@@ -21,6 +23,10 @@ FIT = 512  # verified candidates the ridge fit uses (the closest to the target)
 RIDGE = 1e-2  # the ridge fit's penalty, relative to the mean squared norm of the centred input vectors
 VIEW_PRIOR = True  # a view's secant model starts from the position-1 map fitted through the view (False: no first fit)
 READ_BACK = True  # a KV cache's rows are read back as states for the reading (:mod:`.back`; False: not read)
+# the reading and the model's prediction also ranked as a product of experts (:func:`lminvert.invert.proposal.fuse`,
+# weight :data:`lminvert.invert.linear.FUSED`), as the engine's proposal ranks, that order alternating with theirs
+# (RowSearch._ranked); False: the two alternate alone
+FUSE = True
 
 
 class Secant:
@@ -67,7 +73,7 @@ class Secant:
         if self.ranker.refit_due(self.ctx):
             self.ranker.fit(self.ctx)
         scores = self.ranker.scores(self.ctx)
-        return None if scores is None else scores.argsort().cpu()
+        return None if scores is None else ranked(scores.cpu())
 
     def end(self) -> None:
         """The position is decided: its pairs join the next positions' fits."""
@@ -109,22 +115,20 @@ class Ridge:
             weights, offset = weights @ basis, offset @ basis
         # the prediction in float32, its product in bfloat16 where native (low_vocab): it only orders candidates
         if self.low is not None:
-            return ((self.low @ weights.bfloat16()).float() + offset.float()).norm(dim=1).argsort()
-        return (self.vocab @ weights.float() + offset.float()).norm(dim=1).argsort()
+            return ranked(((self.low @ weights.bfloat16()).float() + offset.float()).norm(dim=1))
+        return ranked((self.vocab @ weights.float() + offset.float()).norm(dim=1))
 
 
 class StateReading:
     """What shipped rows of states at ``layer`` (or a view's rows read back as them) read as, for the rows search
-    (proposals only: every candidate is still verified):
+    (proposals only: every candidate is still verified): :meth:`scores`, per position, how near each token's input
+    vector lies to what the row (and the one before it) reads as (:mod:`lminvert.invert.reading`: the reading network
+    where one is cached, else the linear reading map, built and cached on first use)."""
 
-    * :meth:`orders` - per position, the ``depth`` tokens whose input vectors lie nearest what the row (and the one
-      before it) reads as (:mod:`lminvert.invert.reading`: the reading network where one is cached, else the linear
-      reading map, built and cached on first use)."""
-
-    def __init__(self, model: LoadedModel, layer, depth: int, view: View | None = None) -> None:
+    def __init__(self, model: LoadedModel, layer, view: View | None = None) -> None:
         """``view``: the rows are that view's, read back as the states they came from (:mod:`.back`) before they are
         read (None: the rows are the layer's states)."""
-        self.model, self.layer, self.depth, self.view = model, layer, depth, view
+        self.model, self.layer, self.view = model, layer, view
         if view is not None:  # first: where neither is kept, one forward of the training prompts builds both
             back_map(view)
         self.weights = reading_for(model, layer)
@@ -135,16 +139,17 @@ class StateReading:
         :data:`READ_BACK` is on (SmolLM2, 6 held-out prompts: block 30's cache in 0.67-0.75x the time, block 15's
         in 0.98-1.11x, docs/results.md); None for any other view, and for block 1's cache, whose rows the table
         ranks."""
-        depth = model.probe.vocab_size
         if view.name == "states":
-            return cls(model, view.states_layer, depth)
+            return cls(model, view.states_layer)
         if view.name == "kv" and READ_BACK and not view.alone:
-            return cls(model, view.states_layer, depth, view)
+            return cls(model, view.states_layer, view)
         return None
 
-    def orders(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
-        """Per position of ``rows`` ``[T, d]``, the reading's first tokens (None at position 0, whose table verifies
-        every token, and where the row or the one before it is missing)."""
+    def scores(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per position of ``rows`` ``[T, d]``, the reading's log-probabilities of every token ``[V]`` (float32, on
+        the CPU; :func:`lminvert.invert.proposal.reading_log_probs`: the nearest input vector to what the row, and the
+        one before it, reads as, likeliest), for the rows search to rank with; None at position 0, whose table verifies
+        every token, and where the row or the one before it is missing."""
         rows = rows.float()
         present = ~torch.isnan(rows).any(dim=1)
         usable = [t for t in range(1, len(rows)) if present[t] and present[t - 1]]
@@ -152,6 +157,20 @@ class StateReading:
         if usable:
             states = rows.nan_to_num() if self.view is None else read_back(self.view, rows.nan_to_num())
             predicted = read(self.weights, states.to(self.model.probe.device))[usable]
-            for t, order in zip(usable, nearest_inputs(self.model, predicted, self.depth).cpu(), strict=True):
-                out[t] = order
+            for t, scores in zip(usable, reading_log_probs(input_distances(self.model, predicted)).cpu(), strict=True):
+                out[t] = scores
         return out
+
+    def ranked(self, prior: torch.Tensor, reading: torch.Tensor) -> torch.Tensor:
+        """Every token, by the model's prediction (``prior``, its log-probabilities) and a position's reading (its
+        :meth:`scores`): alternately from each; where :data:`FUSE` is on, that order alternately with the two fused as a
+        product of experts (weight :data:`lminvert.invert.linear.FUSED`; the engine's proposal's third source,
+        :func:`lminvert.invert.proposal.fuse`), which ranks best but buries a token where one of the two is surely
+        wrong (the alternation keeps a token within twice its place in the alternate order). SmolLM2, the KV caches
+        of 24 held-out prompts read back (``benchmarks/heldout.py``): the true token among the first 32 at 339 of 456
+        positions with it at block 15, 313 without; at block 30, 416 against 401."""
+        by_prior = ranked(prior, descending=True)
+        both = merge(torch.stack([ranked(reading, descending=True), by_prior]))
+        if not FUSE:
+            return both
+        return merge(torch.stack([ranked(fuse(prior, reading, FUSED), descending=True), both]))

@@ -29,7 +29,7 @@ class Running:
     """The prefix recovered so far (:attr:`ids`) and the probe's cache of it over every block (``top``: the last
     block's layer, or ``final`` where the search's layer is), made where first asked and then grown by the tokens
     added since: the candidates' prefix at ``layer`` (:meth:`prefix`, a view of that cache), the model's prediction
-    after it (:meth:`prediction`). The cache holds one prompt's prefix only: a prefix that is not :attr:`ids` is
+    after it (:meth:`log_probs`). The cache holds one prompt's prefix only: a prefix that is not :attr:`ids` is
     computed elsewhere. ``reuse``: a token chosen from :meth:`candidates` grows the cache from their forward (False: a
     forward through every block, when next needed)."""
 
@@ -42,7 +42,7 @@ class Running:
         self.ids: list[int] = []
         self._full: Prefix | None = None  # the cache over ids[: self._full.length] (None: nothing computed yet)
         self._final: tuple[torch.Tensor, bool] | None = None  # the last token's state at top and whether it is normed
-        self._order: torch.Tensor | None = None  # the prediction after ids
+        self._scores: torch.Tensor | None = None  # the log-probabilities of the next token after ids
         self._offers: list[Runs] = []  # this position's candidates run over the cache (:meth:`candidates`)
 
     def add(self, token: int) -> None:
@@ -51,7 +51,7 @@ class Running:
         (one forward)."""
         token = int(token)
         offered = next(((runs, i) for runs in self._offers if (i := runs.index(token)) is not None), None)
-        self._offers, self._order, self._final = [], None, None
+        self._offers, self._scores, self._final = [], None, None
         if self.reuse and offered is not None and offered[0].keys is not None and self._current():
             runs, i = offered
             assert self._full is not None and runs.keys is not None
@@ -82,7 +82,7 @@ class Running:
         for token in self.ids[self._full.length : -1]:
             self._full = probe.defer(self._full, [token])
         self._full, final = probe.advance_rows(self._full, [self.ids[-1]])
-        self._final = (final[0], self.top.is_final)
+        self._final = (final[0], False)  # the last block's output (advance_rows), before the final norm
         return self._full
 
     def prefix(self) -> Prefix:
@@ -108,15 +108,28 @@ class Running:
             self._offers.pop(0)
         return states
 
-    def prediction(self) -> torch.Tensor:
-        """Every token, most likely next after :attr:`ids` first (from the last token's final state; one forward where
-        it is not known)."""
-        if self._order is None:
+    def log_probs(self) -> torch.Tensor:
+        """The model's log-probabilities of every next token after :attr:`ids` ``[V]`` (float32, CPU; from the last
+        token's final state; one forward where it is not known)."""
+        if self._scores is None:
             if self._final is None:
                 self._catch_up()
             assert self._final is not None
             state, normed = self._final
-            self._order = (
-                self.model.probe.next_token_logits(state, normed=normed).float().cpu().argsort(descending=True)
-            )
-        return self._order
+            logits = self.model.probe.next_token_logits(state, normed=normed)
+            self._scores = logits.float().log_softmax(-1).cpu()
+        return self._scores
+
+
+def predicted(model: LoadedModel, prefix: list[int]) -> torch.Tensor:
+    """The model's log-probabilities of every token after ``prefix`` ``[V]`` (float32, CPU) from one forward of it
+    (after its start token where the prefix is empty; where the model has none, scores that order the tokens by id)."""
+    probe = model.probe
+    bos = getattr(model.tokenizer, "bos_token_id", None) if model.tokenizer is not None else None
+    context = prefix or ([] if bos is None else [bos])
+    if not context:  # nothing to predict from: every token alike, in the order of their ids
+        return -torch.arange(probe.vocab_size, dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.tensor([context], device=probe.device)
+        logits = model.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
+    return logits.float().log_softmax(-1).cpu()

@@ -10,7 +10,7 @@ bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.firs
 the acceptor finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
 (:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers:
 position 0 from the first-position table (every token verified at once), later positions the model's own next-token
-prediction from the prefix (for a states leak, alternately with what the row reads as: :class:`StateReading`; a KV
+prediction from the prefix (for a states leak, with what the row reads as: :meth:`StateReading.ranked`; a KV
 cache's row read back as a state first, :mod:`.back`; for a view whose rows depend on their token and position alone,
 block 1's cache, the table's rows nearest the row moved back to position 0 instead), 32 of them first, then the rest
 of the first 256, then 256 at a time. Later batches merge
@@ -48,7 +48,7 @@ from ...models import LoadedModel, Prefix
 from ...models.ties import tied_token_groups
 from .. import acceptor
 from ..acceptor import Evidence, Radii
-from ..proposal import merge
+from ..proposal import merge, ranked
 from ..sources import ErrorModel
 from ..tables import first_position_table
 from ..tolerance import FLOOR, SAFETY, norm
@@ -57,7 +57,7 @@ from .lookahead import Lookahead
 from .memo import StateMemo
 from .rankers import Ridge, Secant, StateReading
 from .replay import Replay
-from .running import Running
+from .running import Running, predicted
 from .screen import Screen, Screened
 from .sinklike import SinkLike
 from .verified import Found, Measure, Verified, measure
@@ -149,7 +149,7 @@ class RowSearch:
         after_guess = fitted = broken = False
         # the next token a position was chosen under (by the next row), verified first at the position after it (led)
         lead, led = None, 1
-        reads = self.reading.orders(shipped) if self.reading is not None else [None] * len(shipped)
+        reads = self.reading.scores(shipped) if self.reading is not None else [None] * len(shipped)
         running = Running(self.model, self.layer, self.reuse)
         if self.secant is not None:
             self.secant.begin_prompt()
@@ -211,24 +211,22 @@ class RowSearch:
         return decision
 
     def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
-        """Every token, most likely next first (the model's own prediction from the recovered prefix; from
-        ``running``'s cache where it holds the prefix)."""
+        """Every token, most likely next first (the model's own prediction from the recovered prefix,
+        :meth:`_log_probs`)."""
+        return ranked(self._log_probs(prefix, running), descending=True)
+
+    def _log_probs(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
+        """The model's log-probabilities of every next token after the recovered prefix ``[V]`` (float32, CPU; from
+        ``running``'s cache where it holds the prefix; kept in the memo)."""
         if running is not None and running.holds(prefix):
-            compute = running.prediction
+            compute = running.log_probs
         else:
             compute = functools.partial(self._predict, prefix)
         return compute() if self.memo is None else self.memo.prediction(prefix, compute)
 
     def _predict(self, prefix: list[int]) -> torch.Tensor:
-        probe = self.model.probe
-        bos = getattr(self.model.tokenizer, "bos_token_id", None) if self.model.tokenizer is not None else None
-        context = prefix or ([] if bos is None else [bos])
-        if not context:
-            return torch.arange(probe.vocab_size)
-        with torch.no_grad():
-            ids = torch.tensor([context], device=probe.device)
-            logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[0, -1]
-        return logits.float().cpu().argsort(descending=True)
+        """:meth:`_log_probs` after ``prefix`` from one forward of it (:func:`.running.predicted`)."""
+        return predicted(self.model, prefix)
 
     def _order(
         self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, lead: int | None,
@@ -243,18 +241,18 @@ class RowSearch:
             back = self.alone(target[None].float(), len(prefix))[0]
             if self._norms is None:  # this search's table's (another search may hold another table)
                 self._norms = self.table.square().sum(1)
-            order = (self._norms - 2 * (self.table @ back)).argsort()
+            order = ranked(self._norms - 2 * (self.table @ back))
         else:
             order = self._ranked(prefix, reading, running)
         return order if lead is None else torch.cat([torch.tensor([lead]), order[order != lead]])
 
     def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
-        """Every token, alternately from the row's reading and the model's prediction (the prediction alone without a
-        reading)."""
-        predicted = self._prediction(prefix, running)
-        if reading is None:
-            return predicted
-        return merge(torch.stack([reading, predicted]))
+        """Every token, by the model's prediction and, where given, the row's ``reading`` (its log-probabilities:
+        :meth:`.rankers.StateReading.ranked`)."""
+        prior = self._log_probs(prefix, running)
+        if reading is None or self.reading is None:
+            return ranked(prior, descending=True)
+        return self.reading.ranked(prior, reading)
 
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
         """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
