@@ -493,6 +493,26 @@ def test_projected_norms_of_the_secant_ranking():
     assert low.dtype == torch.float32 and float((low - approx).abs().max() / approx.max()) < 0.02
 
 
+@pytest.mark.parametrize("width", [32, 20])
+def test_the_randomised_eigenpairs_are_the_full_decompositions(width, monkeypatch):
+    """secant.top_pairs: the largest eigenpairs of ``J J^T`` as ``eigh`` gives them, up to their signs, for a square and
+    a wide-to-narrow ``J`` (a KV view's rows), the same from one call to the next; projected_norms alike both ways."""
+    from lminvert.invert import secant
+
+    gen = torch.Generator().manual_seed(1)
+    basis, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    jac = (basis * torch.logspace(1, -2, 32))[:, :width] @ torch.linalg.qr(torch.randn(width, width, generator=gen)).Q
+    vectors, values = secant.top_pairs(jac, 6)
+    full_vectors, full_values = secant._eigen_pairs(jac, 6)
+    torch.testing.assert_close(values.flip(0), full_values, rtol=1e-4, atol=1e-6)
+    assert torch.allclose((vectors.flip(1) * full_vectors).sum(0).abs(), torch.ones(6), atol=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(secant.top_pairs(jac, 6), (vectors, values), strict=True))
+    rows = torch.randn(300, 32, generator=gen)
+    fast = secant.projected_norms(rows, rows.square().sum(1), jac, 6)
+    monkeypatch.setattr(secant, "RANDOMISED", False)
+    torch.testing.assert_close(fast, secant.projected_norms(rows, rows.square().sum(1), jac, 6), rtol=1e-3, atol=1e-3)
+
+
 def _reading_context(vocab: torch.Tensor, ids: list[int], target: int, position: int = 1):
     """A position whose candidates ``ids`` were verified, on a model whose state is its input vector itself."""
     from types import SimpleNamespace

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+RANDOMISED = True  # projected_norms' eigenpairs by a randomised range finder (top_pairs); False: a full eigh
+OVERSAMPLE = 8  # columns drawn beyond the rank
+
 
 def centre(x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Subtract the column means (the offset ``a`` is estimated apart)."""
@@ -47,8 +50,8 @@ def projected_norms(
     rows: torch.Tensor, row_norms: torch.Tensor, jac: torch.Tensor, rank: int, low: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``||x_v J||^2`` ``[V]`` (float32) for every row ``x_v`` of ``rows`` ``[V, d_in]`` (``row_norms``: their
-    ``||x_v||^2``), from the ``rank`` largest eigenpairs ``(l_i, u_i)`` of ``J J^T``: ``sum_i l_i (x_v . u_i)^2`` plus
-    the other eigenvalues' mean times what of ``||x_v||^2`` they span. A product with ``rank`` columns instead of
+    ``||x_v||^2``), from the ``rank`` largest eigenpairs ``(l_i, u_i)`` of ``J J^T`` (:func:`top_pairs`):
+    ``sum_i l_i (x_v . u_i)^2`` plus the other eigenvalues' mean times what of ``||x_v||^2`` they span. A product with ``rank`` columns instead of
     ``d``: on SmolLM2 (d = 576, rank 64) ~50 ms instead of ~220 ms on this project's 2-core CPU, and the true token's
     place in the linear policy's ranking as good as with the exact norms (a random-id prompt at layers 9 and 12: in the
     top 16 after 52% / 43% of its later batches, exact 52% / 43%). Exact where ``d_in <= 2 rank``. ``low``: ``rows`` in
@@ -57,9 +60,29 @@ def projected_norms(
     jac = jac.to(device=rows.device, dtype=torch.float32)
     if rows.shape[1] <= 2 * rank:
         return (rows @ jac).square().sum(1)
-    values, vectors = torch.linalg.eigh(jac @ jac.T)  # ascending
-    values = values.clamp_min(0.0)
-    top, rest = vectors[:, -rank:], values[:-rank]
+    top, values = top_pairs(jac, rank) if RANDOMISED else _eigen_pairs(jac, rank)
+    rest = (float(jac.square().sum()) - float(values.sum())) / (jac.shape[0] - rank)  # the other eigenvalues' mean
     along = (rows @ top if low is None else (low @ top.to(low.dtype)).float()).square()  # [V, rank]
-    head = along @ values[-rank:]
-    return head + float(rest.mean()) * (row_norms - along.sum(1)).clamp_min(0.0)
+    head = along @ values
+    return head + max(rest, 0.0) * (row_norms - along.sum(1)).clamp_min(0.0)
+
+
+def _eigen_pairs(jac: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``rank`` largest eigenpairs of ``J J^T`` by a full eigendecomposition: vectors ``[d_in, rank]``, values."""
+    values, vectors = torch.linalg.eigh(jac @ jac.T)  # ascending
+    return vectors[:, -rank:], values[-rank:].clamp_min(0.0)
+
+
+def top_pairs(jac: torch.Tensor, rank: int, power: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """About the ``rank`` largest eigenpairs of ``J J^T`` (``J``'s left singular vectors ``[d_in, rank]`` and squared
+    singular values) by a randomised range finder with ``power`` subspace iterations (Halko, Martinsson and Tropp,
+    2011), from a fixed draw so that the same ``J`` gives the same pairs. On SmolLM2's layer-30 position-1 map at rank
+    64 (:func:`projected_norms` on every token): a median relative error against the exact norms of 5.27% against the
+    full decomposition's 5.15%, the 1,000 smallest sharing 884 of the exact norms' against 886, in 19.5 ms against
+    28.2 ms on this project's CPU."""
+    draw = torch.randn(jac.shape[1], rank + OVERSAMPLE, generator=torch.Generator().manual_seed(0))
+    basis = torch.linalg.qr(jac @ draw.to(jac.device)).Q
+    for _ in range(power):
+        basis = torch.linalg.qr(jac @ (jac.T @ basis)).Q
+    left, singular, _ = torch.linalg.svd(basis.T @ jac, full_matrices=False)
+    return basis @ left[:, :rank], singular[:rank].square()
