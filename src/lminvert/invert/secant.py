@@ -50,13 +50,13 @@ def projected_norms(
     rows: torch.Tensor, row_norms: torch.Tensor, jac: torch.Tensor, rank: int, low: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``||x_v J||^2`` ``[V]`` (float32) for every row ``x_v`` of ``rows`` ``[V, d_in]`` (``row_norms``: their
-    ``||x_v||^2``), from the ``rank`` largest eigenpairs ``(l_i, u_i)`` of ``J J^T`` (:func:`top_pairs`):
-    ``sum_i l_i (x_v . u_i)^2`` plus the other eigenvalues' mean times what of ``||x_v||^2`` they span. A product with
-    ``rank`` columns instead of ``d``: on SmolLM2 (d = 576, rank 64) ~50 ms instead of ~220 ms on this project's 2-core CPU, and the true token's
-    place in the linear policy's ranking as good as with the exact norms (a random-id prompt at layers 9 and 12: in the
-    top 16 after 52% / 43% of its later batches, exact 52% / 43%). Exact where ``d_in <= 2 rank``. ``low``: ``rows`` in
-    bfloat16 (:meth:`lminvert.models.LayerProbe.low_vocab`), for that product where bfloat16 GEMMs are native (the
-    norms only order candidates)."""
+    ``||x_v||^2``), from the ``rank`` largest eigenpairs ``(l_i, u_i)`` of ``J J^T`` (:func:`top_pairs`): ``sum_i l_i
+    (x_v . u_i)^2`` plus the other eigenvalues' mean times what of ``||x_v||^2`` they span. A product with ``rank``
+    columns instead of ``d``: on SmolLM2 (d = 576, rank 64) ~50 ms instead of ~220 ms on this project's 2-core CPU, and
+    the true token's place in the linear policy's ranking as good as with the exact norms (a random-id prompt at layers
+    9 and 12: in the top 16 after 52% / 43% of its later batches, exact 52% / 43%). Exact where ``d_in <= 2 rank``.
+    ``low``: ``rows`` in bfloat16 (:meth:`lminvert.models.LayerProbe.low_vocab`), for that product where bfloat16 GEMMs
+    are native (the norms only order candidates)."""
     jac = jac.to(device=rows.device, dtype=torch.float32)
     if rows.shape[1] <= 2 * rank:
         return (rows @ jac).square().sum(1)
