@@ -57,7 +57,7 @@ def merge(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torc
         first = torch.full((int(merged.max()) + 1,), len(merged), dtype=torch.long, device=merged.device)
         first.scatter_reduce_(0, merged, places, reduce="amin")
         return merged[first[merged] == places][:k]
-    w = torch.ones(count) if weights is None else torch.tensor([float(x) for x in weights])
+    w = torch.tensor([float(x) for x in weights])
     keys = (torch.arange(k, dtype=torch.float64)[None] + 0.5) / w.double().clamp_min(1e-3)[:, None]
     merged = sources.reshape(-1)[keys.reshape(-1).argsort(stable=True).to(sources.device)]
     order = merged.argsort(stable=True)  # equal ids: the earliest place first

@@ -250,10 +250,9 @@ class RowSearch:
     def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
         """Every token, by the model's prediction and, where given, the row's ``reading`` (its log-probabilities:
         :meth:`.rankers.StateReading.ranked`)."""
-        prior = self._log_probs(prefix, running)
         if reading is None or self.reading is None:
-            return ranked(prior, descending=True)
-        return self.reading.ranked(prior, reading)
+            return self._prediction(prefix, running)
+        return self.reading.ranked(self._log_probs(prefix, running), reading)
 
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
         """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
