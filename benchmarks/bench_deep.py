@@ -16,6 +16,11 @@ included): prompts exact, positions sure (``certified`` or ``confident``), token
 ``--ab-fused``: each layer again without the proposal's fused source (the next-token prior and the reading combined as
 a product of experts, :mod:`lminvert.invert.proposal`), in the same run.
 
+``--versus MODEL:LAYER`` (e.g. ``--model gemma3-270m --layers 18 --versus smollm2-135m:30``): after the layers, the
+same texts inverted at the first of ``--layers`` and at that model's layer, prompt by prompt alternately in one process
+(each model's tokenizer; an untimed first inversion of a few positions on each first), with the ratio of the medians:
+two models compared under the same drift of the machine, not in runs minutes apart.
+
 ``--reference N``: the reference SIPIT (:func:`lminvert.invert.reference.reference_invert`, the paper's Algorithm 1:
 the whole vocabulary in a random order, ``--reference-batch`` candidates per plain forward) on the first ``N`` prompts
 at each layer, same run; printed: its median seconds, exact prompts, and the median ratio over lminvert's on the same
@@ -38,6 +43,7 @@ import torch
 from heldout import DEEP, FRESH
 
 SURE = ("certified", "confident")
+WARM = 4  # positions of the untimed first inversion of each model (--versus)
 
 
 def main() -> int:
@@ -60,6 +66,10 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--reference", type=int, default=0, help="prompts per layer for the reference SIPIT")
     parser.add_argument("--reference-batch", type=int, default=256, help="the reference's candidates per forward")
+    parser.add_argument(
+        "--versus", default=None,
+        help="MODEL:LAYER: the first of --layers against that model's layer, prompt by prompt alternately, same run",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     report: dict = {"model": args.model, "dtype": args.dtype, "together": args.together}
@@ -113,6 +123,9 @@ def main() -> int:
                 f"{row['reference']['exact']}/{args.reference} exact; lminvert {ratio:.0f}x faster on them",
                 flush=True,
             )
+    if args.versus:
+        first = model.probe.layer(args.layers.split(",")[0])
+        report["versus"] = _versus(lminvert, model, first, texts[: args.prompts], args.versus, args)
     middle = rows.get("15") or rows.get(str(model.probe.n_layers // 2))
     if middle:
         ratios = ", ".join(f"{name}: {row['median'] / middle['median']:.2f}x" for name, row in rows.items())
@@ -138,13 +151,23 @@ def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> d
     """Every prompt encoded at ``layer`` and inverted, ``together`` at a time; each chunk's seconds split evenly."""
     seconds, results = [], []
     for first in range(0, len(prompts), together):
-        chunk = prompts[first : first + together]
-        states = lminvert.encode(model, chunk, layer)
-        start = time.perf_counter()
-        got = lminvert.invert(model, states, together=together)
-        took = time.perf_counter() - start
-        seconds += [took / len(chunk)] * len(chunk)
+        took, got = _run(lminvert, model, layer, prompts[first : first + together], together)
+        seconds += took
         results += got
+    return _figures(seconds, results, prompts)
+
+
+def _run(lminvert, model, layer, chunk: list[list[int]], together: int) -> tuple[list[float], list]:
+    """``chunk`` encoded at ``layer`` and inverted in one call: each prompt's share of the seconds, the results."""
+    states = lminvert.encode(model, chunk, layer)
+    start = time.perf_counter()
+    got = lminvert.invert(model, states, together=together)
+    took = time.perf_counter() - start
+    return [took / len(chunk)] * len(chunk), got
+
+
+def _figures(seconds: list[float], results: list, prompts: list[list[int]]) -> dict:
+    """A row's figures (see the module docstring) from every prompt's seconds and result."""
     per_position = [c for r in results for c in r.candidates_checked]
     hits = [[a == b for a, b in zip(r.token_ids, ids, strict=True)] for r, ids in zip(results, prompts, strict=True)]
     pairs = [(v, h) for r, hs in zip(results, hits, strict=True) for v, h in zip(r.verdicts, hs, strict=True)]
@@ -154,6 +177,31 @@ def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> d
         "median": statistics.median(seconds), "max": max(seconds), "seconds": seconds,
         "cp_median": statistics.median(per_position), "cp_mean": statistics.mean(per_position),
     }  # fmt: skip
+
+
+def _versus(lminvert, model, layer, texts: list[str], spec: str, args) -> dict:
+    """``--versus MODEL:LAYER``: each text inverted at ``layer`` of ``model`` and at that model's layer, one after the
+    other in this process (which goes first alternates from text to text), so that the machine's drift hits both
+    alike; first, untimed, the first text's first positions once on each (what a first call pays)."""
+    name, _, its = spec.rpartition(":")
+    other = lminvert.load_model(name, dtype=args.dtype, device=args.device)
+    sides = [(model, layer), (other, other.probe.layer(its))]
+    prompts = [[list(m.tokenize(t, args.length)) for t in texts] for m, _ in sides]
+    for (m, at), ids in zip(sides, prompts, strict=True):
+        _run(lminvert, m, at, [ids[0][:WARM]], 1)
+    seconds: list[list[float]] = [[], []]
+    results: list[list] = [[], []]
+    for i in range(len(texts)):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            took, got = _run(lminvert, *sides[side], [prompts[side][i]], 1)
+            seconds[side] += took
+            results[side] += got
+    rows = [_figures(seconds[k], results[k], prompts[k]) for k in (0, 1)]
+    for (m, at), row in zip(sides, rows, strict=True):
+        _show(f"{m.name.split('-')[0]}:{at.name}", row, len(texts))
+    ratio = rows[0]["median"] / rows[1]["median"]
+    print(f"median of {model.name} layer {layer.name} over {name} layer {its}'s, same run, alternating: {ratio:.2f}x")
+    return {"versus": spec, "rows": rows, "ratio": ratio}
 
 
 def _reference(lminvert, model, layer, prompts: list[list[int]], batch: int) -> dict:
