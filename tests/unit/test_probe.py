@@ -188,6 +188,29 @@ def test_vocabulary_products_for_rankings(monkeypatch, half):
     assert not probe.vocab_dots(torch.zeros(probe.hidden_size)).any()
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_ranking_logits_of_one_state(monkeypatch, name):
+    """next_token_logits(ranking=True) on one state: where the head is the vocabulary matrix itself (tiny-gpt2's tied
+    head), vocab_dots' product, within 1e-3 of the largest logit of the head's own; elsewhere (tiny-llama's untied
+    head) and for several states, the head's own logits exactly."""
+    from lminvert.models import vocabulary
+
+    probe = lminvert.load_model(name).probe
+    calls, real = [], vocabulary.vocab_dots
+    monkeypatch.setattr(vocabulary, "vocab_dots", lambda p, v: calls.append(v) or real(p, v))
+    gen = torch.Generator().manual_seed(0)
+    state = torch.randn(probe.hidden_size, generator=gen) * 3
+    reference = probe.next_token_logits(state)
+    got = probe.next_token_logits(state, ranking=True)
+    tied = name == "tiny-gpt2"
+    assert len(calls) == int(tied)
+    error = float((got.double() - reference.double()).abs().max() / reference.abs().max())
+    assert error < (1e-3 if tied else 1e-12), error
+    many = torch.randn(3, probe.hidden_size, generator=gen)
+    torch.testing.assert_close(probe.next_token_logits(many, ranking=True), probe.next_token_logits(many))
+    assert len(calls) == int(tied)
+
+
 def test_lower_precision_is_selectable():
     model = lminvert.load_model("tiny-llama", dtype="bfloat16")
     out = model.probe.states(torch.tensor([[1, 2, 3]]), 1)[1]

@@ -311,10 +311,12 @@ class LayerProbe:
         (position 0 attends to itself only), up to the rounding of another forward's shape."""
         return hooks.final_from(self, states, self.layer(layer), upper=self.layer(upper))
 
-    def next_token_logits(self, state: torch.Tensor, normed: bool = False) -> torch.Tensor:
+    def next_token_logits(self, state: torch.Tensor, normed: bool = False, ranking: bool = False) -> torch.Tensor:
         """The model's next-token logits from states ``[..., d]`` after the last block (``normed``: after the
-        final norm already). Output soft-capping, where a model has it, is left out: it does not change the order."""
-        return vocabulary.next_token_logits(self, state, normed)
+        final norm already). Output soft-capping, where a model has it, is left out: it does not change the order.
+        ``ranking``: they only order candidates, and one state's may be computed in float16
+        (:func:`.vocabulary.next_token_logits`)."""
+        return vocabulary.next_token_logits(self, state, normed, ranking)
 
     def continuation(
         self,

@@ -116,7 +116,7 @@ class Running:
                 self._catch_up()
             assert self._final is not None
             state, normed = self._final
-            logits = self.model.probe.next_token_logits(state, normed=normed)
+            logits = self.model.probe.next_token_logits(state, normed=normed, ranking=True)
             self._scores = logits.float().log_softmax(-1).cpu()
         return self._scores
 
