@@ -336,3 +336,38 @@ def test_the_next_row_makes_position_0_confident_only_on_all_its_evidence(change
     decision = acceptor.chosen_by_next(7, _next_row(**changed))
     assert decision.verdict == UNCERTAIN and decision.guess
     assert acceptor.chosen_by_next(7).verdict == UNCERTAIN
+
+
+_VERDICTS = st.sampled_from([CERTIFIED, CONFIDENT, UNCERTAIN])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    token=st.integers(0, 3),
+    chosen=st.integers(0, 3),
+    choice=_VERDICTS,
+    following=_VERDICTS,
+    covered=st.booleans(),
+    rival_fits=st.booleans(),
+    calibration=st.one_of(st.none(), st.tuples(st.integers(0, 8), st.integers(0, 8))),
+)
+def test_the_next_row_rule_is_never_better_than_its_evidence(
+    token, chosen, choice, following, covered, rival_fits, calibration
+):
+    """Any next-row evidence: ``confident`` (never ``certified``) exactly where the next row chose this very token
+    surely, the next position's own search under it was sure, every first token the row allows was covered, the
+    runner-up let nothing fit, and the rule claimed calibration prompts and none wrongly; else a guess. The token is
+    always the one asked about."""
+    evidence = acceptor.NextRow(
+        acceptor.Decision(chosen, choice, guess=choice == UNCERTAIN), acceptor.Decision(9, following),
+        covered, rival_fits, calibration,
+    )  # fmt: skip
+    decision = acceptor.chosen_by_next(token, evidence)
+    sure = (CERTIFIED, CONFIDENT)
+    earned = (
+        chosen == token and choice in sure and following in sure and covered and not rival_fits
+        and calibration is not None and calibration[0] > 0 and calibration[1] == 0
+    )  # fmt: skip
+    assert decision.token == token
+    assert decision.verdict == (CONFIDENT if earned else UNCERTAIN)
+    assert decision.guess == (not earned)
