@@ -161,3 +161,24 @@ def test_a_bfloat16_caches_first_token_is_reproduced_run_alone(smollm2, monkeypa
     assert result.token_ids == ids
     assert result.verdicts[0] == "certified" and "reproduces" in result.positions[0].reason, result.positions[0]
     assert all(v in CLAIMED for v in result.verdicts), result.verdicts
+
+
+def test_a_float32_models_cache_saved_in_float16_inverts_through_its_cast(smollm2, tmp_path):
+    """Block 15's cache of a float32 forward saved in float16 (to halve its size): refused in one line that names
+    ``--source quant:fp16``, then inverted through it with every token right and every position sure (the rows'
+    distances beyond the cast's box)."""
+    ids = list(smollm2.tokenize(TEXTS[1]))[:8]
+    with torch.no_grad():
+        cache = smollm2.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    path = tmp_path / "half.pt"
+    torch.save({"keys": cache.layers[14].keys.half(), "values": cache.layers[14].values.half()}, path)
+    refused = run_cli("invert", str(path), "--model", "smollm2-135m", "--layer", "15", "--dtype", "float32")
+    assert refused.returncode != 0 and "--source quant:fp16" in refused.stderr, refused.stderr
+    done = run_cli(
+        "invert", str(path), "--model", "smollm2-135m", "--layer", "15", "--dtype", "float32",
+        "--source", "quant:fp16", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (doc,) = json.loads(done.stdout)
+    assert doc["token_ids"] == ids
+    assert all(v in CLAIMED for v in doc["verdicts"]), doc["verdicts"]

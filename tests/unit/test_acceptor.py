@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lminvert.errors import LminvertError
@@ -241,15 +241,18 @@ def test_sources_parse_and_refuse_in_one_line():
     assert parse_source("float") == Float()
     assert parse_source("noise:0.01") == Noise(sigma=0.01)
     assert parse_source("quant:8") == Quant(kind="int8") and parse_source("quant:bf16").label == "quant:bf16"
+    assert parse_source("quant:float16") == Quant(kind="fp16") and Quant(kind="fp16").stored == "float16"
+    assert Quant(kind="bf16").stored == "bfloat16" and Quant(kind="int8").stored is None and Float().stored is None
     for bad in ("nois:1", "noise:-1", "noise:x", "quant:int3", ""):
         with pytest.raises(LminvertError) as err:
             parse_source(bad)
         assert "\n" not in str(err.value)
 
 
+FP16_MAX = 65504.0  # float16's largest finite value: beyond it a cast gives inf, which no file reader accepts
 QUANTISED = {  # a random state of some scale, and a quantisation
     "seed": st.integers(0, 2**31 - 1),
-    "kind": st.sampled_from(["int8", "int4", "bf16", "fp8"]),
+    "kind": st.sampled_from(["int8", "int4", "bf16", "fp16", "fp8"]),
     "scale": st.floats(min_value=1e-3, max_value=1e4),
 }
 
@@ -268,8 +271,9 @@ def test_quantisation_bounds_hold_on_random_states(seed, kind, scale):
     """Each quantisation's declared bound covers what it does to a state (computed from the quantised state, as an
     attacker holds it)."""
     h = _with_outlier(seed, (64,), scale, torch.float64)
-    if kind == "bf16":
-        q = h.to(torch.bfloat16).double()
+    assume(kind != "fp16" or float(h.abs().max()) < FP16_MAX)
+    if kind in ("bf16", "fp16"):
+        q = h.to(torch.bfloat16 if kind == "bf16" else torch.float16).double()
     elif kind == "fp8":  # per token, scaled so that its absmax maps to e4m3's largest value
         scale = 448.0 / h.abs().max()
         q = (h * scale).to(torch.float8_e4m3fn).double() / scale
@@ -287,6 +291,7 @@ def test_a_quantised_row_keeps_its_true_row_inside_the_box_and_distances_are_lip
     """The true row lies inside the box around its quantised row (to float32's rounding of the quantisation itself),
     and the box distance moves no more than the row does (what lets rounding radii add to it)."""
     h = _with_outlier(seed, (3, 64), scale)
+    assume(kind != "fp16" or float(h.abs().max()) < FP16_MAX)
     quant = Quant(kind=kind)
     q = quant.quantise(h[:1])[0]
     assert float(quant.distances(h[:1], q)[0]) <= 4 * FLOOR * float(q.norm())
@@ -371,3 +376,21 @@ def test_the_next_row_rule_is_never_better_than_its_evidence(
     assert decision.token == token
     assert decision.verdict == (CONFIDENT if earned else UNCERTAIN)
     assert decision.guess == (not earned)
+
+
+def test_half_files_of_a_float32_model_are_read_only_through_their_cast():
+    """Rows saved in float16 or bfloat16 and a float32 model: refused in one line that names the cast's source, and
+    read where the error model is that cast (``quant:fp16`` / ``quant:bf16``); another source or another half dtype is
+    still refused."""
+    import lminvert
+    from lminvert.models.compat import check_dtype
+
+    tiny = lminvert.load_model("tiny-llama")
+    with pytest.raises(LminvertError) as err:
+        check_dtype("float16", tiny, "rows")
+    assert "--dtype float32 --source quant:fp16" in str(err.value) and "\n" not in str(err.value)
+    check_dtype("float16", tiny, "rows", parse_source("quant:fp16").stored)
+    check_dtype("bfloat16", tiny, "rows", parse_source("quant:bf16").stored)
+    for dtype, source in (("bfloat16", "quant:fp16"), ("float16", "quant:int8"), ("float16", "float")):
+        with pytest.raises(LminvertError):
+            check_dtype(dtype, tiny, "rows", parse_source(source).stored)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import lminvert
@@ -38,7 +38,7 @@ def run(tiny, tmp_path_factory):
 @given(
     seed=st.integers(0, 2**31 - 1),
     name=st.sampled_from(
-        ["noise:0.001", "noise:0.01", "noise:0.1", "quant:bf16", "quant:fp8", "quant:int8", "quant:int4"]
+        ["noise:0.001", "noise:0.01", "noise:0.1", "quant:bf16", "quant:fp16", "quant:fp8", "quant:int8", "quant:int4"]
     ),
     scale=st.floats(min_value=1e-2, max_value=1e3),
 )
@@ -49,6 +49,7 @@ def test_each_defence_keeps_its_declared_error_bound(seed, name, scale):
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(6, 96, generator=gen) * scale
     rows[:, int(torch.randint(0, 96, (1,), generator=gen))] *= 40  # an outlier coordinate, as attention sinks have
+    assume(name != "quant:fp16" or float(rows.abs().max()) < 65504)  # float16's largest: beyond it a cast is inf
     shipped = parse_defence(name).apply(rows, gen)
     model = parse_source(shipped.source)
     for t in range(len(rows)):

@@ -81,7 +81,7 @@ class GaussianNoise(Defence):
 class Quantise(Defence):
     kind: str = "int8"
     name: ClassVar[str] = "quant"
-    threat: ClassVar[str] = "the attacker knows the format (bf16, fp8 e4m3, per-row absmax int8/int4)"
+    threat: ClassVar[str] = "the attacker knows the format (bf16, fp16, fp8 e4m3, per-row absmax int8/int4)"
 
     @property
     def label(self) -> str:
@@ -180,7 +180,7 @@ def parse_defence(spec: str) -> Defence:
             return GaussianNoise(level)
         if name == "quant":
             kind = {"8": "int8", "4": "int4"}.get(value, value)
-            if kind not in ("bf16", "fp8", "int8", "int4"):
+            if kind not in ("bf16", "fp16", "fp8", "int8", "int4"):
                 raise ValueError
             return Quantise(kind)
         if name == "drop":

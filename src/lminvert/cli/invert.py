@@ -91,7 +91,8 @@ def _add_leak_args(group: argparse._ArgumentGroup) -> None:
         "--source",
         default=None,
         help="where the states come from, as an error model: exact (lminvert encode), float (computed elsewhere in "
-        "the same dtype: padded batches, other kernels or libraries), noise:SIGMA, quant:int8|int4|bf16|fp8 "
+        "the same dtype: padded batches, other kernels or libraries), noise:SIGMA, quant:int8|int4|bf16|fp16|fp8 "
+        "(quant:bf16 / quant:fp16 with --dtype float32: a float32 model's rows saved in bfloat16 / float16) "
         "(default: exact for a states file from encode, float for a bare array)",
     )
     group.add_argument("--noise", type=float, default=0.0, help="add relative Gaussian noise of this level")

@@ -235,7 +235,7 @@ def _layer(
     model: LoadedModel, states: HiddenStates, layer: LayerSpec | None, source: ErrorModel, check: bool
 ) -> tuple[Layer, tuple[str, ...]]:
     """The layer to search (see :func:`invert`'s ``layer`` and ``check``) and the notes every result carries."""
-    resolved = check_compatible(states, model, layer)
+    resolved = check_compatible(states, model, layer, source.stored)
     notes = states.notes
     if states.layer is None and (check or resolved is None):
         resolved, fit = resolve_layer(model, list(states.states), resolved, source)

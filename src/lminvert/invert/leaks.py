@@ -41,7 +41,7 @@ def invert_leak(
             f"these rows hold {states.hidden_size} numbers each, but {leak} at layer {resolved.name} of "
             f"{model.name} has {view.width}: check --leak and --layer"
         )
-    check_dtype(states.dtype, model, "rows")
+    check_dtype(states.dtype, model, "rows", source.stored)
     if leak == "kv":
         notes = (*notes, *_window_note(model, resolved, [len(s) for s in states.states]))
     if leak == "last":

@@ -28,7 +28,12 @@ from ..errors import LminvertError
 from .tolerance import FLOOR, SAFETY, add_noise, noise_tolerance, norm
 
 # mantissa bits of the float formats ``quant:`` names: a rounded coordinate is within 2^-(bits+1) of its value
-MANTISSA = {"bf16": 7, "fp8": 3}
+MANTISSA = {"bf16": 7, "fp16": 10, "fp8": 3}
+# the file dtype a cast to a half format stores (the rows of a float32 computation saved as ``float16``/``bfloat16``)
+STORED = {"bf16": "bfloat16", "fp16": "float16"}
+# float16 flushes magnitudes below 2^-14 to its subnormals, a fixed step of 2^-24: half of it bounds that part of the
+# error, per coordinate, apart from the relative one
+FP16_SUBNORMAL = 2.0**-25
 # fp8 e4m3 flushes magnitudes below its smallest subnormal (2^-9; the largest is 448) to zero: that part of the
 # error is bounded apart, per coordinate, by half the subnormal step relative to the token's absmax
 FP8_SUBNORMAL = 2.0**-9 / 448.0
@@ -114,6 +119,12 @@ class ErrorModel:
         """The ``--source`` string naming this model."""
         return self.name
 
+    @property
+    def stored(self) -> str | None:
+        """The dtype the rows were stored in by this model's own rounding (a cast of a float32 computation to a half
+        format: ``quant:bf16``, ``quant:fp16``), which a float32 model reads; None for any other."""
+        return None
+
 
 @dataclass(frozen=True)
 class Exact(ErrorModel):
@@ -155,7 +166,8 @@ class Noise(ErrorModel):
 
 @dataclass(frozen=True)
 class Quant(ErrorModel):
-    """Per-token quantisation of states computed elsewhere: ``int8``/``int4`` absmax, or ``bf16``/``fp8``."""
+    """Per-token quantisation of states computed elsewhere: ``int8``/``int4`` absmax, or ``bf16``/``fp16``/``fp8``
+    (``bf16`` and ``fp16``: also a float32 computation's rows saved in ``bfloat16``/``float16``, :attr:`stored`)."""
 
     name: str = "quant"
     reproducible: bool = False
@@ -171,6 +183,8 @@ class Quant(ErrorModel):
             rounding = rel / (1 - rel) * norm(x)
             if self.kind == "fp8":
                 rounding += math.sqrt(x.numel()) * FP8_SUBNORMAL * float(x.abs().max()) / (1 - rel)
+            if self.kind == "fp16":
+                rounding += math.sqrt(x.numel()) * FP16_SUBNORMAL
         else:
             levels = 2 ** (int(self.kind.removeprefix("int")) - 1) - 1
             # the observed absmax is the true one rounded to itself (it maps to +-levels): the step is exact
@@ -182,15 +196,19 @@ class Quant(ErrorModel):
     def label(self) -> str:
         return f"quant:{self.kind}"
 
+    @property
+    def stored(self) -> str | None:
+        return STORED.get(self.kind)
+
     def simulate(self, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return self.quantise(super().simulate(rows, generator))
 
     def quantise(self, rows: torch.Tensor) -> torch.Tensor:
-        """Per-row quantisation, as stored: ``bf16`` (a cast), ``fp8`` (e4m3, each row scaled so that its absmax maps
-        to 448), ``int8``/``int4`` (symmetric absmax per row); returned in float32."""
+        """Per-row quantisation, as stored: ``bf16`` and ``fp16`` (a cast), ``fp8`` (e4m3, each row scaled so that its
+        absmax maps to 448), ``int8``/``int4`` (symmetric absmax per row); returned in float32."""
         x = rows.float()
-        if self.kind == "bf16":
-            return x.to(torch.bfloat16).float()
+        if self.kind in STORED:
+            return x.to(getattr(torch, STORED[self.kind])).float()
         absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         if self.kind == "fp8":
             scale = 448.0 / absmax
@@ -202,13 +220,16 @@ class Quant(ErrorModel):
     def half_widths(self, target: torch.Tensor) -> torch.Tensor:
         """Per coordinate, how far the value before quantisation may lie from the observed ``target`` (float64
         ``[k]``): half the absmax step (``int8``/``int4``: the observed absmax is the true one, exactly), or half a
-        unit in the last place of the rounded value (``bf16``/``fp8``, fp8's subnormal step beside it)."""
+        unit in the last place of the rounded value (``bf16``/``fp16``/``fp8``, fp8's and fp16's subnormal steps beside
+        it)."""
         x = target.detach().double()
         if self.kind in MANTISSA:
             rel = 2.0 ** -(MANTISSA[self.kind] + 1)
             half = rel / (1 - rel) * x.abs()
             if self.kind == "fp8":
                 half = half + FP8_SUBNORMAL * float(x.abs().max()) / (1 - rel)
+            if self.kind == "fp16":
+                half = half + FP16_SUBNORMAL
             return half
         levels = 2 ** (int(self.kind.removeprefix("int")) - 1) - 1
         return torch.full_like(x, float(x.abs().max()) / levels / 2)
@@ -239,7 +260,7 @@ class Quant(ErrorModel):
         return order[inside[order].argsort(stable=True)]
 
 
-SOURCES = ("exact", "float", "noise:SIGMA", "quant:int8|int4|bf16|fp8")
+SOURCES = ("exact", "float", "noise:SIGMA", "quant:int8|int4|bf16|fp16|fp8")
 
 
 def parse_source(spec: str) -> ErrorModel:
@@ -259,8 +280,9 @@ def parse_source(spec: str) -> ErrorModel:
             raise LminvertError(f"source '{spec}': noise needs a positive relative level, e.g. noise:0.01")
         return Noise(sigma=sigma)
     if kind == "quant":
-        name = {"8": "int8", "4": "int4", "bfloat16": "bf16", "fp8_e4m3": "fp8", "e4m3": "fp8"}.get(value, value)
+        aliases = {"8": "int8", "4": "int4", "bfloat16": "bf16", "float16": "fp16", "fp8_e4m3": "fp8", "e4m3": "fp8"}
+        name = aliases.get(value, value)
         if name not in ("int8", "int4", *MANTISSA):
-            raise LminvertError(f"source '{spec}': quant takes int8, int4, bf16 or fp8, e.g. quant:int8")
+            raise LminvertError(f"source '{spec}': quant takes int8, int4, bf16, fp16 or fp8, e.g. quant:int8")
         return Quant(kind=name)
     raise LminvertError(f"unknown source '{spec}': use one of {', '.join(SOURCES)}")
