@@ -25,12 +25,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import LminvertError
+from ..models.compat import CASTS
 from .tolerance import FLOOR, SAFETY, add_noise, noise_tolerance, norm
 
 # mantissa bits of the float formats ``quant:`` names: a rounded coordinate is within 2^-(bits+1) of its value
 MANTISSA = {"bf16": 7, "fp16": 10, "fp8": 3}
 # the file dtype a cast to a half format stores (the rows of a float32 computation saved as ``float16``/``bfloat16``)
-STORED = {"bf16": "bfloat16", "fp16": "float16"}
+STORED = {kind: dtype for dtype, kind in CASTS.items()}
 # float16 flushes magnitudes below 2^-14 to its subnormals, a fixed step of 2^-24: half of it bounds that part of the
 # error, per coordinate, apart from the relative one
 FP16_SUBNORMAL = 2.0**-25

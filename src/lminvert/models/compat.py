@@ -7,6 +7,9 @@ from ..states import HiddenStates
 from .layers import Layer, LayerSpec
 from .loading import LoadedModel
 
+# half file dtypes a float32 computation's rows may be cast to for storage, and the ``quant:`` kind that models the cast
+CASTS = {"bfloat16": "bf16", "float16": "fp16"}
+
 
 def check_dtype(dtype: str | None, model: LoadedModel, what: str = "states", stored: str | None = None) -> None:
     """A one-line error where ``what`` (states, a KV cache's rows) were computed in ``dtype`` and ``model`` runs in
@@ -14,7 +17,7 @@ def check_dtype(dtype: str | None, model: LoadedModel, what: str = "states", sto
     computation's rows were cast to for storage (``quant:bf16``, ``quant:fp16``), which a float32 model reads."""
     if dtype is None or dtype == model.dtype or (dtype == stored and model.dtype == "float32"):
         return
-    cast = {"float16": "fp16", "bfloat16": "bf16"}.get(dtype)
+    cast = CASTS.get(dtype)
     hint = f"; if a float32 model computed them and they were saved in {dtype}: --dtype float32 --source quant:{cast}"
     raise LminvertError(
         f"these {what} were computed in {dtype} but '{model.name}' runs in {model.dtype}: load the model with --dtype "
