@@ -61,10 +61,12 @@ def projected_norms(
     if rows.shape[1] <= 2 * rank:
         return (rows @ jac).square().sum(1)
     top, values = top_pairs(jac, rank) if RANDOMISED else _eigen_pairs(jac, rank)
-    rest = (float(jac.square().sum()) - float(values.sum())) / (jac.shape[0] - rank)  # the other eigenvalues' mean
-    along = (rows @ top if low is None else (low @ top.to(low.dtype)).float()).square()  # [V, rank]
-    head = along @ values
-    return head + max(rest, 0.0) * (row_norms - along.sum(1)).clamp_min(0.0)
+    rest = max((float(jac.square().sum()) - float(values.sum())) / (jac.shape[0] - rank), 0.0)  # the others' mean
+    # sum_i l_i a_i^2 + rest (||x||^2 - sum_i a_i^2) = ||x U diag(sqrt(l_i - rest))||^2 + rest ||x||^2: one product and
+    # one pass over its [V, rank] output (Gemma-3-270m's vocabulary, bfloat16: 113 against 166 ms)
+    scaled = top * (values - rest).clamp_min(0.0).sqrt()
+    along = rows @ scaled if low is None else low @ scaled.to(low.dtype)  # [V, rank]
+    return torch.linalg.vector_norm(along, dim=1, dtype=torch.float32).square_().add_(row_norms, alpha=rest)
 
 
 def _eigen_pairs(jac: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
