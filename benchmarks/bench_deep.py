@@ -181,8 +181,9 @@ def _figures(seconds: list[float], results: list, prompts: list[list[int]]) -> d
 
 def _versus(lminvert, model, layer, texts: list[str], spec: str, args) -> dict:
     """``--versus MODEL:LAYER``: each text inverted at ``layer`` of ``model`` and at that model's layer, one after the
-    other in this process (which goes first alternates from text to text), so that the machine's drift hits both
-    alike; first, untimed, the first text's first positions once on each (what a first call pays)."""
+    other in this process (which goes first alternates from text to text; with ``--together N``, from one call of N
+    texts to the next), so that the machine's drift hits both alike; first, untimed, the first text's first positions
+    once on each (what a first call pays)."""
     name, _, its = spec.rpartition(":")
     other = lminvert.load_model(name, dtype=args.dtype, device=args.device)
     sides = [(model, layer), (other, other.probe.layer(its))]
@@ -191,9 +192,10 @@ def _versus(lminvert, model, layer, texts: list[str], spec: str, args) -> dict:
         _run(lminvert, m, at, [ids[0][:WARM]], 1)
     seconds: list[list[float]] = [[], []]
     results: list[list] = [[], []]
-    for i in range(len(texts)):
-        for side in (0, 1) if i % 2 == 0 else (1, 0):
-            took, got = _run(lminvert, *sides[side], [prompts[side][i]], 1)
+    size = max(1, args.together)  # --together N: N prompts in one call on each side, the calls alternating
+    for n, i in enumerate(range(0, len(texts), size)):
+        for side in (0, 1) if n % 2 == 0 else (1, 0):
+            took, got = _run(lminvert, *sides[side], prompts[side][i : i + size], size)
             seconds[side] += took
             results[side] += got
     rows = [_figures(seconds[k], results[k], prompts[k]) for k in (0, 1)]
