@@ -394,3 +394,16 @@ def test_half_files_of_a_float32_model_are_read_only_through_their_cast():
     for dtype, source in (("bfloat16", "quant:fp16"), ("float16", "quant:int8"), ("float16", "float")):
         with pytest.raises(LminvertError):
             check_dtype(dtype, tiny, "rows", parse_source(source).stored)
+
+
+def test_a_lone_candidate_is_not_separated_by_a_gap_it_nearly_spans():
+    """The gap is the least distance to random other candidates on the calibration prompts, not to the nearest token:
+    Gemma-3-270m in bfloat16 at layer 18, one speculated candidate (' on') at 4,008 from the observation where the
+    true token (' oli') was not verified yet, the plain radius 6,680, the calibrated gap 10,077 (relative 8.9%, 14.8%
+    and 22.4% of the state's norm). It was called confident ("separated from every other candidate"); with a quarter
+    of the gap it is not, and the search goes on. A candidate far inside a quarter of the gap still is."""
+    radii = _radii(cached=17807.4, plain=6679.9, gap=10076.5)
+    lone = _run(_evidence([4007.9], plain={0: 4007.9}, reproducible=True, exhausted=False, checked=1), radii)
+    assert lone.verdict != acceptor.CONFIDENT and lone.verdict != acceptor.CERTIFIED
+    near = _run(_evidence([10.0], plain={0: 10.0}, reproducible=True, checked=1), _radii(plain=100.0, gap=10076.5))
+    assert near.verdict in (acceptor.CONFIDENT, acceptor.CERTIFIED) and near.token == 0
