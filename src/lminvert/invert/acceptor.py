@@ -82,10 +82,10 @@ FRAGILE = "a sink-like state computed elsewhere, not reproduced: its own row doe
 BY_NEXT = "its own row did not choose; the next position's row chose"
 GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
 # tokens: the gap is the least distance from the true token's state to random other candidates' on the calibration
-# prompts (:mod:`.tolerance`), not to the nearest token of the vocabulary, so the rules that rest on it take a quarter
-# of it. Gemma-3-270m in bfloat16, layer 18, a Finnish held-out prompt: ' on' at 8.9% of the state's norm from the
-# observation where ' oli' stood, against a calibrated gap of 22.4% and a plain radius of 14.8%: called confident
-# with the whole gap, uncertain with a quarter of it
+# prompts (:mod:`.tolerance`), not to the nearest token of the vocabulary, so the separation of a candidate that does
+# not reproduce the observation (:func:`_verdict`) takes a quarter of it. Gemma-3-270m in bfloat16, layer 18, a
+# Finnish held-out prompt: ' on' at 8.9% of the state's norm from the observation where ' oli' stood, against a
+# calibrated gap of 22.4% and a plain radius of 14.8%: called confident with the whole gap, not with a quarter of it
 TOKEN_GAP_SAFETY = 4
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
@@ -108,7 +108,7 @@ class Radii:
     @property
     def decisive(self) -> bool:
         """The ball cannot hold two tokens' states: one match in it is the token."""
-        return self.cached * TOKEN_GAP_SAFETY < self.gap
+        return self.cached < self.gap
 
 
 @dataclass(frozen=True)
