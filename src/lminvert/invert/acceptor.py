@@ -63,15 +63,13 @@ SEARCH_ON = 4096
 # from a right-padded batch: after a wrong guess at position 1, each later position swept the vocabulary, 67 s each)
 GIVE_UP = 1024
 # candidates a position of a source that cannot be reproduced may verify while two of them fit (within each other's
-# margin): a candidate verified later rarely separates them (it would have to lie decisively nearer than both), and the
-# verdict is uncertain either way. SmolLM2 layer 15, relative noise 1e-3..1e-2: the attention sink at position 0 (its
-# norm ~100x the others') holds several first tokens within the noise there
+# margin): a candidate verified later rarely separates them, and the verdict is uncertain either way (SmolLM2 layer 15,
+# relative noise 1e-3..1e-2: position 0's attention sink holds several first tokens within the noise)
 RIVALS = 256
 # the same, where every candidate that fits lies beyond where the error model's own measurement saw the true token's
 # state (:attr:`Evidence.expected`: they fit through the safety factor) and no earlier position was a guess: the true
-# token is likely not verified yet. SmolLM2 layer 15, bfloat16 random ids from a right-padded batch: at position 1 two
-# wrong tokens fitted at 36% of the norm within the first 256 (the disagreement measured: 5.7%), the true token 5,077th
-# at 0.8%; in another, about 14,300th (8,192 ended in a wrong guess, every later position uncertain)
+# token is likely not verified yet (SmolLM2 layer 15, bfloat16 random ids from a right-padded batch: the true token
+# 5,077th and about 14,300th at position 1, wrong ones fitting within the first 256; docs/results.md)
 FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
@@ -81,11 +79,7 @@ WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie fart
 FRAGILE = "a sink-like state computed elsewhere, not reproduced: its own row does not choose"
 BY_NEXT = "its own row did not choose; the next position's row chose"
 GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
-# tokens: the gap is the least distance from the true token's state to random other candidates' on the calibration
-# prompts (:mod:`.tolerance`), not to the nearest token of the vocabulary, so the separation of a candidate that does
-# not reproduce the observation (:func:`_verdict`) takes a quarter of it. Gemma-3-270m in bfloat16, layer 18, a
-# Finnish held-out prompt: ' on' at 8.9% of the state's norm from the observation where ' oli' stood, against a
-# calibrated gap of 22.4% and a plain radius of 14.8%: called confident with the whole gap, not with a quarter of it
+# tokens: the gap is to random other candidates, not each token's nearest (docs/results.md, Gemma in bfloat16: 2.5x)
 TOKEN_GAP_SAFETY = 4
 # verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
 # outside a decisive ball: separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
@@ -309,8 +303,8 @@ def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
             return Decision(best, CONFIDENT, reason=WHOLE_GAP)
         return Decision(best, UNCERTAIN, guess=True, reason=WHOLE)
     if evidence.reproducible:
-        # where the plain radius is wider than the gap between tokens, a token not verified yet could match as well
-        # as this one unless it reproduces the observation within half that gap (Theorem 3.2's Delta/2)
+        # where the plain radius is wider than the gap (its quarter), a token not verified yet could match as well as
+        # this one unless it reproduces the observation within half of it (Theorem 3.2's Delta/2)
         gap = radii.gap / TOKEN_GAP_SAFETY
         undecided = radii.plain >= gap and distance > gap / 2
         if undecided and evidence.reproduced and not evidence.exhausted and evidence.checked < SEARCH_ON:
