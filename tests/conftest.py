@@ -95,13 +95,18 @@ def tmp(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def isolated_cache(tmp_path, monkeypatch):
-    """An empty lminvert cache (tables, radii, readers) that still reaches the converted SmolLM2 (whose tokenizer the
-    tiny models borrow)."""
-    root = tmp_path / "cache"
+def empty_cache(root: Path) -> Path:
+    """``root`` made an empty lminvert cache (tables, radii, readers) that still reaches the converted SmolLM2 (whose
+    tokenizer the tiny models borrow); set ``LMINVERT_CACHE`` to it to use it."""
     (root / "models").mkdir(parents=True)
     real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
     (root / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")
+    return root
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """An :func:`empty_cache` for one test."""
+    root = empty_cache(tmp_path / "cache")
     monkeypatch.setenv("LMINVERT_CACHE", str(root))
     return root

@@ -3,9 +3,6 @@ KV caches are read as transformers stores them, and the command refuses bad inpu
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import assume, example, given, settings
@@ -18,7 +15,7 @@ from lminvert.invert.rows.attack import TieSort, unpermute
 from lminvert.invert.sources import parse_source
 from lminvert.models.kv import kv_block
 
-from ..conftest import run_cli
+from ..conftest import empty_cache, run_cli
 
 DEFENCES = ["none", "noise:0.01", "quant:int8", "quant:fp8", "permute", "drop:0.25", "project:16", "noise:1"]
 
@@ -30,13 +27,10 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def run(tiny, tmp_path_factory):
-    """The quick audit of a tiny model on a cache of its own (the converted SmolLM2 reached through it): what other
-    tests left in the shared cache for the same model and layer must not decide what this audit finds."""
+    """The quick audit of a tiny model on a cache of its own (:func:`empty_cache`): what other tests left in the shared
+    cache for the same model and layer must not decide what this audit finds."""
     out = tmp_path_factory.mktemp("audit")
-    root = tmp_path_factory.mktemp("audit-cache")
-    (root / "models").mkdir()
-    real = Path(os.environ.get("LMINVERT_CACHE") or Path.home() / ".cache" / "lminvert")
-    (root / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")
+    root = empty_cache(tmp_path_factory.mktemp("audit") / "cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LMINVERT_CACHE", str(root))
         doc = audit(
