@@ -12,9 +12,9 @@ on how far the observation may lie from the true token's plain state (:mod:`.sou
 Verdicts, never better than the evidence:
 
 * ``certified`` - the plain forward reproduces the observation to float32's resolution (another token could match as
-  well only by a collision), or the ball of an exact source cannot hold two tokens' states (its radius is below the
-  smallest gap between tokens' states the calibration saw) and holds one, or the whole vocabulary was verified and
-  every other token lies outside the error bound (Theorem 3.2);
+  well only by a collision), or the ball of an exact source cannot hold two tokens' states (its radius is below a
+  quarter of the smallest gap between tokens' states the calibration saw) and holds one, or the whole vocabulary was
+  verified and every other token lies outside the error bound (Theorem 3.2);
 * ``confident`` - the nearest verified candidate (the ranking's top ones among them), inside the error bound, with
   every other verified candidate beyond a margin (:func:`margin`: ``SEPARATION`` times farther, or outside the error
   bound with slack); a wrong state does not come that much nearer to the observation than the right one's error (the
@@ -101,8 +101,8 @@ class Radii:
 
     @property
     def decisive(self) -> bool:
-        """The ball cannot hold two tokens' states: one match in it is the token."""
-        return self.cached < self.gap
+        """The ball cannot hold two tokens' states: one match in it is the token (a quarter of the gap, as below)."""
+        return self.cached < self.gap / TOKEN_GAP_SAFETY
 
 
 @dataclass(frozen=True)
