@@ -1,0 +1,55 @@
+"""The nearest other token at one position, found by verifying the whole vocabulary: what the calibration's ``gap``
+(:mod:`.tolerance`, measured to random candidates) stands for, and how far from it it lies.
+
+The acceptor's rules for an exact source take a fraction of that gap (:data:`.acceptor.TOKEN_GAP_SAFETY`), because a
+sample of random candidates misses a position's nearest token: ``benchmarks/bench_gap.py`` measures the ratio with
+this on real models, and the tests on the tiny ones. A measurement, not part of any search: one cached batched
+forward per ``chunk`` tokens at every layer asked, so a whole vocabulary costs as many forwards as a brute force.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models import Layer, LoadedModel
+
+
+@dataclass(frozen=True)
+class Nearest:
+    """At one position and layer: the nearest other token's state, relative to the true state's norm."""
+
+    distance: float  # ||other - h|| / ||h||, h the plain forward's state of the prompt cut after the position
+    token: int  # the other token
+    own: float  # the true token's cached state's relative disagreement with h (the verification's rounding)
+
+
+def nearest_others(
+    model: LoadedModel, prompt: list[int], t: int, layers: list[Layer], chunk: int = 2048
+) -> dict[Layer, Nearest]:
+    """Per layer of ``layers``: the token, other than ``prompt[t]``, whose state at position ``t`` (after
+    ``prompt[:t]``) lies nearest the true one's, over every entry of the vocabulary."""
+    if not 0 <= t < len(prompt):
+        raise ValueError(f"position {t} is outside the prompt's {len(prompt)} tokens")
+    probe = model.probe
+    plain = probe.states(torch.tensor([prompt[: t + 1]]), layers)
+    truth = {layer: plain[layer][0, t].double().cpu() for layer in layers}
+    best = {layer: (float("inf"), -1) for layer in layers}
+    own: dict[Layer, float] = {}
+    prefix = probe.prefixes([prompt[:t]], max(layers, key=int))
+    for start in range(0, probe.vocab_size, chunk):
+        ids = torch.arange(start, min(start + chunk, probe.vocab_size))
+        with torch.no_grad():
+            states = probe.continuation(prefix, token_ids=ids, layers=layers)
+        for layer in layers:
+            h = truth[layer]
+            dist = (states[layer].double().cpu() - h).norm(dim=1) / h.norm()
+            mine = ids == prompt[t]
+            if mine.any():
+                own[layer] = float(dist[mine][0])
+                dist[mine] = float("inf")
+            i = int(dist.argmin())
+            if float(dist[i]) < best[layer][0]:
+                best[layer] = (float(dist[i]), int(ids[i]))
+    return {layer: Nearest(best[layer][0], best[layer][1], own[layer]) for layer in layers}
