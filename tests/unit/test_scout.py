@@ -14,6 +14,7 @@ import torch
 import lminvert
 from lminvert.forward import encode
 from lminvert.invert import invert, scout
+from lminvert.invert.acceptor import TOKEN_GAP_SAFETY
 from lminvert.invert.engine import InvertConfig, invert_prompts
 from lminvert.invert.scout import MAX_ERROR, pays, scouting_calibration
 from lminvert.invert.tolerance import SAFETY, scout_error, screen_calibration
@@ -149,7 +150,8 @@ def test_the_scout_reads_the_screened_disagreements_typical_quantile(monkeypatch
     assert 0.0 < typical <= worst
     assert scout.error(model, layer) == typical
     assert scouting_calibration(model, layer).cached == typical
-    assert scouting_calibration(model, layer).gap == 2.0 * SAFETY * typical
+    # the tokens' distance apart the acceptor counts on (Radii.apart) is twice the scout's ball: decisive, no reach
+    assert scouting_calibration(model, layer).gap / TOKEN_GAP_SAFETY == pytest.approx(2.0 * SAFETY * typical)
     monkeypatch.setattr(scout, "TYPICAL", False)
     assert scout.error(model, layer) == worst
     assert scouting_calibration(model, layer).cached == worst

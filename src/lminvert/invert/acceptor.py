@@ -54,22 +54,20 @@ MAX_CONFIRM = 16  # contenders re-measured by one plain forward per round (close
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
 # the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
 SEARCH_ON = 4096
-# candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model
-# (more cannot make the verdict better than ``uncertain``), or while nothing fits and no earlier position of the prompt
-# did (another model or layer, a fine-tune, noise above the gaps: bounded time). Where an earlier position fitted, a
-# position is searched through its budget as for lminvert's own states (SmolLM2 layer 30, no reading network: a
-# random-id prompt's true token can rank past 1,024), unless an earlier position was a guess: the prefix is likely
-# wrong, so nothing may fit, and the verdict is uncertain whatever is found (SmolLM2 layer 15, bfloat16 random ids
-# from a right-padded batch: after a wrong guess at position 1, each later position swept the vocabulary, 67 s each)
+# candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model (more
+# cannot make the verdict better than ``uncertain``), or while nothing fits and no earlier position did (another model
+# or layer, a fine-tune, noise above the gaps). Where an earlier position fitted, a position is searched through its
+# budget as for lminvert's own states (SmolLM2 layer 30, no reading network: a random-id prompt's true token can rank
+# past 1,024), unless an earlier position was a guess (SmolLM2 layer 15, bfloat16 random ids from a padded batch: after
+# a wrong guess at position 1, each later position swept the vocabulary, 67 s each, to an uncertain verdict)
 GIVE_UP = 1024
 # candidates a position of a source that cannot be reproduced may verify while two of them fit (within each other's
 # margin): a candidate verified later rarely separates them, and the verdict is uncertain either way (SmolLM2 layer 15,
 # relative noise 1e-3..1e-2: position 0's attention sink holds several first tokens within the noise)
 RIVALS = 256
 # the same, where every candidate that fits lies beyond where the error model's own measurement saw the true token's
-# state (:attr:`Evidence.expected`: they fit through the safety factor) and no earlier position was a guess: the true
-# token is likely not verified yet (SmolLM2 layer 15, bfloat16 random ids from a right-padded batch: the true token
-# 5,077th and about 14,300th at position 1, wrong ones fitting within the first 256; docs/results.md)
+# state (:attr:`Evidence.expected`) and no earlier position was a guess: the true token is likely not verified yet
+# (SmolLM2 layer 15, bfloat16 random ids from a padded batch: it ranked 5,077th at position 1, wrong ones fitted first)
 FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
 NO_FIT = "no candidate fits the error model"
@@ -79,11 +77,9 @@ WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie fart
 FRAGILE = "a sink-like state computed elsewhere, not reproduced: its own row does not choose"
 BY_NEXT = "its own row did not choose; the next position's row chose"
 GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
-# tokens: the gap is to random other candidates, not each token's nearest (docs/results.md, Gemma in bfloat16: 2.5x)
-TOKEN_GAP_SAFETY = 4
-# verified candidates a source that cannot be reproduced needs at a position before its nearest can be ``confident``
-# outside a decisive ball: separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
-POPULATION = 16
+TOKEN_GAP_SAFETY = 4  # tokens: the gap is to random candidates, not the nearest (bench_gap.py: up to 2.64x apart)
+POPULATION = 16  # verified candidates a source not reproduced needs for a ``confident`` outside a decisive ball:
+# separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
 
 
 @dataclass(frozen=True)
@@ -100,9 +96,14 @@ class Radii:
     fragile: bool = False
 
     @property
+    def apart(self) -> float:
+        """How far apart two tokens' states may be counted on to lie: a quarter of the calibration's gap."""
+        return self.gap / TOKEN_GAP_SAFETY
+
+    @property
     def decisive(self) -> bool:
-        """The ball cannot hold two tokens' states: one match in it is the token (a quarter of the gap, as below)."""
-        return self.cached < self.gap / TOKEN_GAP_SAFETY
+        """The ball cannot hold two tokens' states: one match in it is the token."""
+        return self.cached < self.apart
 
 
 @dataclass(frozen=True)
@@ -303,10 +304,9 @@ def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
             return Decision(best, CONFIDENT, reason=WHOLE_GAP)
         return Decision(best, UNCERTAIN, guess=True, reason=WHOLE)
     if evidence.reproducible:
-        # where the plain radius is wider than the gap (its quarter), a token not verified yet could match as well as
-        # this one unless it reproduces the observation within half of it (Theorem 3.2's Delta/2)
-        gap = radii.gap / TOKEN_GAP_SAFETY
-        undecided = radii.plain >= gap and distance > gap / 2
+        # where the plain radius is wider than the tokens' distance apart, a token not verified yet could match as
+        # well as this one unless it reproduces the observation within half of it (Theorem 3.2's Delta/2)
+        undecided = radii.plain >= radii.apart and distance > radii.apart / 2
         if undecided and evidence.reproduced and not evidence.exhausted and evidence.checked < SEARCH_ON:
             return PENDING  # the observer's kernels are reproduced here: look for a candidate that reproduces it
         if undecided:

@@ -24,6 +24,7 @@ A wrong guess costs the scout's time, never the answer.
 from __future__ import annotations
 
 from ..models import Layer, LoadedModel
+from .acceptor import TOKEN_GAP_SAFETY
 from .tolerance import SAFETY, Calibration, calibrate, scout_error, screen_calibration
 
 BUDGET = 256  # candidates per position before the scout gives a position up (and its prompt stops there)
@@ -50,14 +51,14 @@ def error(model: LoadedModel, layer: Layer) -> float:
 
 
 def scouting_calibration(model: LoadedModel, layer: Layer, scale: float = 1.0) -> Calibration:
-    """The scout's radii: its cached ball the screening radius of :func:`error` (bfloat16 GEMMs), the gap set to twice
-    that ball, so that one candidate in the ball's inner half is taken at once and the contenders reach no farther than
-    the ball (the scout only guesses; the acceptor judges its guesses on plain forwards)."""
+    """The scout's radii: its cached ball the screening radius of :func:`error` (bfloat16 GEMMs), the tokens' distance
+    apart (:attr:`.acceptor.Radii.apart`) set to twice that ball, so that one candidate in the ball's inner half is
+    taken at once and the contenders reach no farther than the ball (the scout only guesses; the acceptor judges its
+    guesses on plain forwards)."""
     measured = calibrate(model, layer)
     screen = error(model, layer)
-    return Calibration(
-        cached=screen, plain=screen, gap=2.0 * scale * SAFETY * screen, samples=measured.samples, scale=scale
-    )
+    gap = TOKEN_GAP_SAFETY * 2.0 * scale * SAFETY * screen
+    return Calibration(cached=screen, plain=screen, gap=gap, samples=measured.samples, scale=scale)
 
 
 def pays(model: LoadedModel, layer: Layer) -> bool:

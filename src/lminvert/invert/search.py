@@ -10,10 +10,10 @@ model, dtype, layer and device, plus the error model's bound, :mod:`.sources`). 
 its verdict, the contenders to *confirm* (recomputed the way the observer computed them: a plain uncached forward of
 prefix + candidate, same dtype, filled to the observed length so that the kernels see the observer's shapes, which on
 the same device reproduces the true token's observed state bit for bit; the first alone, then up to
-``acceptor.MAX_CONFIRM`` in one forward), or "more candidates". Where the ball is decisive (narrower than the smallest
-gap), contenders reach ``REACH`` times its radius, at most half the gap (Gemma-3-270m layer 9, a random-id prompt's
-last position: the true token's cached state lay 1.9x the radius away, the prefix's keys having come from a forward of
-another shape).
+``acceptor.MAX_CONFIRM`` in one forward), or "more candidates". Where the ball is decisive (narrower than a quarter of
+the smallest gap), contenders reach ``REACH`` times its radius, at most half that (Gemma-3-270m layer 9, a random-id
+prompt's last position: the true token's cached state lay 1.9x the radius away, the prefix's keys having come from a
+forward of another shape).
 
 Screening (a float32 model on a CPU with native bfloat16 GEMMs, :mod:`.engine`): a large batch is first computed with
 bfloat16 GEMMs; only its candidates whose screened state lies within the screening radius (calibrated like the others,
@@ -46,7 +46,7 @@ from .tolerance import FLOOR, Calibration, norm
 
 SWEEP = SweepPolicy()  # what an exhaustive search verifies once its policy has nothing left to propose
 KEEP_KEYS = 16  # candidates inside the ball per batch whose keys and values are kept for the prefix
-REACH = 16  # a decisive ball's contenders reach this many times its radius (at most half the gap): confirmed first
+REACH = 16  # decisive balls: contenders reach this many times its radius (at most half of Radii.apart), confirmed first
 RECHECK = 4  # a screened batch's candidates inside the screening radius verified in full (closest first)
 
 
@@ -130,8 +130,8 @@ class PromptSearch:
         radii = (self.radius, self.confirm_radius, source, rounding, calibration.gap * size, FLOOR * size, fragile)
         self.radii = Radii(*radii)  # cached, plain, source, rounding, gap, resolution, fragile
         # contenders: inside the ball, or in a decisive one's reach (accepted only when confirmed by the plain forward)
-        gap = self.radii.gap
-        self.reach = max(self.radius, min(REACH * self.radius, gap / 2)) if self.decisive else self.radius
+        apart = self.radii.apart
+        self.reach = max(self.radius, min(REACH * self.radius, apart / 2)) if self.decisive else self.radius
         self.ctx = PositionContext(
             probe, prefix, row, target, self.radius, t, self.generator, next_tokens, scale=self.settings.scale
         )
