@@ -56,6 +56,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (1: one at a time)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="each inversion's time bound (lminvert.invert's max_seconds)"
+    )
     parser.add_argument("--fresh", action="store_true", help="an empty cache, and the preparation timed")
     parser.add_argument(
         "--ab", action="store_true", help="each layer also with the linear reading map alone (no network), same run"
@@ -83,6 +86,8 @@ def main() -> int:
         print(f"lminvert models --prepare {args.model} on an empty cache: {report['prepare_s']:.1f} s", flush=True)
         print("\n".join(f"    {line}" for line in made), flush=True)
 
+    global MAX_SECONDS
+    MAX_SECONDS = args.max_seconds
     import lminvert  # after LMINVERT_CACHE is set
     from lminvert.invert.reading import reading_map
 
@@ -157,11 +162,14 @@ def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> d
     return _figures(seconds, results, prompts)
 
 
+MAX_SECONDS: float | None = None  # --max-seconds
+
+
 def _run(lminvert, model, layer, chunk: list[list[int]], together: int) -> tuple[list[float], list]:
     """``chunk`` encoded at ``layer`` and inverted in one call: each prompt's share of the seconds, the results."""
     states = lminvert.encode(model, chunk, layer)
     start = time.perf_counter()
-    got = lminvert.invert(model, states, together=together)
+    got = lminvert.invert(model, states, together=together, max_seconds=MAX_SECONDS)
     took = time.perf_counter() - start
     return [took / len(chunk)] * len(chunk), got
 
