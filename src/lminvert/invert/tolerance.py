@@ -16,7 +16,9 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
   the observer's (length t + 1). The engine confirms at the observer's shape, which on the same device reproduces
   the observation exactly; the radius measured here covers observers whose shapes or kernels it cannot reproduce
   (states from another machine, or encoded in a padded batch);
-* ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate.
+* ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate. The others are
+  random: a position's nearest token can lie nearer (:mod:`.nearest` measures it), so the acceptor counts on a
+  quarter of it (:attr:`.acceptor.Radii.apart`).
 * ``screen`` - where the engine screens (:mod:`.engine`: a float32 model's large batches first run with bfloat16
   GEMMs, :meth:`lminvert.models.LayerProbe.screening`), the largest relative disagreement of the true token's
   screened state with ``h``, over the same batches (measured and cached apart, by :func:`screen_calibration`).
