@@ -14,7 +14,7 @@ import torch
 import lminvert
 from lminvert.forward import encode
 from lminvert.invert import invert, scout
-from lminvert.invert.acceptor import TOKEN_GAP_SAFETY
+from lminvert.invert.acceptor import TOKEN_GAP_SAFETY, Radii
 from lminvert.invert.engine import InvertConfig, invert_prompts
 from lminvert.invert.scout import MAX_ERROR, pays, scouting_calibration
 from lminvert.invert.tolerance import SAFETY, scout_error, screen_calibration
@@ -152,6 +152,10 @@ def test_the_scout_reads_the_screened_disagreements_typical_quantile(monkeypatch
     assert scouting_calibration(model, layer).cached == typical
     # the tokens' distance apart the acceptor counts on (Radii.apart) is twice the scout's ball: decisive, no reach
     assert scouting_calibration(model, layer).gap / TOKEN_GAP_SAFETY == pytest.approx(2.0 * SAFETY * typical)
+    scouting, target = scouting_calibration(model, layer, scale=1.5), torch.ones(16)
+    ball = scouting.radius(target)
+    radii = Radii(ball, ball, 0.0, ball, scouting.gap * 4.0, 1e-7)  # the gap times the target's norm, as search.py
+    assert radii.decisive and radii.apart / 2 == pytest.approx(ball)
     monkeypatch.setattr(scout, "TYPICAL", False)
     assert scout.error(model, layer) == worst
     assert scouting_calibration(model, layer).cached == worst
