@@ -86,8 +86,6 @@ def main() -> int:
         print(f"lminvert models --prepare {args.model} on an empty cache: {report['prepare_s']:.1f} s", flush=True)
         print("\n".join(f"    {line}" for line in made), flush=True)
 
-    global MAX_SECONDS
-    MAX_SECONDS = args.max_seconds
     import lminvert  # after LMINVERT_CACHE is set
     from lminvert.invert.reading import reading_map
 
@@ -96,9 +94,13 @@ def main() -> int:
     prompts = [list(model.tokenize(t, args.length)) for t in texts[: args.prompts]]
     print(f"{'layer':>9} {'first s':>8} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7} {'c/p':>11}")
     rows = {}
+
+    def measure(layer) -> dict:
+        return _layer(lminvert, model, layer, prompts, args.together, args.max_seconds)
+
     for spec in args.layers.split(","):
         layer = model.probe.layer(spec)
-        rows[layer.name] = row = _layer(lminvert, model, layer, prompts, args.together)
+        rows[layer.name] = row = measure(layer)
         _show(layer.name, row, len(prompts))
         if args.ab:
             from lminvert.invert import engine
@@ -106,7 +108,7 @@ def main() -> int:
             network = engine.reading_for
             engine.reading_for = reading_map  # the linear map alone: what a machine without any network reads with
             try:
-                rows[f"{layer.name} map"] = plain = _layer(lminvert, model, layer, prompts, args.together)
+                rows[f"{layer.name} map"] = plain = measure(layer)
             finally:
                 engine.reading_for = network
             _show(f"{layer.name} map", plain, len(prompts))
@@ -116,7 +118,7 @@ def main() -> int:
             fused = linear.FUSED
             linear.FUSED = 0.0  # the next-token and reading orders alone, merged place by place
             try:
-                rows[f"{layer.name} unfused"] = plain = _layer(lminvert, model, layer, prompts, args.together)
+                rows[f"{layer.name} unfused"] = plain = measure(layer)
             finally:
                 linear.FUSED = fused
             _show(f"{layer.name} unfused", plain, len(prompts))
@@ -152,24 +154,23 @@ def _show(name: str, row: dict, prompts: int) -> None:
     )
 
 
-def _layer(lminvert, model, layer, prompts: list[list[int]], together: int) -> dict:
+def _layer(lminvert, model, layer, prompts: list[list[int]], together: int, max_seconds: float | None) -> dict:
     """Every prompt encoded at ``layer`` and inverted, ``together`` at a time; each chunk's seconds split evenly."""
     seconds, results = [], []
     for first in range(0, len(prompts), together):
-        took, got = _run(lminvert, model, layer, prompts[first : first + together], together)
+        took, got = _run(lminvert, model, layer, prompts[first : first + together], together, max_seconds)
         seconds += took
         results += got
     return _figures(seconds, results, prompts)
 
 
-MAX_SECONDS: float | None = None  # --max-seconds
-
-
-def _run(lminvert, model, layer, chunk: list[list[int]], together: int) -> tuple[list[float], list]:
+def _run(
+    lminvert, model, layer, chunk: list[list[int]], together: int, max_seconds: float | None = None
+) -> tuple[list[float], list]:
     """``chunk`` encoded at ``layer`` and inverted in one call: each prompt's share of the seconds, the results."""
     states = lminvert.encode(model, chunk, layer)
     start = time.perf_counter()
-    got = lminvert.invert(model, states, together=together, max_seconds=MAX_SECONDS)
+    got = lminvert.invert(model, states, together=together, max_seconds=max_seconds)
     took = time.perf_counter() - start
     return [took / len(chunk)] * len(chunk), got
 
@@ -203,7 +204,7 @@ def _versus(lminvert, model, layer, texts: list[str], spec: str, args) -> dict:
     size = max(1, args.together)  # --together N: N prompts in one call on each side, the calls alternating
     for n, i in enumerate(range(0, len(texts), size)):
         for side in (0, 1) if n % 2 == 0 else (1, 0):
-            took, got = _run(lminvert, *sides[side], prompts[side][i : i + size], size)
+            took, got = _run(lminvert, *sides[side], prompts[side][i : i + size], size, args.max_seconds)
             seconds[side] += took
             results[side] += got
     rows = [_figures(seconds[k], results[k], prompts[k]) for k in (0, 1)]

@@ -154,7 +154,7 @@ def test_the_scout_reads_the_screened_disagreements_typical_quantile(monkeypatch
     assert scouting_calibration(model, layer).gap / TOKEN_GAP_SAFETY == pytest.approx(2.0 * SAFETY * typical)
     scouting, target = scouting_calibration(model, layer, scale=1.5), torch.ones(16)
     ball = scouting.radius(target)
-    radii = Radii(ball, ball, 0.0, ball, scouting.gap * 4.0, 1e-7)  # the gap times the target's norm, as search.py
+    radii = Radii(ball, ball, 0.0, ball, scouting.gap * float(target.norm()), 1e-7)  # the gap's scale, as search.py
     assert radii.decisive and radii.apart / 2 == pytest.approx(ball)
     monkeypatch.setattr(scout, "TYPICAL", False)
     assert scout.error(model, layer) == worst

@@ -3,8 +3,9 @@
 
 The acceptor's rules for an exact source take a fraction of that gap (:data:`.acceptor.TOKEN_GAP_SAFETY`), because a
 sample of random candidates misses a position's nearest token: ``benchmarks/bench_gap.py`` measures the ratio with
-this on real models, and the tests on the tiny ones. A measurement, not part of any search: one cached batched
-forward per ``chunk`` tokens at every layer asked, so a whole vocabulary costs as many forwards as a brute force.
+this on real models, and the tests on the tiny ones. A measurement, not part of any search: the vocabulary's states
+over the prefix's cache (:func:`lminvert.forward.vocabulary_states`, ``chunk`` tokens a forward, every layer asked at
+once), as many forwards as a brute force.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
 
 
@@ -32,20 +34,15 @@ def nearest_others(
     ``prompt[:t]``) lies nearest the true one's, over every entry of the vocabulary."""
     if not 0 <= t < len(prompt):
         raise ValueError(f"position {t} is outside the prompt's {len(prompt)} tokens")
-    probe = model.probe
-    plain = probe.states(torch.tensor([prompt[: t + 1]]), layers)
+    plain = model.probe.states(torch.tensor([prompt[: t + 1]]), layers)
     truth = {layer: plain[layer][0, t].double().cpu() for layer in layers}
     best = {layer: (float("inf"), -1) for layer in layers}
     own: dict[Layer, float] = {}
-    prefix = probe.prefixes([prompt[:t]], max(layers, key=int))
-    for start in range(0, probe.vocab_size, chunk):
-        ids = torch.arange(start, min(start + chunk, probe.vocab_size))
-        with torch.no_grad():
-            states = probe.continuation(prefix, token_ids=ids, layers=layers)
+    for ids, states in vocabulary_states(model, prompt[:t], layers, batch=chunk):
+        mine = ids == prompt[t]
         for layer in layers:
             h = truth[layer]
-            dist = (states[layer].double().cpu() - h).norm(dim=1) / h.norm()
-            mine = ids == prompt[t]
+            dist = (states[layer].double() - h).norm(dim=1) / h.norm()
             if mine.any():
                 own[layer] = float(dist[mine][0])
                 dist[mine] = float("inf")
