@@ -77,7 +77,7 @@ WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie fart
 FRAGILE = "a sink-like state computed elsewhere, not reproduced: its own row does not choose"
 BY_NEXT = "its own row did not choose; the next position's row chose"
 GAP_SAFETY = 64  # whole prompts: the gap is a sample's minimum, 4-57x the exhaustive test's (:mod:`.wholegap`)
-TOKEN_GAP_SAFETY = 4  # tokens: the gap is to random candidates, not the nearest (bench_gap.py: up to 2.64x apart)
+TOKEN_GAP_SAFETY = 4  # tokens: the gap is a sample's, not each position's nearest (bench_gap.py: up to 1.71x it)
 POPULATION = 16  # verified candidates a source not reproduced needs for a ``confident`` outside a decisive ball:
 # separation needs runner-ups (SmolLM2 layer 15, foreign bfloat16: a chain's wrong guess alone)
 

@@ -9,7 +9,7 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
 
 * ``cached`` - the largest relative disagreement ``||v - h|| / ||h||`` between the engine's verification ``v`` of
   the true token (all calibration prompts advanced together over one batched prefix cache, the true token among
-  0 to 127 random candidates per prompt, so that several batch shapes are seen; on a GPU, where batches are 16x
+  0 to 127 other candidates per prompt, so that several batch shapes are seen; on a GPU, where batches are 16x
   larger, also among 1,023) and the plain forward's state ``h``; and of the states of chains (several positions of
   each prompt in one forward, over prefixes grown from earlier chains' keys and values, as the engine speculates);
 * ``plain`` - the same for a plain forward of prefix + candidate, uncached, several rows at once, *not* shaped like
@@ -17,8 +17,8 @@ and greedy continuations of random first tokens, i.e. text the model finds likel
   the observation exactly; the radius measured here covers observers whose shapes or kernels it cannot reproduce
   (states from another machine, or encoded in a padded batch);
 * ``gap`` - the smallest relative distance from ``h`` to the verified state of any *other* candidate. The others are
-  random: a position's nearest token can lie nearer (:mod:`.nearest` measures it), so the acceptor counts on a
-  quarter of it (:attr:`.acceptor.Radii.apart`).
+  the true token's nearest input vectors (up to ``HARD``) and random ones: a position's nearest token can still lie
+  nearer (:mod:`.nearest` measures it), so the acceptor counts on a quarter of it (:attr:`.acceptor.Radii.apart`).
 * ``screen`` - where the engine screens (:mod:`.engine`: a float32 model's large batches first run with bfloat16
   GEMMs, :meth:`lminvert.models.LayerProbe.screening`), the largest relative disagreement of the true token's
   screened state with ``h``, over the same batches (measured and cached apart, by :func:`screen_calibration`).
@@ -42,12 +42,13 @@ import torch
 from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .context import batch_scale
+from .nearest import near_inputs
 from .tables import cached, kept
 
 SAFETY = 4.0
-KIND = "calibration4"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
+KIND = "calibration5"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
 # verification's own keys and values, as the engine grows them; 3: chains of several positions measured too; 4: the
-# continuations packed side by side over the shared prefix, prefix.continue_prefix)
+# continuations packed side by side over the shared prefix, prefix.continue_prefix; 5: HARD candidates among the others)
 CHAIN = 4  # positions per chain measured (the engine's speculative verification, :mod:`.speculation`)
 FLOOR = float(torch.finfo(torch.float32).eps)
 
@@ -131,6 +132,10 @@ def _calibration_prompts(model: LoadedModel, n: int, length: int, seed: int) -> 
 
 
 SHAPES = (7, 31, 127, 0)  # other candidates per prompt at successive calibration positions: several batch shapes
+# of them, at most, the true token's nearest input vectors by angle, the rest random: near the first layers a position's
+# nearest other token is among them, and random ones miss it (:mod:`.nearest`; the gap before, random candidates alone,
+# lay up to 2.64x a position's nearest token's distance, docs/results.md)
+HARD = 16
 
 
 def _large_shapes(device: torch.device) -> tuple[int, ...]:
@@ -191,7 +196,11 @@ def measure_layers(
     prefix = probe.prefixes([[]] * len(prompts), top)
     for t in range(len(prompts[0])):
         true = torch.tensor([p[t] for p in prompts])
-        others = torch.randint(0, probe.vocab_size, (len(prompts), sizes[t % len(sizes)]), generator=gen)
+        size = sizes[t % len(sizes)]
+        others = torch.randint(0, probe.vocab_size, (len(prompts), size), generator=gen)
+        hard = min(HARD, size)  # the first of them: the true tokens' nearest input vectors (.nearest.near_inputs)
+        if hard:
+            others[:, :hard] = near_inputs(model, true, hard)
         ids = torch.cat([true[:, None], others], dim=1)  # [N, 1 + k]
         rows = torch.arange(len(prompts))[:, None].expand_as(ids)
         flat = {"token_ids": ids.reshape(-1), "rows": rows.reshape(-1), "layers": layers}

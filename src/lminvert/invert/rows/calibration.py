@@ -17,8 +17,9 @@ import torch
 
 from ...models import Layer, LoadedModel
 from ..layouts import foreign_calibration
+from ..nearest import near_inputs
 from ..tables import cached, kept
-from ..tolerance import calibration_prompts
+from ..tolerance import HARD, calibration_prompts
 from .running import Running
 from .screen import SCREEN_FROM, screened_states
 
@@ -26,9 +27,10 @@ Rows = Callable[[torch.Tensor, int], torch.Tensor]  # states [n, d] at a positio
 Map = Callable[[torch.Tensor], torch.Tensor]  # a public map of the rows (rows [n, k] -> [n, m])
 Pair = tuple[int, torch.Tensor, torch.Tensor]  # a position, what was compared there [1, *], the plain states [1, d]
 KIND, SCREEN_KIND = "audit-calibration1", "audit-screen1"  # the cache's names: new ones whenever what is run changes
-GAP_KIND = "rows-gap3"  # every calibration position's true token and OTHERS random ones, by the cached forward (3: 31,
-# over a grown prefix)
-OTHERS = 31  # random candidates beside the true token at each position, for the gap (one forward of 32 per position)
+GAP_KIND = "rows-gap4"  # every calibration position's true token and OTHERS others, by the cached forward (3: 31,
+# over a grown prefix; 4: the true token's nearest input vectors among them)
+OTHERS = 31  # candidates beside the true token at each position, for the gap (one forward of 32 per position): the
+# true token's tolerance.HARD nearest input vectors by angle (:func:`..nearest.near_inputs`), then random ones
 OBSERVED_KIND = "rows-observed1"  # a named view's deployment rows of the calibration prompts (with the view's name)
 
 
@@ -42,7 +44,7 @@ class Measured:
     first: float
     rest: float  # the same at later positions
     # the smallest distance from a position's true row to another candidate's, relative to the true row's norm, over
-    # every position (the attention sink's too) and OTHERS random candidates at each, as the engine's calibration
+    # every position (the attention sink's too) and OTHERS other candidates at each, as the engine's calibration
     # measures it for states (:mod:`lminvert.invert.tolerance`); 0: not measured (no ball is decisive)
     gap: float = 0.0
 
@@ -128,7 +130,8 @@ class Calibration:
 
     def _kept_others(self) -> list[tuple[int, torch.Tensor]]:
         """Per position of every calibration prompt: the cached forward's states ``[1 + OTHERS, d]`` of its true token
-        then of ``OTHERS`` random other tokens, over the prefix grown a token at a time (kept beside the tables)."""
+        then of ``OTHERS`` other tokens (:func:`_others`), over the prefix grown a token at a time (kept beside the
+        tables)."""
         probe, length = self.model.probe, len(self.prompts[0])
         build = lambda: _others(self.model, [self.layer], self.prompts)[self.layer]  # noqa: E731
         kept = cached(self.model, self.layer, GAP_KIND, build, per_device=True).cpu().to(probe.dtype)
@@ -248,15 +251,17 @@ def _cached(
 
 def _others(model: LoadedModel, layers: list[Layer], prompts: list[list[int]]) -> dict[Layer, torch.Tensor]:
     """At each of ``layers``, per position of every prompt: the cached forward's states ``[1 + OTHERS, d]`` of its true
-    token then of ``OTHERS`` random other tokens, over the prefix grown a token at a time, as the search grows it
-    (``[prompts * T, 1 + OTHERS, d]`` float64: exact for every float dtype); in the forwards of the highest layer."""
+    token then of ``OTHERS`` other tokens (its nearest input vectors, then random ones), over the prefix grown a token
+    at a time, as the search grows it (``[prompts * T, 1 + OTHERS, d]`` float64: exact for every float dtype); in the
+    forwards of the highest layer."""
     probe, top, asked = model.probe, max(layers), _asked(layers)
     gen, out = torch.Generator().manual_seed(0), {layer: [] for layer in layers}
     for ids in prompts:
         prefix = probe.prefix([], top)
         for t in range(len(ids)):
-            others = torch.randint(0, probe.vocab_size - 1, (OTHERS,), generator=gen)
-            batch = torch.cat([torch.tensor([ids[t]]), others + (others >= ids[t]).long()])  # never the true one
+            others = torch.randint(0, probe.vocab_size - 1, (OTHERS - HARD,), generator=gen)
+            near = near_inputs(model, torch.tensor([ids[t]]), HARD)[0]
+            batch = torch.cat([torch.tensor([ids[t]]), near, others + (others >= ids[t]).long()])  # never the true one
             with torch.no_grad():
                 found = _at(probe.continuation(prefix, batch.to(probe.device), layers=asked), layers)
                 # the prefix grown a token at a time, as the search grows it
