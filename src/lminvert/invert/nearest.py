@@ -1,5 +1,5 @@
 """The nearest other token at one position, found by verifying the whole vocabulary: what the calibration's ``gap``
-(:mod:`.tolerance`, measured to random candidates) stands for, and how far from it it lies.
+(:mod:`.tolerance`, measured to a sample of candidates) stands for, and how far from it it lies.
 
 The acceptor's rules for an exact source take a fraction of that gap (:data:`.acceptor.TOKEN_GAP_SAFETY`), because a
 sample of candidates misses a position's nearest token: ``benchmarks/bench_gap.py`` measures the ratio with
@@ -64,9 +64,13 @@ def near_inputs(model: LoadedModel, tokens: torch.Tensor, k: int) -> torch.Tenso
     own in angle (the largest cosine first), its tied twins left out (a bit-identical input vector gives the same
     state: :mod:`lminvert.models.ties`, which the acceptor handles as such)."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    unit = vocab / vocab.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    norms = model.memo.get("vocab-norms")  # [V], kept while the matrix is the same tensor, unedited
+    if norms is None or norms[0] is not vocab or norms[1] != vocab._version:
+        norms = (vocab, vocab._version, vocab.norm(dim=1).clamp_min(1e-30))
+        model.memo["vocab-norms"] = norms
     tokens = tokens.long().cpu()
-    cosine = (unit[tokens.to(unit.device)] @ unit.T).cpu()  # [n, V]
+    rows = vocab[tokens.to(vocab.device)]
+    cosine = ((rows @ vocab.T) / (rows.norm(dim=1, keepdim=True).clamp_min(1e-30) * norms[2])).cpu()  # [n, V]
     twins = {t: g for g in tied_token_groups(model) for t in g}
     for row, token in enumerate(tokens.tolist()):
         cosine[row, twins.get(token, [token])] = -math.inf
