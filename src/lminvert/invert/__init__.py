@@ -18,7 +18,7 @@ from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_compatible
 from ..models.loading import require_loaded
 from ..models.probe import has_hooks
-from ..models.ties import tied_token_groups
+from ..models.ties import tied_twins
 from ..states import HiddenStates
 from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
@@ -163,7 +163,7 @@ def _invert_chunks(
     """Every prompt of ``states`` inverted, in chunks of ``together`` on ``executor``, in order; ``noise`` (relative,
     seeded by ``config.seed + 1``) added to the states first. A progress bar counts positions if ``config.progress``."""
     generator = torch.Generator().manual_seed(config.seed + 1)
-    ties = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
+    ties = tied_twins(model)
     clean = list(states.states)
     observed = [add_noise(c, noise, generator) if noise > 0 else c for c in clean]
     chunks = [slice(first, first + together) for first in range(0, len(observed), together)]

@@ -22,7 +22,7 @@ import torch
 
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
-from ..models.ties import tied_token_groups
+from ..models.ties import tied_twins
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def near_inputs(model: LoadedModel, tokens: torch.Tensor, k: int) -> torch.Tenso
     tokens = tokens.long().cpu()
     rows = vocab[tokens.to(vocab.device)]
     cosine = ((rows @ vocab.T) / (rows.norm(dim=1, keepdim=True).clamp_min(1e-30) * norms[2])).cpu()  # [n, V]
-    twins = {t: g for g in tied_token_groups(model) for t in g}
+    twins = tied_twins(model)
     for row, token in enumerate(tokens.tolist()):
-        cosine[row, twins.get(token, [token])] = -math.inf
+        cosine[row, [token, *twins.get(token, ())]] = -math.inf
     return cosine.topk(min(k, cosine.shape[1] - 1), dim=1).indices

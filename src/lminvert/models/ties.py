@@ -39,6 +39,12 @@ def tied_token_groups(model: LoadedModel) -> list[list[int]]:
     return [list(group) for group in entry[2]]
 
 
+def tied_twins(model: LoadedModel) -> dict[int, tuple[int, ...]]:
+    """Each tied token's twins (the other members of its :func:`tied_token_groups` group); tokens with none are
+    absent."""
+    return {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
+
+
 def _groups(matrix: torch.Tensor) -> list[list[int]]:
     """:func:`tied_token_groups` of ``matrix``'s rows, computed."""
     columns = torch.linspace(0, matrix.shape[1] - 1, min(HASHED, matrix.shape[1])).long().unique()

@@ -258,10 +258,10 @@ def _others(model: LoadedModel, layers: list[Layer], prompts: list[list[int]]) -
     gen, out = torch.Generator().manual_seed(0), {layer: [] for layer in layers}
     for ids in prompts:
         prefix = probe.prefix([], top)
+        near = near_inputs(model, torch.tensor(ids), HARD)  # [T, HARD]
         for t in range(len(ids)):
             others = torch.randint(0, probe.vocab_size - 1, (OTHERS - HARD,), generator=gen)
-            near = near_inputs(model, torch.tensor([ids[t]]), HARD)[0]
-            batch = torch.cat([torch.tensor([ids[t]]), near, others + (others >= ids[t]).long()])  # never the true one
+            batch = torch.cat([torch.tensor([ids[t]]), near[t], others + (others >= ids[t]).long()])  # not the true one
             with torch.no_grad():
                 found = _at(probe.continuation(prefix, batch.to(probe.device), layers=asked), layers)
                 # the prefix grown a token at a time, as the search grows it

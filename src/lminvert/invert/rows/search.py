@@ -45,7 +45,7 @@ from dataclasses import replace
 import torch
 
 from ...models import LoadedModel, Prefix
-from ...models.ties import tied_token_groups
+from ...models.ties import tied_twins
 from .. import acceptor
 from ..acceptor import Evidence, Radii
 from ..proposal import merge, ranked
@@ -126,7 +126,7 @@ class RowSearch:
         if table is None:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
-        self.twins = {t: tuple(x for x in g if x != t) for g in tied_token_groups(model) for t in g}
+        self.twins = tied_twins(model)
         self.replay = Replay(capture, self.source)
         self.length = 0  # the rows of the prompt being searched
         self.ahead = Lookahead(self, capture, kept)
