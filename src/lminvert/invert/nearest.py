@@ -22,6 +22,7 @@ import torch
 
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
+from ..models.derived import derived
 from ..models.ties import tied_twins
 
 
@@ -64,13 +65,10 @@ def near_inputs(model: LoadedModel, tokens: torch.Tensor, k: int) -> torch.Tenso
     own in angle (the largest cosine first), its tied twins left out (a bit-identical input vector gives the same
     state: :mod:`lminvert.models.ties`, which the acceptor handles as such)."""
     vocab = model.probe.vocab_matrix(torch.float32)
-    norms = model.memo.get("vocab-norms")  # [V], kept while the matrix is the same tensor, unedited
-    if norms is None or norms[0] is not vocab or norms[1] != vocab._version:
-        norms = (vocab, vocab._version, vocab.norm(dim=1).clamp_min(1e-30))
-        model.memo["vocab-norms"] = norms
+    norms = derived(model.memo, "vocab-norms", vocab, lambda: vocab.norm(dim=1).clamp_min(1e-30))  # [V]
     tokens = tokens.long().cpu()
     rows = vocab[tokens.to(vocab.device)]
-    cosine = ((rows @ vocab.T) / (rows.norm(dim=1, keepdim=True).clamp_min(1e-30) * norms[2])).cpu()  # [n, V]
+    cosine = ((rows @ vocab.T) / (rows.norm(dim=1, keepdim=True).clamp_min(1e-30) * norms)).cpu()  # [n, V]
     twins = tied_twins(model)
     for row, token in enumerate(tokens.tolist()):
         cosine[row, [token, *twins.get(token, ())]] = -math.inf

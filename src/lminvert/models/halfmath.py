@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu import cpu_flags
+from .derived import derived
 
 HALF_UNITS = {  # the CPU flags of the units that run each half type's GEMMs natively (elsewhere torch emulates them)
     torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
@@ -78,19 +79,14 @@ class LinearMath:
     def __init__(self, model: nn.Module, dtype: torch.dtype, math: torch.dtype) -> None:
         self.dtype, self.math = dtype, math
         self._modules = [m for m in model.modules() if _plain_linear(m)]
-        self._copies: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id -> (version, tensor, in math)
+        self._copies: dict[int, tuple] = {}  # id -> (tensor, its version, the copy in math): models.derived
         self._depth = 0
         self._kept: list[object] = []  # what each module's instance ``forward`` was before (None: the class's)
 
     def _converted(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        key = id(tensor)
-        entry = self._copies.get(key)
-        if entry is None or entry[1] is not tensor or entry[0] != tensor._version:  # edited in place: convert again
-            entry = (tensor._version, tensor, tensor.detach().to(self.math))
-            self._copies[key] = entry
-        return entry[2]
+        return derived(self._copies, id(tensor), tensor, lambda: tensor.detach().to(self.math))
 
     def _forward(self, module: nn.Module):
         native = module.__dict__.get("forward") or type(module).forward.__get__(module)

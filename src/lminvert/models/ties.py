@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .derived import derived
 from .loading import LoadedModel
 
 HASHED = 64  # entries of each row that go into its bucket's hash (whole rows decide the groups)
@@ -29,14 +30,9 @@ def tied_token_groups(model: LoadedModel) -> list[list[int]]:
     model's memo while the vocabulary matrix is the same tensor, unedited (Gemma-3-270m's 262,144 rows took 0.16 s
     per call here)."""
     kept = model.probe.vocab_matrix()
-    entry = model.memo.get("tied-groups")
-    # one entry, holding the matrix itself: a replaced or edited matrix recomputes and replaces it (an id alone could
-    # be reused by a new tensor, and a key per version would keep every stale one)
-    if entry is None or entry[0] is not kept or entry[1] != kept._version:
-        with torch.no_grad():
-            entry = (kept, kept._version, _groups(kept.detach()))
-        model.memo["tied-groups"] = entry
-    return [list(group) for group in entry[2]]
+    with torch.no_grad():
+        groups = derived(model.memo, "tied-groups", kept, lambda: _groups(kept.detach()))
+    return [list(group) for group in groups]
 
 
 def tied_twins(model: LoadedModel) -> dict[int, tuple[int, ...]]:
