@@ -1,15 +1,18 @@
 """Attention sinks after the first position, captured elsewhere: random-id prompts whose position 1 is a sink (its
 state's norm over 4 times the median of the later positions'), their states or KV cache computed with transformers'
 eager attention (what a capture that asks for attention weights, or another library's attention, computes; lminvert
-runs the model's default kernel) and inverted as foreign states (``source="float"``).
+runs the model's default kernel) and inverted as foreign states (``source="float"``); or (``--capture own``) the
+states lminvert computes itself (``lminvert.encode``), inverted as its own (exact source).
 
     python benchmarks/bench_sinks.py --layer 15 --dtype bfloat16 --prompts 10
     python benchmarks/bench_sinks.py --leak kv --layer 15 --dtype bfloat16 --prompts 8
+    python benchmarks/bench_sinks.py --capture own --layer 15 --dtype bfloat16 --prompts 10
+    python benchmarks/bench_sinks.py --capture own --layer 15 --ids 40392,36597,8076,19077,16247,6528
 
 Per prompt: whether every token is right, the verdicts, seconds; then the positions claimed (certified or confident)
 with a WRONG token, which must be 0 (exit status 1 otherwise). The prompts: the first ``--prompts`` of 600 random-id
 prompts of ``--length`` tokens (``--seed``) with a sink at position 1 in the states the leak reads (the KV cache of
-block ``b``: layer ``b - 1``'s)."""
+block ``b``: layer ``b - 1``'s), or those of ``--ids`` (one prompt's ids, comma-separated)."""
 
 from __future__ import annotations
 
@@ -37,7 +40,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--length", type=int, default=8)
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--capture", choices=("eager", "own"), default="eager", help="foreign eager, or lminvert's")
+    parser.add_argument("--ids", default="", help="one prompt's token ids, comma-separated, instead of the pool")
     args = parser.parse_args()
+    if args.capture == "own" and args.leak != "states":
+        parser.error("--capture own reads states only")
 
     model = lminvert.load_model(args.model, dtype=args.dtype)
     probe = model.probe
@@ -46,12 +53,18 @@ def main() -> int:
     pool = torch.randint(0, probe.vocab_size, (600, args.length))
     norms = probe.states(pool, [reads])[reads].float().norm(dim=2)
     sinks = (norms[:, 1] > 4 * norms[:, 2:].median(dim=1).values).nonzero().flatten()[: args.prompts]
-    prompts = [pool[i].tolist() for i in sinks]
-    print(f"{args.model} {args.dtype}, {args.leak} at {args.layer}: {len(prompts)} prompts with a sink at position 1")
+    prompts = [[int(i) for i in args.ids.split(",")]] if args.ids else [pool[i].tolist() for i in sinks]
+    print(
+        f"{args.model} {args.dtype}, {args.leak} at {args.layer}, {args.capture} capture: {len(prompts)} prompts "
+        f"{'given' if args.ids else 'with a sink at position 1'}"
+    )
     wrong, exact, seconds = 0, 0, []
     for ids in prompts:
-        with attention(probe, "eager"):  # transformers' capture, as bench_leaks.py makes it, with the eager attention
-            leak = HiddenStates.from_array(_capture(model, ids, args.leak, args.layer, None, args.seed).float())
+        if args.capture == "own":
+            leak = lminvert.encode(model, [ids], args.layer)
+        else:
+            with attention(probe, "eager"):  # transformers' capture, as bench_leaks.py makes it, with eager attention
+                leak = HiddenStates.from_array(_capture(model, ids, args.leak, args.layer, None, args.seed).float())
         start = time.perf_counter()
         (result,) = lminvert.invert(model, leak, args.layer, **({"leak": "kv"} if args.leak == "kv" else {}))
         seconds.append(time.perf_counter() - start)

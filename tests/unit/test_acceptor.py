@@ -78,14 +78,23 @@ distances = st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False),
     exhausted=st.booleans(),
     expected=st.one_of(st.just(math.inf), st.floats(min_value=0.0, max_value=50.0)),
     guessed=st.booleans(),
+    reproduced=st.booleans(),
 )
-def test_a_verdict_better_than_uncertain_is_separated(dists, bound, gap, reproducible, exhausted, expected, guessed):
+def test_a_verdict_better_than_uncertain_is_separated(
+    dists, bound, gap, reproducible, exhausted, expected, guessed, reproduced
+):
     """Certified or confident never goes to a token that another verified candidate comes within the margin of,
     unless the token reproduces the observation (distance 0 here: float32's resolution) or the ball is decisive;
     whatever distance the error model's own measurement expects the true token at."""
     radii = _radii(cached=1.0 + bound, plain=1.0 + bound, source=bound, rounding=1.0, gap=gap)
     evidence = _evidence(
-        dists, reproducible=reproducible, exhausted=exhausted, ranked=True, expected=expected, guessed=guessed
+        dists,
+        reproducible=reproducible,
+        exhausted=exhausted,
+        ranked=True,
+        expected=expected,
+        guessed=guessed,
+        reproduced=reproduced,
     )
     decision = _run(evidence, radii)
     if decision.verdict not in (CERTIFIED, CONFIDENT):
@@ -101,14 +110,19 @@ def test_a_verdict_better_than_uncertain_is_separated(dists, bound, gap, reprodu
 
 
 @settings(max_examples=300, deadline=None)
-@given(dists=distances, bound=st.floats(min_value=0.01, max_value=50.0), reproducible=st.booleans())
-def test_an_error_bound_wider_than_the_gap_never_certifies_without_a_sweep(dists, bound, reproducible):
+@given(
+    dists=distances,
+    bound=st.floats(min_value=0.01, max_value=50.0),
+    reproducible=st.booleans(),
+    reproduced=st.booleans(),
+)
+def test_an_error_bound_wider_than_the_gap_never_certifies_without_a_sweep(dists, bound, reproducible, reproduced):
     """Where the ball can hold two tokens' states (its radius is wider than the gap) and nothing reproduces the
     observation, no verdict is certified before the whole vocabulary was verified."""
     dists = [max(d, 1e-3) for d in dists]  # nothing reproduces the observation bit for bit
     radii = _radii(cached=1.0 + bound, plain=1.0 + bound, source=bound, rounding=1.0, gap=bound / 2)
-    decision = _run(_evidence(dists, reproducible=reproducible, exhausted=True, swept=False), radii)
-    assert decision.verdict != CERTIFIED
+    evidence = _evidence(dists, reproducible=reproducible, exhausted=True, swept=False, reproduced=reproduced)
+    assert _run(evidence, radii).verdict != CERTIFIED
 
 
 def test_a_reproduction_is_certified_and_two_are_a_collision():
@@ -119,6 +133,40 @@ def test_a_reproduction_is_certified_and_two_are_a_collision():
     assert (one.token, one.verdict) == (1, CERTIFIED)
     two = _run(_evidence([0.0, 0.0, 30.0], reach=1.0, exhaustive=True, exhausted=True), radii)
     assert two.verdict == UNCERTAIN and two.guess and "collision" in two.reason
+
+
+def _answering(evidence: Evidence, radii: Radii, plain_of) -> tuple[acceptor.Decision, list[int]]:
+    """Decide, answering each confirmation with ``plain_of(id)``; the decision and the sizes of the rounds."""
+    rounds = []
+    while (decision := decide(evidence, radii)).confirm:
+        rounds.append(len(decision.confirm))
+        plain = {**evidence.plain, **{i: plain_of(i) for i in decision.confirm}}
+        evidence = replace(evidence, plain=plain, confirmed=True)
+    return decision, rounds
+
+
+@pytest.mark.parametrize("reproduced", [True, False])
+@pytest.mark.parametrize("beyond", [True, False])
+def test_a_reproduced_observer_is_searched_past_the_reach_for_its_bit_exact_match(monkeypatch, reproduced, beyond):
+    """A state whose rounding moves it farther than the ball (a second attention sink in bfloat16): 300 wrong
+    candidates in the reach, none reproducing it, the true token beyond it. Where an earlier position reproduced the
+    observer's kernels, the verified candidates beyond the reach are re-measured too (closest in angle first, in
+    rounds that grow) and the true one is certified; otherwise (or switched off) a guess, never certified."""
+    monkeypatch.setattr(acceptor, "BEYOND", beyond)
+    dists = [0.5 + i / 1000 for i in range(300)] + [3.0, 2.5, 5.0]
+    true = 300
+    radii = _radii(cached=1.0, plain=1.0, rounding=1.0, gap=0.5)  # the ball is wider than the gaps
+    evidence = _evidence(dists, reach=1.0, exhausted=True, reproduced=reproduced)
+    decision, rounds = _answering(evidence, radii, lambda i: 0.0 if i == true else 0.2)  # 8 x 0.2 + 1: short of 3
+    if reproduced and beyond:
+        assert (decision.token, decision.verdict) == (true, CERTIFIED)
+    else:
+        assert decision.verdict == UNCERTAIN and decision.guess
+    assert rounds[:2] == [1, acceptor.MAX_CONFIRM] and len(rounds) <= 10  # 1, 16, 17, 34, 68, 136, ... (of 16: 20)
+    done = 0
+    for size in rounds:
+        assert size <= max(acceptor.MAX_CONFIRM, min(acceptor.WIDE_CONFIRM, done)) or done == 0
+        done += size
 
 
 def test_nothing_fits_keeps_the_nearest_uncertain_only_when_the_search_is_over():

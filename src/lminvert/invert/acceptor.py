@@ -32,45 +32,40 @@ Verdicts, never better than the evidence:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from .evidence import NO_FIT, PENDING, Decision, Evidence
 
 CERTIFIED, CONFIDENT, UNCERTAIN = "certified", "confident", "uncertain"
 VERDICTS = (CERTIFIED, CONFIDENT, UNCERTAIN)
 # every other verified candidate must lie this many times farther than the chosen one's plain distance: rounding or
-# noise is not aligned with the difference between two tokens' states, so a wrong state does not come much nearer to
-# the observation than the right one's error (the rule of :mod:`.search` since the confirmations were introduced)
+# noise is not aligned with the difference between two tokens' states (the rule since the confirmations came)
 SEPARATION = 8.0
-# for a source that cannot be reproduced, the separation asked is at most the chosen distance plus this many times the
-# plain radius (engine rounding + the error bound): a candidate that far cannot be the true token under the error model,
-# with the bound doubled for slack. It matters under a tight statistical bound (noise: 8x the chosen token's distance,
-# the noise itself, would rule out tokens a few noise norms away; SmolLM2 layer 15, relative noise 1e-2: every position
-# uncertain with 8x alone); the float model's bound is loose, so there the ratio decides
+# a source that cannot be reproduced: the separation asked is at most the chosen distance plus this many plain radii
+# (rounding + the error bound, doubled for slack); it decides under a tight statistical bound (noise: 8x alone left
+# every position of SmolLM2 layer 15 under 1% noise uncertain); the float model's bound is loose: the ratio decides
 SLACK = 2.0
 MAX_CONFIRM = 16  # contenders re-measured by one plain forward per round (closest in angle first; the first: one)
+# where many wait, a round re-measures as many as before it, up to this many (speed only; 16: fixed rounds): SmolLM2
+# layer 15 bfloat16, a second attention sink, 1,405 re-measured in 60 s in rounds of 16 (docs/results.md)
+WIDE_CONFIRM = 512
+BEYOND = True  # an exact source whose observer was reproduced: re-measure past the reach before a guess (_beyond)
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
 # the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
 SEARCH_ON = 4096
-# candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model (more
-# cannot make the verdict better than ``uncertain``), or while nothing fits and no earlier position did (another model
-# or layer, a fine-tune, noise above the gaps). Where an earlier position fitted, a position is searched through its
-# budget as for lminvert's own states (SmolLM2 layer 30, no reading network: a random-id prompt's true token can rank
-# past 1,024), unless an earlier position was a guess (SmolLM2 layer 15, bfloat16 random ids from a padded batch: after
-# a wrong guess at position 1, each later position swept the vocabulary, 67 s each, to an uncertain verdict)
+# candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model, or
+# while nothing fits and no earlier position fitted (another model or layer, noise above the gaps), or nothing fits
+# after a guess; where an earlier position fitted, the whole budget (docs/results.md: ranks past 1,024 at layer 30)
 GIVE_UP = 1024
-# candidates a position of a source that cannot be reproduced may verify while two of them fit (within each other's
-# margin): a candidate verified later rarely separates them, and the verdict is uncertain either way (SmolLM2 layer 15,
-# relative noise 1e-3..1e-2: position 0's attention sink holds several first tokens within the noise)
+# the same while two fit within each other's margin: a later candidate rarely separates them (position 0's sink under
+# 0.1-1% noise holds several first tokens)
 RIVALS = 256
-# the same, where every candidate that fits lies beyond where the error model's own measurement saw the true token's
-# state (:attr:`Evidence.expected`) and no earlier position was a guess: the true token is likely not verified yet
-# (SmolLM2 layer 15, bfloat16 random ids from a padded batch: it ranked 5,077th at position 1, wrong ones fitted first)
+# the same where every candidate that fits lies beyond the error model's own measurement (:attr:`Evidence.expected`)
+# and no earlier position was a guess: the true token is likely not verified yet (docs/results.md: it came 5,077th)
 FAR = 16384
 FAR_CONFIRM = 64  # contenders re-measured at most per position meanwhile
-NO_FIT = "no candidate fits the error model"
 SEVERAL = "several candidates fit the observation"
 WHOLE = "the nearest prompt tried, not reproduced: prompts not tried are not ruled out"
 WHOLE_GAP = "the one prompt within the error bound: two prompts' states lie farther apart (the calibration's gap)"
@@ -106,80 +101,11 @@ class Radii:
         return self.cached < self.apart
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """What the search knows at one position."""
-
-    ids: torch.Tensor  # verified ids [n]
-    dists: torch.Tensor  # their cached distances [n]
-    # their verified states [n, d], or a function giving them (read only to order several contenders by angle: the
-    # engine's searches concatenate them only then)
-    states: torch.Tensor | Callable[[], torch.Tensor]
-    target: torch.Tensor  # the observed state [d]
-    plain: dict[int, float]  # plain distances of the contenders re-measured so far
-    reach: float  # cached distances up to which candidates are contenders (>= radii.cached)
-    reproducible: bool  # the error model says a plain forward can reproduce the observation (lminvert's own states)
-    exhaustive: bool = False  # the whole budget is verified before deciding (brute force, certify)
-    exhausted: bool = False  # no candidate will come any more
-    swept: bool = False  # every vocabulary entry was verified
-    confirmed: bool = False  # a plain forward ran at this position
-    checked: int = 0  # candidates run through the model at this position (verified or screened out)
-    ranked: bool = True  # a batch of the ranking's top candidates was verified (not only a chain's first guess)
-    # a search whose ranking puts the true token among its first candidates gives up after ``GIVE_UP`` of them where
-    # the source cannot be reproduced (False: an order that does not, e.g. the reference's random one)
-    bounded: bool = True
-    # an earlier position of the prompt fitted the error model (certified or confident): the states match this model's
-    # computation, so a position where nothing fits yet is searched through the budget, not given up at ``GIVE_UP``
-    fitted: bool = False
-    reproduced: bool = False  # an earlier position of the prompt was reproduced bit for bit
-    twins: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens with identical input vectors
-    # distances are measured beyond a box the error model allows coordinate by coordinate (a quantisation's): a
-    # distance of 0 reproduces nothing, it only says the row fits
-    boxed: bool = False
-    # how far the true token's plain state lay from the observation in the error model's own measurement (its bound
-    # without the safety factor: :meth:`lminvert.invert.sources.ErrorModel.measured`; inf: no such figure); while the
-    # candidates that fit all lie beyond it, the search goes on past ``RIVALS`` up to ``FAR``
-    expected: float = math.inf
-    guessed: bool = False  # an earlier position of the prompt was a guess (several fit, or none)
-    # the candidates are whole prompts (one vector: :mod:`.last`): those not tried are not ruled out by those tried
-    # (only a reproduction certifies; ``confident``: :func:`_verdict`, with ``Radii.gap`` from :mod:`.wholegap`)
-    whole: bool = False
-
-
-@dataclass(frozen=True)
-class Decision:
-    """A token and its verdict, or what is still needed (``confirm``: contenders to re-measure; neither: more
-    candidates). ``guess``: the token was one of several that fit, so later positions are found given a guess."""
-
-    token: int | None = None
-    verdict: str | None = None
-    confirm: tuple[int, ...] = ()
-    guess: bool = False
-    reason: str = ""
-
-    @property
-    def final(self) -> bool:
-        return self.token is not None
-
-    @property
-    def unfitted(self) -> bool:
-        """Decided with no candidate within the error model (the nearest, as a guess)."""
-        return self.reason == NO_FIT
-
-
-PENDING = Decision()
-
-
 def contenders(evidence: Evidence, radii: Radii) -> list[tuple[int, float]]:
     """(id, cached distance) of the verified candidates that may be the true token: within the reach, not ruled out by
     the plain forward; closest in angle first (half-precision rounding of an attention sink's huge coordinates moves a
     state's norm more than the gaps between tokens' states there, its direction much less)."""
-    inside = (evidence.dists <= evidence.reach).nonzero().flatten()
-    if len(inside) > 1:
-        wide = evidence.dists.dtype
-        states = evidence.states() if callable(evidence.states) else evidence.states
-        cosine = torch.nn.functional.cosine_similarity(states[inside].to(wide), evidence.target.to(wide)[None])
-        inside = inside[cosine.argsort(descending=True)]
+    inside = _by_angle(evidence, (evidence.dists <= evidence.reach).nonzero().flatten())
     pairs = zip(evidence.ids[inside].tolist(), evidence.dists[inside].tolist(), strict=True)
     return [(i, d) for i, d in pairs if evidence.plain.get(i, 0.0) <= radii.plain]
 
@@ -199,7 +125,8 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     collided = None if evidence.boxed else _collision(evidence, radii, found)
     if collided is not None:
         return collided
-    exact = [] if evidence.boxed else [i for i, _ in found if evidence.plain.get(i, math.inf) <= radii.resolution]
+    plain = evidence.plain  # any candidate re-measured, in the reach or beyond it (:func:`_beyond`)
+    exact = [] if evidence.boxed else sorted((i for i in plain if plain[i] <= radii.resolution), key=plain.__getitem__)
     if exact and not evidence.exhaustive:
         return Decision(exact[0], CERTIFIED, reason="the plain forward reproduces the observation")
     return _separated(evidence, radii, found)
@@ -215,7 +142,7 @@ def _collision(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     """Two contenders (not tied twins) whose plain states both reproduce the observation to float32's resolution: no
     other candidate can make either decisively closer (a model that is not injective)."""
     plain = evidence.plain
-    measured = sorted((i for i, _ in found if i in plain), key=plain.__getitem__)
+    measured = sorted(plain, key=plain.__getitem__)  # those in the reach and beyond it (only matches count below)
     if len(measured) < 2:
         return None
     best, twins = measured[0], set(evidence.twins.get(measured[0], ()))
@@ -232,7 +159,7 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     if evidence.reproducible:  # every contender re-measured (the closest in angle alone first: often the token)
         unmeasured = [i for i, _ in found if i not in plain]
         if unmeasured:
-            return Decision(confirm=tuple(unmeasured[: MAX_CONFIRM if plain else 1]))
+            return Decision(confirm=tuple(unmeasured[: _round(plain)]))
     elif not measured:
         return Decision(confirm=(found[0][0],))
     best = min(measured, key=plain.__getitem__)
@@ -245,7 +172,10 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     # every other verified candidate, by its plain distance or the least its cached one allows
     unsure = _unsure(evidence, radii, bound, twins)
     if unsure:
-        return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
+        return Decision(confirm=tuple(unsure[: _round(plain)]))
+    beyond = _beyond(evidence, radii, plain[best])
+    if beyond:
+        return Decision(confirm=tuple(beyond[: _round(plain)]))
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
     if rivals:
@@ -253,6 +183,36 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
             return Decision(best, UNCERTAIN, guess=True, reason=SEVERAL)
         return PENDING  # a candidate not verified yet may be decisively closer
     return _verdict(evidence, radii, best)
+
+
+def _round(plain: dict[int, float]) -> int:
+    """How many contenders the next plain forward re-measures: the first alone (often the token), then
+    ``MAX_CONFIRM``, then as many as were re-measured so far (at most ``WIDE_CONFIRM``): a few rounds where thousands
+    wait, at most twice the forwards' rows the position needed."""
+    return 1 if not plain else max(MAX_CONFIRM, min(WIDE_CONFIRM, len(plain)))
+
+
+def _beyond(evidence: Evidence, radii: Radii, distance: float) -> list[int]:
+    """Where the observer's kernels were reproduced at an earlier position (:attr:`Evidence.reproduced`) but no
+    re-measured candidate reproduces this one, nearest at ``distance``, in a ball wider than the gaps: every verified
+    candidate not re-measured yet, closest in angle first, as the true token's state may lie beyond the reach (SmolLM2
+    layer 15, bfloat16, a random-id prompt's second attention sink: the true token's cached state 3,001 away, the ball
+    1,021, 2,645 other candidates nearer). Empty elsewhere. Switch: :data:`BEYOND`."""
+    undecided = radii.plain >= radii.apart and distance > max(radii.apart / 2, radii.resolution)
+    if not (BEYOND and evidence.reproducible and evidence.reproduced and undecided and not evidence.boxed):
+        return []
+    rest = torch.tensor([i not in evidence.plain for i in evidence.ids.tolist()], dtype=torch.bool)
+    return evidence.ids[_by_angle(evidence, rest.nonzero().flatten().to(evidence.ids.device))].tolist()
+
+
+def _by_angle(evidence: Evidence, index: torch.Tensor) -> torch.Tensor:
+    """``index`` (into the verified candidates) ordered by their states' cosine with the observation, largest first."""
+    if len(index) < 2:
+        return index
+    wide = evidence.dists.dtype
+    states = evidence.states() if callable(evidence.states) else evidence.states
+    cosine = torch.nn.functional.cosine_similarity(states[index].to(wide), evidence.target.to(wide)[None])
+    return index[cosine.argsort(descending=True)]
 
 
 def _far(evidence: Evidence, radii: Radii, best: int, rivalled: bool, twins: set[int]) -> Decision | None:

@@ -22,6 +22,9 @@ POSITIONS = 1 << 19  # candidate rows x prefix length per verification forward (
 # positions after the confirmed one whose states a plain forward computes for the next positions' first guesses, where
 # it starts from kept keys (:mod:`lminvert.models.observed`; None: to the end); measured: docs/history.md ("Constants")
 PLAIN_AHEAD: int | None = 4
+# a confirmation of more contenders than this computes one position after theirs only (a wide round: its contenders
+# are rarely the next positions' guesses; SmolLM2 bfloat16, 1,024 contenders: 1.8 ms each against 3.1 ms with 4)
+AHEAD_UPTO = 16
 # candidates of a verification forward from which it is screened (below, a screened forward saves too little of a
 # float32 one to pay for the full forward of its picks; measured: benchmarks/bench_screen.py, docs/history.md)
 SCREEN_FROM = 64
@@ -288,7 +291,7 @@ def plain_states(probe: LayerProbe, layer: Layer, prefix: Prefix, row: int, sear
     speculator = search.speculator
     fill = speculator.fill(t, search.length) if speculator is not None else []
     seqs = [[*prefix.rows[row], c, *(fill or [c] * (search.length - t - 1))] for c in search.to_confirm]
-    stop = None if PLAIN_AHEAD is None else t + 1 + PLAIN_AHEAD
+    stop = None if PLAIN_AHEAD is None else t + 1 + (PLAIN_AHEAD if len(seqs) <= AHEAD_UPTO else 1)
     rows = probe.plain_states(seqs, layer, upto=t, kept=search.plain_keys, stop=stop)
     states = rows.states.float()[:, t - rows.start :]
     if fill and speculator is not None:
