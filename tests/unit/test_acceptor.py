@@ -151,22 +151,28 @@ def test_a_reproduced_observer_is_searched_past_the_reach_for_its_bit_exact_matc
     """A state whose rounding moves it farther than the ball (a second attention sink in bfloat16): 300 wrong
     candidates in the reach, none reproducing it, the true token beyond it. Where an earlier position reproduced the
     observer's kernels, the verified candidates beyond the reach are re-measured too (closest in angle first, in
-    rounds that grow) and the true one is certified; otherwise (or switched off) a guess, never certified."""
+    rounds that grow) once the ranking's own search is over, and the true one is certified; otherwise (or switched
+    off) a guess, never certified."""
     monkeypatch.setattr(acceptor, "BEYOND", beyond)
     dists = [0.5 + i / 1000 for i in range(300)] + [3.0, 2.5, 5.0]
     true = 300
     radii = _radii(cached=1.0, plain=1.0, rounding=1.0, gap=0.5)  # the ball is wider than the gaps
+    # while the ranking may still bring candidates (not exhausted, fewer than SEARCH_ON verified), nothing past the
+    # reach is re-measured: the search goes on
+    early = _evidence(dists, reach=1.0, reproduced=reproduced)
+    decision, rounds = _answering(early, radii, lambda i: 0.0 if i == true else 0.2)
+    assert rounds == [1] + [acceptor.MAX_CONFIRM] * 18 + [11, 1]  # the 300 in the reach, then one it may hide
+    # re-measured: the 301 whose cached distance less the rounding allows the bound (not the true one, at 3.0)
+    assert decision.token is None and not decision.final and sum(rounds) == 301
     evidence = _evidence(dists, reach=1.0, exhausted=True, reproduced=reproduced)
     decision, rounds = _answering(evidence, radii, lambda i: 0.0 if i == true else 0.2)  # 8 x 0.2 + 1: short of 3
     if reproduced and beyond:
         assert (decision.token, decision.verdict) == (true, CERTIFIED)
     else:
         assert decision.verdict == UNCERTAIN and decision.guess
-    assert rounds[:2] == [1, acceptor.MAX_CONFIRM] and len(rounds) <= 10  # 1, 16, 17, 34, 68, 136, ... (of 16: 20)
-    done = 0
-    for size in rounds:
-        assert size <= max(acceptor.MAX_CONFIRM, min(acceptor.WIDE_CONFIRM, done)) or done == 0
-        done += size
+    # the same rounds, then past the reach rounds as large as all before (here one of the two left)
+    assert rounds[:21] == [1] + [acceptor.MAX_CONFIRM] * 18 + [11, 1]
+    assert rounds[21:] == ([2] if reproduced and beyond else [])
 
 
 def test_nothing_fits_keeps_the_nearest_uncertain_only_when_the_search_is_over():

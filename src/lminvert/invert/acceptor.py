@@ -48,8 +48,8 @@ SEPARATION = 8.0
 # every position of SmolLM2 layer 15 under 1% noise uncertain); the float model's bound is loose: the ratio decides
 SLACK = 2.0
 MAX_CONFIRM = 16  # contenders re-measured by one plain forward per round (closest in angle first; the first: one)
-# where many wait, a round re-measures as many as before it, up to this many (speed only; 16: fixed rounds): SmolLM2
-# layer 15 bfloat16, a second attention sink, 1,405 re-measured in 60 s in rounds of 16 (docs/results.md)
+# past the reach (_beyond), a round re-measures as many as before it, up to this many (speed only; 16: fixed rounds):
+# SmolLM2 layer 15 bfloat16, a second attention sink, 1,405 re-measured in 60 s in rounds of 16 (docs/results.md)
 WIDE_CONFIRM = 512
 BEYOND = True  # an exact source whose observer was reproduced: re-measure past the reach before a guess (_beyond)
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
@@ -153,13 +153,13 @@ def _collision(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
 
 def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> Decision:
     """Confirm the contenders, then take the closest if every other verified candidate lies ``SEPARATION`` times
-    farther."""
+    farther; before a guess, re-measure past the reach where that may still certify (:func:`_beyond`)."""
     plain = evidence.plain
     measured = [i for i, _ in found if i in plain]
     if evidence.reproducible:  # every contender re-measured (the closest in angle alone first: often the token)
         unmeasured = [i for i, _ in found if i not in plain]
         if unmeasured:
-            return Decision(confirm=tuple(unmeasured[: _round(plain)]))
+            return Decision(confirm=tuple(unmeasured[: MAX_CONFIRM if plain else 1]))
     elif not measured:
         return Decision(confirm=(found[0][0],))
     best = min(measured, key=plain.__getitem__)
@@ -172,24 +172,22 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     # every other verified candidate, by its plain distance or the least its cached one allows
     unsure = _unsure(evidence, radii, bound, twins)
     if unsure:
-        return Decision(confirm=tuple(unsure[: _round(plain)]))
-    beyond = _beyond(evidence, radii, plain[best])
-    if beyond:
-        return Decision(confirm=tuple(beyond[: _round(plain)]))
+        return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
-    if rivals:
-        if evidence.exhausted or _spent(evidence, RIVALS):
-            return Decision(best, UNCERTAIN, guess=True, reason=SEVERAL)
+    if rivals and not (evidence.exhausted or _spent(evidence, RIVALS)):
         return PENDING  # a candidate not verified yet may be decisively closer
-    return _verdict(evidence, radii, best)
+    decision = Decision(best, UNCERTAIN, guess=True, reason=SEVERAL) if rivals else _verdict(evidence, radii, best)
+    beyond = _beyond(evidence, radii, plain[best]) if decision.guess else []
+    return Decision(confirm=tuple(beyond[: _wide(plain)])) if beyond else decision
 
 
-def _round(plain: dict[int, float]) -> int:
-    """How many contenders the next plain forward re-measures: the first alone (often the token), then
-    ``MAX_CONFIRM``, then as many as were re-measured so far (at most ``WIDE_CONFIRM``): a few rounds where thousands
-    wait, at most twice the forwards' rows the position needed."""
-    return 1 if not plain else max(MAX_CONFIRM, min(WIDE_CONFIRM, len(plain)))
+def _wide(plain: dict[int, float]) -> int:
+    """How many candidates past the reach the next plain forward re-measures (:func:`_beyond`): ``MAX_CONFIRM``, then
+    as many as were re-measured so far (at most ``WIDE_CONFIRM``): a few rounds where thousands wait, at most twice the
+    forwards' rows the position needed. The contenders within the reach keep rounds of ``MAX_CONFIRM`` (growing them
+    too slowed sink prompts whose true token comes among the first few dozen: docs/results.md)."""
+    return max(MAX_CONFIRM, min(WIDE_CONFIRM, len(plain)))
 
 
 def _beyond(evidence: Evidence, radii: Radii, distance: float) -> list[int]:
@@ -197,7 +195,10 @@ def _beyond(evidence: Evidence, radii: Radii, distance: float) -> list[int]:
     re-measured candidate reproduces this one, nearest at ``distance``, in a ball wider than the gaps: every verified
     candidate not re-measured yet, closest in angle first, as the true token's state may lie beyond the reach (SmolLM2
     layer 15, bfloat16, a random-id prompt's second attention sink: the true token's cached state 3,001 away, the ball
-    1,021, 2,645 other candidates nearer). Empty elsewhere. Switch: :data:`BEYOND`."""
+    1,021, 2,645 other candidates nearer). Asked only where the position would otherwise be a guess (the ranking's
+    own search is over: ``SEARCH_ON`` or no more candidates; asked earlier, the sweep slowed other sink prompts about
+    1.5x: thousands re-measured that the ranking's next candidates made needless). Empty elsewhere. Switch:
+    :data:`BEYOND`."""
     undecided = radii.plain >= radii.apart and distance > max(radii.apart / 2, radii.resolution)
     if not (BEYOND and evidence.reproducible and evidence.reproduced and undecided and not evidence.boxed):
         return []
