@@ -199,11 +199,17 @@ def _beyond(evidence: Evidence, radii: Radii, distance: float) -> list[int]:
     own search is over: ``SEARCH_ON`` or no more candidates; asked earlier, the sweep slowed other sink prompts about
     1.5x: thousands re-measured that the ranking's next candidates made needless). Empty elsewhere. Switch:
     :data:`BEYOND`."""
-    undecided = radii.plain >= radii.apart and distance > max(radii.apart / 2, radii.resolution)
+    undecided = _undecided(radii, distance) and distance > radii.resolution
     if not (BEYOND and evidence.reproducible and evidence.reproduced and undecided and not evidence.boxed):
         return []
     rest = torch.tensor([i not in evidence.plain for i in evidence.ids.tolist()], dtype=torch.bool)
     return evidence.ids[_by_angle(evidence, rest.nonzero().flatten().to(evidence.ids.device))].tolist()
+
+
+def _undecided(radii: Radii, distance: float) -> bool:
+    """The plain radius is wider than the tokens' distance apart and the nearest re-measured candidate lies at
+    ``distance``, beyond half of it (Theorem 3.2's Delta/2): a token not verified yet could match as well."""
+    return radii.plain >= radii.apart and distance > radii.apart / 2
 
 
 def _by_angle(evidence: Evidence, index: torch.Tensor) -> torch.Tensor:
@@ -265,9 +271,7 @@ def _verdict(evidence: Evidence, radii: Radii, best: int) -> Decision:
             return Decision(best, CONFIDENT, reason=WHOLE_GAP)
         return Decision(best, UNCERTAIN, guess=True, reason=WHOLE)
     if evidence.reproducible:
-        # where the plain radius is wider than the tokens' distance apart, a token not verified yet could match as
-        # well as this one unless it reproduces the observation within half of it (Theorem 3.2's Delta/2)
-        undecided = radii.plain >= radii.apart and distance > radii.apart / 2
+        undecided = _undecided(radii, distance)
         if undecided and evidence.reproduced and not evidence.exhausted and evidence.checked < SEARCH_ON:
             return PENDING  # the observer's kernels are reproduced here: look for a candidate that reproduces it
         if undecided:
