@@ -50,6 +50,32 @@ def test_a_reading_network_is_trained_on_request_cached_and_used_by_inversion(is
     assert seen and all(w is loaded for w in seen)
 
 
+def test_the_cli_builds_first_position_tables_of_named_layers_in_one_pass_and_refuses_unknown_ones(
+    cli, isolated_cache, monkeypatch
+):
+    from lminvert.invert import tables
+
+    proc = cli("models", "--tables", "1")
+    assert proc.returncode == 2 and "--prepare" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = cli(*PREPARE, "--tables", "1,99")
+    assert proc.returncode == 2 and "layer 99" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (isolated_cache / "tables").exists() or not any((isolated_cache / "tables").iterdir())  # nothing built
+    passes = []
+    real = tables.vocabulary_states
+    monkeypatch.setattr(tables, "vocabulary_states", lambda *a, **k: passes.append(a[2]) or real(*a, **k))
+    proc = cli(*PREPARE, "--tables", "2,0,1")
+    assert proc.returncode == 0, proc.stderr
+    assert [[int(layer) for layer in layers] for layers in passes] == [[0, 1, 2]]  # one pass, every layer read in it
+    model = lminvert.load_model("tiny-llama")
+    for layer in model.probe.layers([0, 1, 2]):
+        kept = tables.kept(model, layer, "table")
+        ids = torch.arange(model.probe.vocab_size)[:, None]
+        alone = model.probe.states(ids[:64], [layer])[layer][:, 0]
+        assert kept is not None and torch.allclose(kept[:64], alone, rtol=1e-4, atol=1e-5)  # each token's state alone
+    proc = cli(*PREPARE, "--tables", "1,2")
+    assert proc.returncode == 0 and len(passes) == 1  # kept: nothing built again
+
+
 def test_the_cli_trains_readers_only_for_a_named_model_and_known_layers(cli, isolated_cache):
     proc = cli("models", "--reader", "2")
     assert proc.returncode != 0 and "--prepare" in proc.stderr and "Traceback" not in proc.stderr

@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   lminvert models                                         # the aliases, their shapes, whether usable offline
   lminvert models --prepare smollm2-135m                  # convert the GGUF into the cache now
   lminvert models --prepare smollm2-135m --reader 15,30   # also train reading networks for layers 15 and 30
+  lminvert models --prepare smollm2-135m --tables 1,15    # first-position tables of layers 1 and 15, one pass
 """
 
 
@@ -40,12 +41,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reading network at the last layer, lent to the layers below it that it reads better than their maps, and "
         "the last layer's tables (about 4 minutes once on a 2-core CPU; lminvert.invert.preparation)",
     )
+    parser.add_argument(
+        "--tables",
+        metavar="LAYERS",
+        help="with --prepare: also build the first-position tables of LAYERS (e.g. 1,15) not kept yet, in one pass of "
+        "the vocabulary up to the highest (a table built on first use costs a pass of its own)",
+    )
     _add_reader_args(parser)
     parser.add_argument(
         "--dtype",
         default="float32",
         choices=list(DTYPES),
-        help="with --prepare: the dtype of the layer signature and reading networks",
+        help="with --prepare: the dtype of the layer signature, tables and reading networks",
     )
     parser.add_argument("--device", default="auto", help="with --prepare: where the model runs")
     parser.set_defaults(func=run)
@@ -93,6 +100,8 @@ def _add_reader_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.reader and not args.prepare:
         raise LminvertError("--reader needs --prepare ALIAS (the model to train the reading network for)")
+    if args.tables and not args.prepare:
+        raise LminvertError("--tables needs --prepare ALIAS (the model to build the first-position tables of)")
     if args.negatives is not None and (not args.reader or args.negatives < 0):
         raise LminvertError("--negatives needs --reader LAYERS and a count of at least 0 (0: the whole vocabulary)")
     if args.random_prompts is not None and (not args.reader or args.random_prompts < 0):
@@ -102,20 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.retrain and not args.reader:
         raise LminvertError("--retrain needs --reader LAYERS (the layers to train the reading network at again)")
     if args.prepare:
-        from ..models.registry import resolve
-
-        spec = resolve(args.prepare)
-        model = functools.cache(lambda: load_model(args.prepare, dtype=args.dtype, device=args.device))  # loaded once
-        if spec is None or spec.kind != "gguf-package":
-            print(f"{args.prepare}: nothing to convert")
-        else:
-            print(f"{spec.alias}: ready in {sources.convert(spec)}")
-            if args.signature:
-                _layer_signature(model())
-        if args.inversion:
-            _prepare_inversion(args.prepare, model())
-        if args.reader:
-            _train_readers(args, model())
+        _prepare(args)
         return 0
     rows = []
     for spec in REGISTRY.values():
@@ -146,6 +142,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> None:
+    """``--prepare``: the model converted, then what the other options ask for, an unknown layer refused first."""
+    from ..models.registry import resolve
+
+    spec = resolve(args.prepare)
+    model = functools.cache(lambda: load_model(args.prepare, dtype=args.dtype, device=args.device))  # loaded once
+    if spec is None or spec.kind != "gguf-package":
+        print(f"{args.prepare}: nothing to convert")
+    else:
+        print(f"{spec.alias}: ready in {sources.convert(spec)}")
+    for named in (args.tables, args.reader):  # an unknown layer: a one-line error before any long work
+        if named:
+            model().probe.layers(named)
+    if spec is not None and spec.kind == "gguf-package" and args.signature:
+        _layer_signature(model())
+    if args.inversion:
+        _prepare_inversion(args.prepare, model())
+    if args.tables:
+        _tables(args.prepare, model(), args.tables)
+    if args.reader:
+        _train_readers(args, model())
+
+
 def _layer_signature(model: LoadedModel) -> None:
     """The model's layer signature in ``--dtype``, cached now (about 7 s the first time on a 2-core CPU), so that the
     first capture given without its layer is answered in seconds."""
@@ -162,8 +181,18 @@ def _prepare_inversion(alias: str, model: LoadedModel) -> None:
         print(f"{alias}: {line}")
 
 
+def _tables(alias: str, model: LoadedModel, spec: str) -> None:
+    """The first-position tables of the layers ``spec`` names, those not kept built in one pass of the vocabulary
+    (:func:`lminvert.invert.tables.first_position_tables`)."""
+    from ..invert.tables import first_position_tables
+
+    layers = model.probe.layers(spec)
+    first_position_tables(model, layers)
+    print(f"{alias}: first-position tables of layers {', '.join(layer.name for layer in layers)} ({model.dtype}) kept")
+
+
 def _train_readers(args: argparse.Namespace, model: LoadedModel) -> None:
-    layers = model.probe.layers(args.reader)  # an unknown layer: a one-line error
+    layers = model.probe.layers(args.reader)
     wanted = []
     for layer in layers:
         path = table_path(model, layer, reader.KIND)
