@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -210,18 +208,18 @@ def test_html_report_is_self_contained(runs, tmp_path):
     assert "Inversion under Gaussian noise" in page and "<table>" in page
 
 
-def test_report_cli_errors_are_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "lminvert", "report", str(tmp_path), "--out", str(tmp_path / "r.html")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def test_report_cli_errors_are_one_line(cli, tmp_path):
+    args = ["report", str(tmp_path), "--out", str(tmp_path / "r.html")]
+    proc = cli(*args)
     assert proc.returncode == 2 and "holds no results.json" in proc.stderr and "Traceback" not in proc.stderr
-    cmd[-1] = str(tmp_path / "r.txt")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    args[-1] = str(tmp_path / "r.txt")
+    proc = cli(*args)
     assert proc.returncode == 2 and "must end in .html" in proc.stderr
 
 
-def test_experiment_cli_lists_and_refuses_bad_input(tmp_path):
+def test_experiment_cli_lists_and_refuses_bad_input(cli, tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "lminvert", "experiment", *args], capture_output=True, text=True)
+        return cli("experiment", *args)
 
     listed = run("--list")
     assert listed.returncode == 0 and all(name in listed.stdout for name in experiments.EXPERIMENTS)
@@ -273,27 +271,15 @@ def test_markdown_page_replaces_only_its_block(runs, tmp_path):
     assert "Gaussian noise" in text and "Inversion by kind of prompt" not in text
 
 
-def test_experiment_cli_size_overrides_reach_the_run(tmp_path):
-    out = tmp_path / "splits"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lminvert",
-        "experiment",
-        "splits",
-        "--quick",
-        "--model",
-        "tiny-llama",
-        "--out",
-        str(out),
-    ]
-    cmd += ["--size", "length=5", "--size", 'kinds=["random"]', "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_experiment_cli_size_overrides_reach_the_run(cli, tmp_path):
+    args = ["experiment", "splits", "--quick", "--model", "tiny-llama", "--out", str(tmp_path / "splits")]
+    args += ["--size", "length=5", "--size", 'kinds=["random"]', "--json"]
+    proc = cli(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["config"]["size"]["length"] == 5 and {r["kind"] for r in doc["rows"]} == {"random"}
     assert all(r["length"] == 5 and r["exact"] for r in doc["rows"])
-    bad = subprocess.run([*cmd[:-5], "--size", "nokey"], capture_output=True, text=True)
+    bad = cli(*args[:-5], "--size", "nokey")
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
 
 
