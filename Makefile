@@ -29,15 +29,11 @@ setup-gemma: $(STAMP)
 demo: setup
 	$(BIN)/lminvert demo
 
-# chromium installs (apt) while the environment sets up (pip) and the default model's float32 first-position tables
-# that the suite's tests read (layers 0, 1, 6, 14 and 15) are built in one pass of the vocabulary on every core (built
-# by the tests themselves, each is a pass of its own on one core: docs/results.md), then the suite runs in one process
-# per core (at most 4; each test file in one process, tests/conftest.py shares the cores' threads among them)
-SUITE_TABLES := 0,1,6,14,15
+# chromium installs (apt) while the environment sets up (pip), then the suite runs in one process per core (at most
+# 4; each test file in one process, tests/conftest.py shares the cores' threads among them)
 test:
 	@$(MAKE) --no-print-directory chromium >/dev/null 2>&1 & chromium=$$!; \
 	$(MAKE) --no-print-directory setup || exit 1; \
-	$(BIN)/lminvert models --prepare smollm2-135m --no-signature --no-inversion --tables $(SUITE_TABLES) || exit 1; \
 	wait $$chromium || echo "chromium could not be installed: the browser test will be skipped"; \
 	$(BIN)/pytest -q --durations=25 -n auto --maxprocesses 4 --dist loadfile
 
