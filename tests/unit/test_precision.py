@@ -109,22 +109,36 @@ def test_half_precision_inversion_is_exact_on_every_family(name, dtype):
     assert result.dtype == dtype
 
 
+def _plain_rows(probe, ids: list[int]) -> list[int]:
+    """Every position's confirmation of ``ids`` at layer 2 by the observer-shaped plain forward, each asserted equal
+    to the whole forward's bits; the starts the forwards ran from (0: the whole sequence)."""
+    layer = probe.layer(2)
+    whole = probe.states(torch.tensor([ids]), [layer])[layer][0]
+    kept, starts = None, []
+    for t in range(len(ids)):
+        rows = probe.plain_states([ids], layer, upto=t, kept=kept, stop=t + 2)
+        assert torch.equal(rows.states[0], whole[rows.start : rows.start + rows.states.shape[1]])
+        assert rows.start + rows.states.shape[1] > t
+        starts.append(rows.start)
+        kept = rows.keys_of(0)
+    return starts
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_plain_forwards_from_kept_keys_equal_the_whole_forward_on_every_family(name):
     """The confirmation's plain forward started from kept keys and values (:mod:`lminvert.models.observed`) gives the
-    whole forward's bits in every family, bfloat16 on this CPU: where the shortcut would not (a sliding window, a
-    non-sdpa attention, a differing bit at its first use) the whole sequence runs instead."""
+    whole forward's bits in every family, bfloat16 on this CPU: where the shortcut would not (a sequence longer than a
+    sliding window, a non-sdpa attention, a differing bit at its first use) the whole sequence runs instead. Within
+    every window (tiny Gemma-3's 512; tiny Mistral's 4 with 4 tokens) the shortcut runs."""
     probe = lminvert.load_model(name, dtype="bfloat16").probe
-    layer = probe.layer(2)
-    whole = probe.states(torch.tensor([IDS]), [layer])[layer][0]
-    kept = None
-    for t in range(len(IDS)):
-        rows = probe.plain_states([IDS], layer, upto=t, kept=kept, stop=t + 2)
-        assert torch.equal(rows.states[0], whole[rows.start : rows.start + rows.states.shape[1]])
-        assert rows.start + rows.states.shape[1] > t
-        kept = rows.keys_of(0)
-    windowed = name in ("tiny-mistral", "tiny-gemma2", "tiny-gemma3")  # and Gemma-2's eager attention
-    assert probe._observed.works is not windowed  # the shortcut ran (and matched) in the seven others
+    starts = _plain_rows(probe, IDS)
+    window = probe._observed.window
+    whole = name == "tiny-gemma2" or (window is not None and len(IDS) > window)  # Gemma-2: eager attention
+    assert name != "tiny-mistral" or whole  # its 4-token window is shorter than the 7 tokens
+    assert (max(starts) == 0) is whole
+    assert probe._observed.works is (False if name == "tiny-gemma2" else None if whole else True)
+    if window is not None and window < len(IDS) and probe._observed.works is not False:
+        assert max(_plain_rows(probe, IDS[:window])) > 0  # a sequence within the window takes it
 
 
 def test_ambiguity_is_resolved_by_the_plain_forward_not_guessed():
