@@ -67,10 +67,10 @@ def test_the_cli_builds_first_position_tables_of_named_layers_in_one_pass_and_re
     assert proc.returncode == 0, proc.stderr
     assert [[int(layer) for layer in layers] for layers in passes] == [[0, 1, 2]]  # one pass, every layer read in it
     model = lminvert.load_model("tiny-llama")
+    ids = torch.arange(64)[:, None]  # the first 64 tokens, each alone
     for layer in model.probe.layers([0, 1, 2]):
         kept = tables.kept(model, layer, "table")
-        ids = torch.arange(model.probe.vocab_size)[:, None]
-        alone = model.probe.states(ids[:64], [layer])[layer][:, 0]
+        alone = model.probe.states(ids, [layer])[layer][:, 0]
         assert kept is not None and torch.allclose(kept[:64], alone, rtol=1e-4, atol=1e-5)  # each token's state alone
     proc = cli(*PREPARE, "--tables", "1,2")
     assert proc.returncode == 0 and len(passes) == 1  # kept: nothing built again

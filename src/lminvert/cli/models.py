@@ -8,7 +8,7 @@ import functools
 from ..errors import LminvertError
 from ..invert import reader
 from ..invert.tables import table_path
-from ..models import REGISTRY, LoadedModel, load_model, sources
+from ..models import REGISTRY, Layer, LoadedModel, load_model, sources
 from ..models.loading import DTYPES
 from .common import add_command, print_json
 
@@ -147,20 +147,19 @@ def _prepare(args: argparse.Namespace) -> None:
     from ..models.registry import resolve
 
     spec = resolve(args.prepare)
+    convertible = spec is not None and spec.kind == "gguf-package"
     model = functools.cache(lambda: load_model(args.prepare, dtype=args.dtype, device=args.device))  # loaded once
-    if spec is None or spec.kind != "gguf-package":
-        print(f"{args.prepare}: nothing to convert")
-    else:
-        print(f"{spec.alias}: ready in {sources.convert(spec)}")
-    for named in (args.tables, args.reader):  # an unknown layer: a one-line error before any long work
-        if named:
-            model().probe.layers(named)
-    if spec is not None and spec.kind == "gguf-package" and args.signature:
+    print(f"{spec.alias}: ready in {sources.convert(spec)}" if convertible else f"{args.prepare}: nothing to convert")
+    # an unknown layer: a one-line error before any long work
+    tables = model().probe.layers(args.tables) if args.tables else []
+    if args.reader:
+        model().probe.layers(args.reader)
+    if convertible and args.signature:
         _layer_signature(model())
     if args.inversion:
         _prepare_inversion(args.prepare, model())
-    if args.tables:
-        _tables(args.prepare, model(), args.tables)
+    if tables:
+        _tables(args.prepare, model(), tables)
     if args.reader:
         _train_readers(args, model())
 
@@ -181,12 +180,11 @@ def _prepare_inversion(alias: str, model: LoadedModel) -> None:
         print(f"{alias}: {line}")
 
 
-def _tables(alias: str, model: LoadedModel, spec: str) -> None:
-    """The first-position tables of the layers ``spec`` names, those not kept built in one pass of the vocabulary
+def _tables(alias: str, model: LoadedModel, layers: list[Layer]) -> None:
+    """The first-position tables of ``layers``, those not kept built in one pass of the vocabulary
     (:func:`lminvert.invert.tables.first_position_tables`)."""
     from ..invert.tables import first_position_tables
 
-    layers = model.probe.layers(spec)
     first_position_tables(model, layers)
     print(f"{alias}: first-position tables of layers {', '.join(layer.name for layer in layers)} ({model.dtype}) kept")
 
