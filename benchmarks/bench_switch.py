@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument("--leak", choices=("states", "kv"), default="states")
     parser.add_argument("--layer", type=int, default=30, help="the states' layer, or the KV cache's block")
     parser.add_argument("--prompts", type=int, default=12, help="held-out texts, in order (heldout.py)")
+    parser.add_argument("--set", choices=("all", "fresh"), default="all", help="HELD_OUT, DEEP, FRESH; or FRESH alone")
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument(
         "--source",
@@ -59,7 +60,7 @@ def main() -> int:
     if not isinstance(getattr(module, name, None), bool):
         parser.error(f"{args.switch} is not a boolean constant: give --switch as module:NAME")
     model = lminvert.load_model(args.model, dtype=args.dtype)
-    texts = list(dict.fromkeys((*HELD_OUT, *DEEP, *FRESH)))[: args.prompts]
+    texts = list(FRESH if args.set == "fresh" else dict.fromkeys((*HELD_OUT, *DEEP, *FRESH)))[: args.prompts]
     prompts = [list(model.tokenize(text, args.length)) for text in texts]
 
     def run(ids: list[int], on: bool) -> tuple[lminvert.InversionResult, float]:
@@ -69,7 +70,7 @@ def main() -> int:
         else:
             leak = lminvert.encode(model, [ids], args.layer)
         start = time.perf_counter()
-        result = lminvert.invert(model, leak, args.layer, leak=args.leak, source=args.source or "float")[0]
+        result = lminvert.invert(model, leak, args.layer, leak=args.leak, source=args.source)[0]  # None: own, exact
         return result, time.perf_counter() - start
 
     for on in (True, False):

@@ -137,23 +137,33 @@ def test_a_reproduction_is_certified_and_two_are_a_collision():
 
 def _answering(evidence: Evidence, radii: Radii, plain_of) -> tuple[acceptor.Decision, list[int]]:
     """Decide, answering each confirmation with ``plain_of(id)``; the decision and the sizes of the rounds."""
+    return _until(evidence, radii, plain_of)[:2]
+
+
+def _until(evidence: Evidence, radii: Radii, plain_of) -> tuple[acceptor.Decision, list[int], Evidence]:
+    """:func:`_answering`, and the evidence at its end."""
     rounds = []
     while (decision := decide(evidence, radii)).confirm:
         rounds.append(len(decision.confirm))
         plain = {**evidence.plain, **{i: plain_of(i) for i in decision.confirm}}
         evidence = replace(evidence, plain=plain, confirmed=True)
-    return decision, rounds
+    return decision, rounds, evidence
 
 
 @pytest.mark.parametrize("reproduced", [True, False])
 @pytest.mark.parametrize("beyond", [True, False])
-def test_a_reproduced_observer_is_searched_past_the_reach_for_its_bit_exact_match(monkeypatch, reproduced, beyond):
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_reproduced_observer_is_searched_past_the_reach_for_its_bit_exact_match(
+    monkeypatch, reproduced, beyond, paced
+):
     """A state whose rounding moves it farther than the ball (a second attention sink in bfloat16): 300 wrong
     candidates in the reach, none reproducing it, the true token beyond it. Where an earlier position reproduced the
     observer's kernels, the verified candidates beyond the reach are re-measured too (closest in angle first, in
     rounds that grow) once the ranking's own search is over, and the true one is certified; otherwise (or switched
-    off) a guess, never certified."""
+    off) a guess, never certified. Paced or not, the same decisions; paced, the contenders are re-measured one per
+    ``PACE`` candidates checked while the search goes on, and at its end in rounds that grow."""
     monkeypatch.setattr(acceptor, "BEYOND", beyond)
+    monkeypatch.setattr(acceptor, "PACED", paced)
     dists = [0.5 + i / 1000 for i in range(300)] + [3.0, 2.5, 5.0]
     true = 300
     radii = _radii(cached=1.0, plain=1.0, rounding=1.0, gap=0.5)  # the ball is wider than the gaps
@@ -161,18 +171,45 @@ def test_a_reproduced_observer_is_searched_past_the_reach_for_its_bit_exact_matc
     # reach is re-measured: the search goes on
     early = _evidence(dists, reach=1.0, reproduced=reproduced)
     decision, rounds = _answering(early, radii, lambda i: 0.0 if i == true else 0.2)
-    assert rounds == [1] + [acceptor.MAX_CONFIRM] * 18 + [11, 1]  # the 300 in the reach, then one it may hide
-    # re-measured: the 301 whose cached distance less the rounding allows the bound (not the true one, at 3.0)
-    assert decision.token is None and not decision.final and sum(rounds) == 301
+    assert decision.token is None and not decision.final
+    pace = acceptor.MAX_CONFIRM + len(dists) // acceptor.PACE  # 91 re-measured while 303 were checked
+    if paced:  # rounds of MAX_CONFIRM up to the pace, then the next candidates first
+        assert rounds == [1] + [acceptor.MAX_CONFIRM] * 6 and sum(rounds) - rounds[-1] < pace <= sum(rounds)
+    else:  # the 300 in the reach, then one it may hide: the 301 whose cached distance less the rounding allows the
+        assert rounds == [1] + [acceptor.MAX_CONFIRM] * 18 + [11, 1]  # bound (not the true one, at 3.0)
     evidence = _evidence(dists, reach=1.0, exhausted=True, reproduced=reproduced)
     decision, rounds = _answering(evidence, radii, lambda i: 0.0 if i == true else 0.2)  # 8 x 0.2 + 1: short of 3
     if reproduced and beyond:
         assert (decision.token, decision.verdict) == (true, CERTIFIED)
     else:
         assert decision.verdict == UNCERTAIN and decision.guess
-    # the same rounds, then past the reach rounds as large as all before (here one of the two left)
-    assert rounds[:21] == [1] + [acceptor.MAX_CONFIRM] * 18 + [11, 1]
-    assert rounds[21:] == ([2] if reproduced and beyond else [])
+    # the 301 (paced: in rounds as large as all before, _wide), then past the reach rounds as large as all before
+    within = [1, 16, 17, 34, 68, 136, 28, 1] if paced else [1] + [acceptor.MAX_CONFIRM] * 18 + [11, 1]
+    assert rounds[: len(within)] == within
+    assert rounds[len(within) :] == ([2] if reproduced and beyond else [])
+
+
+def test_paced_contenders_wait_and_a_later_closer_candidate_is_re_measured_first(monkeypatch):
+    """Half precision at a deep layer: the ball holds every verified candidate. Paced, the 300 wrong contenders are
+    re-measured only at the pace of the candidates checked; the true token, verified in a later batch and the closest
+    in angle, is re-measured in the next round and certified, after far fewer plain forwards than unpaced, where every
+    contender is re-measured first. Either way the same token and verdict."""
+    radii = _radii(cached=1.0, plain=1.0, rounding=1.0, gap=0.5)
+    wrong = [0.5 + i / 1000 for i in range(300)]
+    grown = _evidence([*wrong, 0.01, *wrong[:63]], reach=1.0, reproduced=True)  # the next batch: the true one, 63
+    states = grown.states.clone()
+    states[300] = 3 * grown.target  # the true token's state: along the observation
+    grown = replace(grown, states=states)
+    measured = {}
+    for paced in (True, False):
+        monkeypatch.setattr(acceptor, "PACED", paced)
+        decision, rounds, evidence = _until(_evidence(wrong, reach=1.0, reproduced=True), radii, lambda i: 0.2)
+        assert decision.token is None and not decision.final  # the search goes on
+        later = replace(grown, plain=evidence.plain, confirmed=True)
+        decision, more, _ = _until(later, radii, lambda i: 0.0 if i == 300 else 0.2)
+        assert (decision.token, decision.verdict) == (300, CERTIFIED)
+        measured[paced] = sum(rounds) + sum(more)
+    assert measured[True] < measured[False] / 2
 
 
 def test_nothing_fits_keeps_the_nearest_uncertain_only_when_the_search_is_over():
