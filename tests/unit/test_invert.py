@@ -579,6 +579,33 @@ def test_a_ranking_that_keeps_missing_gets_a_smaller_part_of_later_batches():
     assert policy._stream_shares() == dict.fromkeys(STREAMS, 1.0)
 
 
+def test_a_later_batch_is_topped_up_by_the_rankings_that_have_more_when_one_runs_out(monkeypatch):
+    """The proposal's order holds its top 2,048 only: once every one of them is verified, its part of a later batch
+    goes to the rankings that still have unseen candidates (by their shares), so batches keep their size; switched
+    off, the batch shrinks to what those rankings were asked for."""
+    from types import SimpleNamespace
+
+    from lminvert.invert import linear
+
+    vocab = 100
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[:20] = True  # the proposal's order (ids 0-19) is spent
+    ctx = SimpleNamespace(seen=seen, checked=20, unseen=lambda ranked, k: ranked[~seen[ranked]][:k])
+    streams = {
+        "secant": torch.arange(vocab, 0, -1.0),
+        "reread": torch.arange(float(vocab)),
+        "proposal": torch.arange(20),
+    }
+    share = {"secant": 0.5, "reread": 0.25, "proposal": 1.0}
+    picks = torch.cat([torch.arange(99, 91, -1), torch.arange(20, 24)])  # what the three were asked: 8, 4, 0 unseen
+    topped = linear._refill(ctx, picks, streams, share, 16)
+    assert len(topped) == len(topped.unique()) == 16 and not seen[topped].any()
+    assert torch.equal(topped[: len(picks)], picks)
+    assert topped[len(picks) :].tolist() == [91, 90, 89, 24]  # the 4 missing: secant 3 (its share 2/3), reread 1
+    monkeypatch.setattr(linear, "REFILL", False)
+    assert torch.equal(linear._refill(ctx, picks, streams, share, 16), picks)
+
+
 def test_an_ablation_is_a_configuration_of_the_rankers():
     """Each ranker is left out by its setting, and the policy mixes exactly the rankers it names."""
     from lminvert.invert.linear import LinearPolicy, SecantPolicy

@@ -41,6 +41,9 @@ SOURCE_FLOOR = 1 / 16  # the least weight a source of the proposal's order keeps
 STREAMS = ("secant", "reread", "proposal")  # the rankings a position's later batches draw from
 STREAM_FLOOR = 1 / 16  # the least part of a later batch a ranking keeps (it can recover)
 FUSED = 1.0  # the reading's weight in the fused source of the proposal (0: no fused source; :mod:`.proposal`)
+# a later batch's part left by a ranking that ran out (the proposal's order holds its top 2,048) goes to the others
+# (_refill; speed only: Gemma-3-270m bfloat16 layer 18, past 2,324 candidates the batches had shrunk from 512 to 73)
+REFILL = True
 
 
 class LinearPolicy(Policy):
@@ -229,6 +232,7 @@ class LinearPolicy(Policy):
             picks = top if not len(picks) else torch.cat([picks, top[~torch.isin(top, picks)]])
         if self._lm_order is not None:
             picks = picks.unique()
+        picks = _refill(ctx, picks, streams, share, size)
         if rounds >= 2 and ctx.checked < self.explore_max:
             # the ranking missed: add unbiased samples (as many as we have) so the next fit is local
             extra = max(self.explore * ctx.scale, min(ctx.checked, self.explore_max - ctx.checked))
@@ -287,6 +291,24 @@ class LinearPolicy(Policy):
             hit = bool((self._lm_order[: 4 * self.first] == token_id).any())
             self._lm_share = 0.5 * self._lm_share + 0.5 * hit
             self._lm_order = None
+
+
+def _refill(
+    ctx: PositionContext, picks: torch.Tensor, streams: dict[str, Ranking], share: dict[str, float], size: int
+) -> torch.Tensor:
+    """``picks`` topped up to ``size`` where a ranking ran out of unseen candidates: each ranking with more to give
+    adds its part of what is missing (by ``share``), its best unseen candidates not picked yet. Switch:
+    :data:`REFILL`."""
+    short = size - len(picks)
+    if not REFILL or short <= 0:
+        return picks
+    asked = {name: max(1, round(size * share[name])) for name in streams}
+    live = [name for name in streams if len(top_unseen(ctx, streams[name], asked[name] + 1)) > asked[name]]
+    total = sum(share[name] for name in live)
+    for name in live:
+        more = top_unseen(ctx, streams[name], asked[name] + max(1, round(short * share[name] / total)))
+        picks = torch.cat([picks, more[~torch.isin(more, picks)]])
+    return picks
 
 
 class SecantPolicy(LinearPolicy):
