@@ -2,21 +2,31 @@
 
 Every cache entry and result file is written under a unique temporary name in its final directory and then
 renamed into place, so two processes preparing the same model or table at once never see (or leave) a half
-written file: the rename is atomic, and the loser of a race for a directory discards its own copy.
+written file: the rename is atomic, and the loser of a race for a directory discards its own copy. A cache entry
+that takes long to build is built by one process at a time (:func:`building`): another one asking for it meanwhile
+waits, then reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from .errors import LminvertError
+
+log = logging.getLogger(__name__)
+WAIT = 3600.0  # seconds a process waits for another building the same cache entry, then builds it itself
+_held = threading.local()  # this thread holds a build lock (nested builds take none)
 
 
 def cache_dir() -> Path:
@@ -40,6 +50,38 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def building(path: str | Path, wait: float = WAIT) -> Iterator[bool]:
+    """One process at a time builds the cache entry kept at ``path`` (an exclusive lock on ``.<name>.lock`` beside
+    it, released by the system if the process dies); yields whether this one waited for another, which then most
+    likely wrote the entry: read it again before building. A thread already inside such a build takes no lock for
+    the entries its build asks for (a process holds one at most, so two processes never wait on each other); after
+    ``wait`` seconds it builds anyway (the file is written atomically either way)."""
+    if getattr(_held, "lock", False):
+        yield False
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    waited = False
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process building %s", path.name)
+        waited = True
+        try:
+            lock.acquire(timeout=wait)
+        except Timeout:
+            log.warning("another process has been building %s for %.0f s: building it here too", path.name, wait)
+    _held.lock = True
+    try:
+        yield waited
+    finally:
+        _held.lock = False
+        if lock.is_locked:
+            lock.release()
 
 
 @contextlib.contextmanager

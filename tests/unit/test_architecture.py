@@ -139,8 +139,9 @@ def test_two_processes_prepare_the_same_table_at_once(tmp_path):
     (cache / "models" / "smollm2-135m").symlink_to(real / "models" / "smollm2-135m")
     sums = _together(_PREPARE_TABLE, cache, n=3)
     assert len(set(sums)) == 1
-    tables = list((cache / "tables").iterdir())
+    tables = [p for p in (cache / "tables").iterdir() if not p.name.endswith(".lock")]
     assert len(tables) == 1 and tables[0].name.endswith("layer1.safetensors")  # no temporary file left behind
+    assert [p.name for p in (cache / "tables").glob(".*.lock")] == [f".{tables[0].name}.lock"]  # one built it
     (value,) = load_file(str(tables[0])).values()
     assert float(value.double().sum()) == float(sums[0])  # the file holds what both processes computed
     model = lminvert.load_model("tiny-llama")

@@ -105,3 +105,43 @@ def test_several_layers_tables_are_built_in_one_pass_and_equal_one_layers(isolat
         assert torch.equal(together[layer], alone)
         fresh.memo.clear()
     assert len(passes) == 1 + len(layers)
+
+
+def test_an_entry_another_process_is_building_is_waited_for_and_read_not_built_again(isolated_cache, caplog):
+    """While another holder builds a cache entry (here a thread holding its lock, as another process would), asking
+    for it waits, then reads what that one wrote instead of building it a second time; an entry asked for inside a
+    build takes no lock of its own (one held per process at most: two never wait on each other)."""
+    import threading
+
+    from lminvert.paths import building
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    path = table_path(model, layer, "waited")
+    holding, done, got = threading.Event(), threading.Event(), {}
+
+    def other() -> None:
+        with building(path) as waited:
+            holding.set()
+            done.wait(30)
+            tables.write_tables(model, layer, "waited", {"value": torch.arange(3.0)})
+        got["waited"] = waited
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert holding.wait(30)
+    timer = threading.Timer(0.5, done.set)  # the other build ends after half a second
+    timer.start()
+    with caplog.at_level(logging.INFO, logger="lminvert.paths"):
+        value = cached(model, layer, "waited", lambda: (_ for _ in ()).throw(AssertionError("built twice")))
+    thread.join(30)
+    assert torch.equal(value.cpu(), torch.arange(3.0)) and got["waited"] is False
+    assert any("waiting for another process" in r.getMessage() for r in caplog.records)
+    nested = cached(model, layer, "outer", lambda: cached(model, layer, "inner", lambda: torch.ones(2)) + 1)
+    assert torch.equal(nested.cpu(), torch.full((2,), 2.0))
+
+    def lock_of(kind: str) -> bool:
+        entry = table_path(model, layer, kind)
+        return (entry.parent / f".{entry.name}.lock").exists()
+
+    assert lock_of("outer") and not lock_of("inner")

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from ..cpu import cpu_features
 from ..forward import vocabulary_states
 from ..models import Layer, LoadedModel
 from ..models.probe import has_hooks
-from ..paths import atomic_file, cache_dir
+from ..paths import atomic_file, building, cache_dir
 from .secant import centre, fit_secant_map
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,15 @@ def cached(
     value = kept(model, layer, kind, per_device)
     if value is not None:
         return value
-    start = time.perf_counter()
-    value = build().detach().cpu().contiguous()
-    write_tables(model, layer, kind, {"value": value}, model.device.type if per_device else None)
+    device = model.device.type if per_device else None
+    lock = nullcontext(False) if has_hooks(model.model) else building(table_path(model, layer, kind, device))
+    with lock as waited:
+        value = kept(model, layer, kind, per_device) if waited else None  # another process built it meanwhile
+        if value is not None:
+            return value
+        start = time.perf_counter()
+        value = build().detach().cpu().contiguous()
+        write_tables(model, layer, kind, {"value": value}, device)
     log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
     return _hold(model, layer, kind, per_device, value)
 
