@@ -145,3 +145,32 @@ def test_an_entry_another_process_is_building_is_waited_for_and_read_not_built_a
         return (entry.parent / f".{entry.name}.lock").exists()
 
     assert lock_of("outer") and not lock_of("inner")
+
+
+def test_radii_another_process_is_measuring_are_waited_for_and_read(isolated_cache, monkeypatch):
+    """The radii's calibration keeps several entries from one measurement: while another holder measures them, a
+    caller waits and reads them rather than measuring them again."""
+    import threading
+
+    from lminvert.invert import tolerance
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    kind = tolerance.calibration_kind(model)
+    holding, done = threading.Event(), threading.Event()
+    radii = torch.tensor([1e-6, 2e-6, 0.5, 36.0], dtype=torch.float64)
+
+    def other() -> None:
+        with tables.build_lock(model, layer, kind, per_device=True):
+            holding.set()
+            done.wait(30)
+            tables.write_tables(model, layer, kind, {"value": radii}, model.device.type)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert holding.wait(30)
+    monkeypatch.setattr(tolerance, "measure_layers", lambda *a, **k: (_ for _ in ()).throw(AssertionError("twice")))
+    threading.Timer(0.5, done.set).start()
+    assert tolerance.calibrate_layers(model, [layer], screen=False) == []  # measured by the other: nothing here
+    thread.join(30)
+    assert tolerance.calibrate(model, layer).gap == 0.5

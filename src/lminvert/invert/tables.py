@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,8 +123,7 @@ def cached(
     if value is not None:
         return value
     device = model.device.type if per_device else None
-    lock = nullcontext(False) if has_hooks(model.model) else building(table_path(model, layer, kind, device))
-    with lock as waited:
+    with build_lock(model, layer, kind, per_device) as waited:
         value = kept(model, layer, kind, per_device) if waited else None  # another process built it meanwhile
         if value is not None:
             return value
@@ -133,6 +132,15 @@ def cached(
         write_tables(model, layer, kind, {"value": value}, device)
     log.info("built %s for layer %s in %.1f s", kind, layer.name, time.perf_counter() - start)
     return _hold(model, layer, kind, per_device, value)
+
+
+def build_lock(model: LoadedModel, layer: Layer, kind: str, per_device: bool = False) -> AbstractContextManager[bool]:
+    """While :func:`cached` (or a build that keeps several entries) builds ``kind`` at ``layer``, other processes
+    asking for it wait (:func:`lminvert.paths.building`: yields whether this one waited; nothing for a hooked model,
+    whose entries stay off the disk)."""
+    if has_hooks(model.model):
+        return nullcontext(False)
+    return building(table_path(model, layer, kind, model.device.type if per_device else None))
 
 
 def kept(model: LoadedModel, layer: Layer, kind: str, per_device: bool = False) -> torch.Tensor | None:

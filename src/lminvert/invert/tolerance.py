@@ -43,7 +43,7 @@ from ..forward import prompt_states
 from ..models import Layer, LoadedModel
 from .context import batch_scale
 from .nearest import near_inputs
-from .tables import cached, kept
+from .tables import build_lock, cached, kept
 
 SAFETY = 4.0
 KIND = "calibration5"  # the cache's name for it; a new name whenever measure() changes (2: prefixes grown from the
@@ -338,6 +338,16 @@ def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> l
     wanted = [layer for layer in layers if missing(layer)]
     if not wanted:
         return []
+    with build_lock(model, max(wanted), kind, per_device=True) as waited:  # another process measuring them: wait
+        wanted = [layer for layer in wanted if missing(layer)] if waited else wanted
+        if wanted:
+            _measure_and_keep(model, wanted, screen)
+    return wanted
+
+
+def _measure_and_keep(model: LoadedModel, wanted: list[Layer], screen: bool) -> None:
+    """:func:`calibrate_layers`' measurements of ``wanted``, on both paths, kept."""
+    kind = calibration_kind(model)
     prompts = calibration_prompts(model)
     found = measure_layers(model, wanted, prompts, screen=screen)
     with model.probe.always_packed():
@@ -351,7 +361,6 @@ def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> l
             assert one.screen_typical is not None and other.screen_typical is not None
             worst = [max(one.screen, other.screen), max(one.screen_typical, other.screen_typical)]
             cached(model, layer, SCREEN_KIND, lambda w=worst: torch.tensor(w, dtype=torch.float64), per_device=True)
-    return wanted
 
 
 NOISE_SIGMAS = 5.0  # standard deviations of the noise's norm that :func:`noise_tolerance` allows beyond its mean
