@@ -30,12 +30,13 @@ demo: setup
 	$(BIN)/lminvert demo
 
 # chromium installs (apt) while the environment sets up (pip), then the suite runs in one process per core (at most
-# 4; each test file in one process, tests/conftest.py shares the cores' threads among them)
+# 4, tests/conftest.py shares the cores' threads among them; an idle process takes tests queued for another, so a
+# file of slow tests does not hold the run up, and a cache entry two of them need is built once: lminvert.paths)
 test:
 	@$(MAKE) --no-print-directory chromium >/dev/null 2>&1 & chromium=$$!; \
 	$(MAKE) --no-print-directory setup || exit 1; \
 	wait $$chromium || echo "chromium could not be installed: the browser test will be skipped"; \
-	$(BIN)/pytest -q --durations=25 -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/pytest -q --durations=25 -n auto --maxprocesses 4 --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
