@@ -55,8 +55,7 @@ BEYOND = True  # an exact source whose observer was reproduced: re-measure past 
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
 # the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
 SEARCH_ON = 4096
-PACED = True  # an exact source's contenders re-measured at a pace with the candidates checked (_paced; speed only)
-PACE = 4  # while paced: one plain re-measurement per this many candidates checked (beyond MAX_CONFIRM)
+PACED, PACE = True, 4  # an exact source's contenders re-measured one per PACE candidates checked (_paced; speed only)
 # candidates a position of a source that cannot be reproduced may verify while two candidates fit its error model, or
 # while nothing fits and no earlier position fitted (another model or layer, noise above the gaps), or nothing fits
 # after a guess; where an earlier position fitted, the whole budget (docs/results.md: ranks past 1,024 at layer 30)
@@ -160,10 +159,11 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
     measured = [i for i, _ in found if i in plain]
     if evidence.reproducible:  # every contender re-measured (the closest in angle alone first: often the token)
         unmeasured = [i for i, _ in found if i not in plain]
-        if unmeasured and _paced(evidence, radii):
-            return PENDING  # the next candidates first: re-measured, the rest wait (see _paced)
         if unmeasured:
-            size = (_wide(plain) if PACED and _backlog(evidence, radii) else MAX_CONFIRM) if plain else 1
+            backlog = PACED and _backlog(evidence, radii)
+            if _paced(evidence, backlog):
+                return PENDING  # the next candidates first: re-measured, the rest wait (see _paced)
+            size = (_wide(plain) if backlog else MAX_CONFIRM) if plain else 1
             return Decision(confirm=tuple(unmeasured[:size]))
     elif not measured:
         return Decision(confirm=(found[0][0],))
@@ -193,22 +193,22 @@ def _rivals(evidence: Evidence, radii: Radii, best: int) -> tuple[float, set[int
     return bound, twins, [i for i, d in plain.items() if i not in twins and d <= bound]
 
 
-def _paced(evidence: Evidence, radii: Radii) -> bool:
+def _paced(evidence: Evidence, backlog: bool) -> bool:
     """Where an exact source's ball holds more contenders than one plain forward re-measures (half precision at deep
     layers: Gemma-3-270m's last layer in bfloat16, the ball 40% of the state's norm, nearly every verified candidate
     in it), whether the contenders not re-measured yet wait for the next candidates: at most ``MAX_CONFIRM`` plus one
     per ``PACE`` candidates checked are re-measured while the search goes on (closest in angle first, so a true token
     verified later, by far the closest, overtakes those waiting); all of them are re-measured before a decision, once
     the candidates are spent, or ``SEARCH_ON`` were checked and no two re-measured candidates lie within each other's
-    margin (where two do, the search goes on to the end of the candidates either way: :func:`_separated`). The order
-    of the evidence only (speed): a token is decided on the same rule. Switch: :data:`PACED`."""
+    margin (:func:`_backlog`, given). The order of the evidence only (speed): a token is decided on the same rule.
+    Switch: :data:`PACED`."""
     pace = MAX_CONFIRM + evidence.checked // PACE
-    return PACED and len(evidence.plain) >= pace and not _backlog(evidence, radii)
+    return PACED and not backlog and len(evidence.plain) >= pace
 
 
 def _backlog(evidence: Evidence, radii: Radii) -> bool:
-    """The search is at its end: the candidates are spent, or ``SEARCH_ON`` were checked and no rivals keep it
-    going; the contenders waiting (:func:`_paced`) are re-measured in rounds as wide as :func:`_wide` allows."""
+    """The search is at its end: the candidates are spent, or ``SEARCH_ON`` were checked and no rivals keep it going
+    (where two are, it goes on to the end anyway: :func:`_separated`); waiting contenders: :func:`_wide` rounds."""
     if evidence.exhausted:
         return True
     if evidence.checked < SEARCH_ON:

@@ -341,13 +341,12 @@ def calibrate_layers(model: LoadedModel, layers: list[Layer], screen: bool) -> l
     with build_lock(model, max(wanted), kind, per_device=True) as waited:  # another process measuring them: wait
         wanted = [layer for layer in wanted if missing(layer)] if waited else wanted
         if wanted:
-            _measure_and_keep(model, wanted, screen)
+            _measure_and_keep(model, wanted, kind, screen)
     return wanted
 
 
-def _measure_and_keep(model: LoadedModel, wanted: list[Layer], screen: bool) -> None:
-    """:func:`calibrate_layers`' measurements of ``wanted``, on both paths, kept."""
-    kind = calibration_kind(model)
+def _measure_and_keep(model: LoadedModel, wanted: list[Layer], kind: str, screen: bool) -> None:
+    """:func:`calibrate_layers`' measurements of ``wanted``, on both paths, kept under ``kind``."""
     prompts = calibration_prompts(model)
     found = measure_layers(model, wanted, prompts, screen=screen)
     with model.probe.always_packed():
