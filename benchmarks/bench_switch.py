@@ -3,10 +3,12 @@ order alternating from prompt to prompt), the tokens and verdicts of the two com
 printed.
 
 A switch is ``module:NAME``, a module's boolean constant (every speed mechanism has one, e.g.
-``lminvert.models.vocabulary:HALF_RANKS``, ``lminvert.invert.rows.rankers:VIEW_PRIOR``). The leak is lminvert's own
-states (``--leak states``, as ``lminvert encode`` writes them, searched by the engine) or a KV cache as transformers
-returns it (``--leak kv``: ``past_key_values.layers[LAYER - 1]``, through ``lminvert.invert(..., leak="kv")``), or
-``hidden_states[LAYER]`` under a defence (``--source noise:0.01``, ``quant:int8``: through ``source=``).
+``lminvert.models.vocabulary:HALF_RANKS``, ``lminvert.invert.rows.rankers:VIEW_PRIOR``); with ``--values A,B``, a
+setting of another type (an int or a float: ``lminvert.invert.acceptor:PACE --values 8,4``), A in the "on" columns.
+The leak is lminvert's own states (``--leak states``, as ``lminvert encode`` writes them, searched by the engine) or a
+KV cache as transformers returns it (``--leak kv``: ``past_key_values.layers[LAYER - 1]``, through
+``lminvert.invert(..., leak="kv")``), or ``hidden_states[LAYER]`` under a defence (``--source noise:0.01``,
+``quant:int8``: through ``source=``).
 Untimed first: one inversion of the first prompt's first 4 tokens each way (tables, calibrations and maps built or
 read).
 
@@ -37,6 +39,7 @@ CLAIMED = ("certified", "confident")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--switch", required=True, help="module:NAME, a boolean constant")
+    parser.add_argument("--values", default=None, help="A,B: the two values of a setting that is not a boolean")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--leak", choices=("states", "kv"), default="states")
@@ -57,14 +60,24 @@ def main() -> int:
         module = importlib.import_module(where)
     except ImportError:
         parser.error(f"no module {where!r}: give --switch as module:NAME, e.g. lminvert.models.vocabulary:HALF_RANKS")
-    if not isinstance(getattr(module, name, None), bool):
-        parser.error(f"{args.switch} is not a boolean constant: give --switch as module:NAME")
+    current = getattr(module, name, None)
+    if args.values is None and not isinstance(current, bool):
+        parser.error(f"{args.switch} is not a boolean constant: give --switch as module:NAME, or --values A,B")
+    values = {True: True, False: False}
+    if args.values is not None:
+        if isinstance(current, bool) or not isinstance(current, int | float):
+            parser.error(f"--values sets an int or a float constant; {args.switch} is {current!r}")
+        try:
+            a, b = (type(current)(value) for value in args.values.split(","))
+        except ValueError:
+            parser.error(f"--values takes two {type(current).__name__}s, A,B (e.g. 8,4), not {args.values!r}")
+        values = {True: a, False: b}
     model = lminvert.load_model(args.model, dtype=args.dtype)
     texts = list(FRESH if args.set == "fresh" else dict.fromkeys((*HELD_OUT, *DEEP, *FRESH)))[: args.prompts]
     prompts = [list(model.tokenize(text, args.length)) for text in texts]
 
     def run(ids: list[int], on: bool) -> tuple[lminvert.InversionResult, float]:
-        setattr(module, name, on)
+        setattr(module, name, values[on])
         if args.leak == "kv" or args.source:
             leak = HiddenStates.from_array(_capture(model, ids, args.leak, args.layer, args.source, 0))
         else:
@@ -98,8 +111,9 @@ def main() -> int:
             flush=True,
         )
     on, off = statistics.median(seconds[True]), statistics.median(seconds[False])
+    label = f"{args.switch} {values[True]} / {values[False]}" if args.values else f"{args.switch} on / off"
     print(
-        f"{args.switch} on / off: median {on:.3f} / {off:.3f} s (ratio {on / off:.3f}), mean "
+        f"{label}: median {on:.3f} / {off:.3f} s (ratio {on / off:.3f}), mean "
         f"{statistics.mean(seconds[True]):.3f} / {statistics.mean(seconds[False]):.3f} s; exact {exact}/{len(prompts)}"
         f"; same tokens and verdicts {same}/{len(prompts)}; wrong claimed {wrong}"
     )
