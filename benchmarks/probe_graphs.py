@@ -23,6 +23,7 @@ import torch
 from transformers import StaticCache
 
 import lminvert
+from lminvert.errors import LminvertError
 
 PREFIX = 20
 
@@ -33,7 +34,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=128, help="candidates in the forward")
     args = parser.parse_args()
-    model = lminvert.load_model(args.model, dtype="float32", device=args.device)
+    if args.batch < 1:
+        parser.error(f"--batch takes 1 or more candidates, not {args.batch}")
+    try:
+        model = lminvert.load_model(args.model, dtype="float32", device=args.device)
+    except LminvertError as exc:
+        parser.error(str(exc))
     base = getattr(model.probe.model, "model", model.probe.model)
     vocab = model.probe.vocab_size
     gen = torch.Generator().manual_seed(0)
