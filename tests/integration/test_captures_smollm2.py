@@ -55,12 +55,16 @@ def test_a_wrong_layer_and_random_numbers_are_one_line_errors(tmp_path):
     np.save(tmp_path / "random.npy", np.random.default_rng(0).standard_normal((20, 576)).astype(np.float32))
     # at the embeddings' scale, random numbers fit layer 0's covariance, but lie far from every token's embedding
     np.save(tmp_path / "small.npy", 0.03 * np.random.default_rng(1).standard_normal((20, 576)).astype(np.float32))
+    np.save(tmp_path / "zeros.npy", np.zeros((20, 576), np.float32))
     for args, says in (
         (["leak.npy", "--layer", "14"], "--layer 15"),
         (["leak.npy", "--layer", "15", "--source-library", "hf", "--layer", "16"], "--layer 15"),
         (["random.npy"], "fit no layer"),
         (["random.npy", "--layer", "15"], "fit no layer"),
         (["small.npy"], "beyond every token's embedding"),
+        (["zeros.npy"], "all zeros"),  # once taken for layer 0, then refused there as beyond every embedding
+        (["zeros.npy", "--layer", "0"], "all zeros"),
+        (["zeros.npy", "--layer", "15"], "all zeros"),
     ):
         proc = run_cli("invert", str(tmp_path / args[0]), "--model", "smollm2-135m", *args[1:])
         assert proc.returncode != 0 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -281,12 +281,18 @@ def resolve_layer(
             f"about 1 and at most {FIT:g}; are they another model's, random, or not starting at the prompt's first "
             f"token? (pass the right --model, or {anyway} to search anyway)"
         )
-    if int(probe.layer(searched)) == 0 and (gap := _embedding_gap(model, states, source or Exact())) > EMBEDDING:
-        raise LminvertError(
-            f"these states fit no layer of {model.name}: as layer 0 (the embeddings), position 0 lies {gap:.2g} of its "
-            "norm beyond every token's embedding, where the model's own states lie within rounding of one; random "
-            f"numbers at the embeddings' scale? (pass the right --model, or {anyway} to search anyway)"
-        )
+    if 0 in (int(probe.layer(searched)), int(probe.layer(fit.best))):
+        if all(not bool(prompt[0].any()) for prompt in states):
+            raise LminvertError(
+                f"position 0 of every prompt is all zeros: no layer of {model.name} gives that state to a token; "
+                f"check the file (or {anyway} to search anyway)"
+            )
+        if (gap := _embedding_gap(model, states, source or Exact())) > EMBEDDING:
+            raise LminvertError(
+                f"these states fit no layer of {model.name}: as layer 0 (the embeddings), position 0 lies {gap:.2g} of "
+                "its norm beyond every token's embedding, where the model's own states lie within rounding of one; "
+                f"random numbers at the embeddings' scale? (pass the right --model, or {anyway} to search anyway)"
+            )
     if given is None:
         if not fit.decisive:
             raise LminvertError(
