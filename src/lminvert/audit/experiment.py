@@ -108,12 +108,11 @@ class Audit(Experiment):
         "last_seconds": LAST_SECONDS["full"],
     }  # fmt: skip
     full_duration = (
-        "about three hours on SmolLM2 on a 2-core CPU (measured in parts, over three versions of the code: its states "
-        "leak 5.4, 21 and 70 minutes at layers 1, 15 and 30, its KV leak 7, 27 and 49 minutes at blocks 1, 15 and 30, "
-        "last 2.7 minutes with the table's guess, 7.4 minutes through the one-vector search, docs/audit.md; at least "
-        "21 minutes at this design's floor, bench_audit_floor.py; its layer-1 states leak alone 14 minutes in "
-        "2026-12-03's run, its calibrations built); --quick: 53 s with the tables and calibration "
-        "kept, about 5 minutes on an empty cache (306 s, docs/results.md)"
+        "about two hours on SmolLM2 on a 2-core CPU (estimated from all 90 cells run on 2 of the 20 prompts, one prose "
+        "and one chat: 16 min 49 s, 692 s of searches and 310 s of one-time calibrations, the searches times 10; "
+        "earlier code measured in parts: about three hours; at least 21 minutes at this design's floor, "
+        "bench_audit_floor.py; docs/audit.md); --quick: 53 s with the tables and calibration kept, about 4 minutes on "
+        "an empty cache (248-250 s, docs/results.md)"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:
