@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,10 @@ from filelock import FileLock, Timeout
 from .errors import LminvertError
 
 log = logging.getLogger(__name__)
+# one-time builds that took a while, reported without --verbose: the command-line tool shows this logger at INFO, so a
+# first run's silent minutes (a layer's or a defence's calibrations, a first-position table) are explained
+ONCE = logging.getLogger("lminvert.once")
+SLOW = 5.0  # seconds: a build at least this long is reported on ONCE
 WAIT = 3600.0  # seconds a process waits for another building the same cache entry, then builds it itself
 _held = threading.local()  # this thread holds a build lock (nested builds take none)
 
@@ -58,7 +63,8 @@ def building(path: str | Path, wait: float = WAIT) -> Iterator[bool]:
     it, released by the system if the process dies); yields whether this one waited for another, which then most
     likely wrote the entry: read it again before building. A thread already inside such a build takes no lock for
     the entries its build asks for (a process holds one at most, so two processes never wait on each other); after
-    ``wait`` seconds it builds anyway (the file is written atomically either way)."""
+    ``wait`` seconds it builds anyway (the file is written atomically either way). A build of ``SLOW`` seconds or more
+    that did not wait is reported on ``ONCE``."""
     if getattr(_held, "lock", False):
         yield False
         return
@@ -76,8 +82,14 @@ def building(path: str | Path, wait: float = WAIT) -> Iterator[bool]:
         except Timeout:
             log.warning("another process has been building %s for %.0f s: building it here too", path.name, wait)
     _held.lock = True
+    start = time.perf_counter()
     try:
         yield waited
+        took = time.perf_counter() - start
+        if took >= SLOW and not waited:
+            what = path.stem.split("-", 1)[-1]  # after the weights' hash: dtype, layer, kind (none: the table)
+            what += " (the first-position table)" if what.rsplit("-", 1)[-1].startswith("layer") else ""
+            ONCE.info("one-time: %s took %.0f s, kept in the cache for later runs", what, took)
     finally:
         _held.lock = False
         if lock.is_locked:

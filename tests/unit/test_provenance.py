@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import torch
 from safetensors import safe_open
@@ -174,3 +175,32 @@ def test_radii_another_process_is_measuring_are_waited_for_and_read(isolated_cac
     assert tolerance.calibrate_layers(model, [layer], screen=False) == []  # measured by the other: nothing here
     thread.join(30)
     assert tolerance.calibrate(model, layer).gap == 0.5
+
+
+def test_a_slow_one_time_build_is_reported_once_and_the_cli_shows_it(isolated_cache, caplog, monkeypatch):
+    """A build of ``paths.SLOW`` seconds or more is reported on the ``lminvert.once`` logger (which the command-line
+    tool shows without --verbose), once for the outer build only; a quick one is not."""
+    from lminvert import paths
+    from lminvert.cli import main
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    monkeypatch.setattr(paths, "SLOW", 0.05)
+    with caplog.at_level(logging.INFO, logger="lminvert.once"):
+        cached(model, layer, "quick", lambda: torch.ones(2))
+        assert not [r for r in caplog.records if r.name == "lminvert.once"]
+
+        def slow() -> torch.Tensor:
+            time.sleep(0.1)
+            return cached(model, layer, "inside", lambda: torch.ones(2)) + 1
+
+        cached(model, layer, "slow", slow)
+    said = [r.getMessage() for r in caplog.records if r.name == "lminvert.once"]
+    assert len(said) == 1 and "layer1-slow" in said[0] and "kept in the cache" in said[0], said
+    once = logging.getLogger("lminvert.once")
+    before = once.level
+    once.setLevel(logging.NOTSET)
+    try:
+        assert main(["models"]) == 0 and once.level == logging.INFO
+    finally:
+        once.setLevel(before)

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if not args.verbose:
+        logging.getLogger("lminvert.once").setLevel(logging.INFO)  # a first run's one-time builds, said once each
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers.utils import logging as hf_logging
 
