@@ -58,13 +58,13 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def building(path: str | Path, wait: float = WAIT) -> Iterator[bool]:
+def building(path: str | Path, wait: float = WAIT, what: str | None = None) -> Iterator[bool]:
     """One process at a time builds the cache entry kept at ``path`` (an exclusive lock on ``.<name>.lock`` beside
     it, released by the system if the process dies); yields whether this one waited for another, which then most
     likely wrote the entry: read it again before building. A thread already inside such a build takes no lock for
     the entries its build asks for (a process holds one at most, so two processes never wait on each other); after
     ``wait`` seconds it builds anyway (the file is written atomically either way). A build of ``SLOW`` seconds or more
-    that did not wait is reported on ``ONCE``."""
+    that did not wait is reported on ``ONCE``, as ``what`` (default: the entry's file name)."""
     if getattr(_held, "lock", False):
         yield False
         return
@@ -87,9 +87,7 @@ def building(path: str | Path, wait: float = WAIT) -> Iterator[bool]:
         yield waited
         took = time.perf_counter() - start
         if took >= SLOW and not waited:
-            what = path.stem.split("-", 1)[-1]  # after the weights' hash: dtype, layer, kind (none: the table)
-            what += " (the first-position table)" if what.rsplit("-", 1)[-1].startswith("layer") else ""
-            ONCE.info("one-time: %s took %.0f s, kept in the cache for later runs", what, took)
+            ONCE.info("one-time: %s took %.0f s, kept in the cache for later runs", what or path.name, took)
     finally:
         _held.lock = False
         if lock.is_locked:

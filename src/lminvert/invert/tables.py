@@ -140,7 +140,10 @@ def build_lock(model: LoadedModel, layer: Layer, kind: str, per_device: bool = F
     whose entries stay off the disk)."""
     if has_hooks(model.model):
         return nullcontext(False)
-    return building(table_path(model, layer, kind, model.device.type if per_device else None))
+    device = model.device.type if per_device else None
+    path = table_path(model, layer, kind, device)
+    what = path.stem.split("-", 1)[-1]  # the entry's name after the weights' hash: dtype, layer, kind, device
+    return building(path, what=what + " (the first-position table)" if kind == "table" else what)
 
 
 def kept(model: LoadedModel, layer: Layer, kind: str, per_device: bool = False) -> torch.Tensor | None:
