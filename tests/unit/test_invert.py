@@ -119,7 +119,7 @@ def test_options_in_groups_or_by_name_are_the_same_call():
         (lambda: Search(max_candidates=0), "max_candidates"),
         (lambda: Run(together=0), "together"),
         (lambda: Leak(kind="logits"), "unknown leak"),
-        (lambda: grouped("kv", method="bruteforce", max_seconds=1.0), "takes no --method, --max-seconds"),
+        (lambda: grouped("kv", method="bruteforce", max_candidates=4), "takes no --method, --max-candidates"),
     ]:
         with pytest.raises(LminvertError, match=needle) as caught:
             call()

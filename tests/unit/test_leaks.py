@@ -117,7 +117,7 @@ def test_kv_without_a_model_and_engine_options_are_refused_in_one_line(tiny, tmp
     assert any("block 1, the lowest, was read" in n for n in doc["notes"]), doc["notes"]
     for args, says in [
         (["--layer", "1"], "--model"),
-        (["--model", "tiny-llama", "--layer", "1", "--max-seconds", "5"], "--max-seconds"),
+        (["--model", "tiny-llama", "--layer", "1", "--max-candidates", "5"], "--max-candidates"),
         (["--model", "tiny-llama", "--layer", "1", "--method", "bruteforce"], "--method"),
         (["--model", "tiny-llama", "--layer", "1", "--source-library", "tl"], "hf"),
     ]:
@@ -134,6 +134,60 @@ def test_kv_without_a_model_and_engine_options_are_refused_in_one_line(tiny, tmp
         lminvert.invert(tiny, torch.randn(4, tiny.probe.hidden_size + 2), 1, leak="kv")
 
 
+def _defended(model, prompt: list[int], kind: str, seed: int) -> torch.Tensor:
+    """``prompt``'s states at the last layer under ``kind`` (``quant:B`` or ``noise:S``)."""
+    layer = model.probe.n_layers
+    clean = model.probe.states(torch.tensor(prompt), [layer])[model.probe.layer(layer)][0].float()
+    name, value = kind.split(":")
+    if name == "quant":
+        return Quant(kind=value).quantise(clean)
+    return add_noise(clean, float(value), torch.Generator().manual_seed(seed))
+
+
+def test_defended_states_refuse_the_engines_options_in_one_line(tiny, tmp_path):
+    """States under a defence are searched in the rows' own space, which takes none of the engine's options: asked
+    for one, the call and the command say so in one line (they were taken and silently ignored)."""
+    (prompt,) = _prompts(tiny, 1, 5, 11)
+    rows = HiddenStates.from_array(_defended(tiny, prompt, "noise:0.01", 11))
+    layer = tiny.probe.n_layers
+    for option, named in [({"max_candidates": 3}, "--max-candidates"), ({"policy": "random"}, "--policy")]:
+        with pytest.raises(LminvertError, match=f"states under --source noise:0.01 are searched .* takes no {named}"):
+            lminvert.invert(tiny, rows, layer, source="noise:0.01", **option)
+    path = tmp_path / "noisy.pt"
+    torch.save(rows.states[0], path)
+    args = ["--model", "tiny-llama", "--layer", str(layer), "--source", "noise:0.01", "--max-candidates", "3"]
+    done = run_cli("invert", str(path), *args)
+    assert done.returncode != 0 and "takes no --max-candidates" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("leak", ["states", "kv"])
+def test_the_time_bound_limits_a_rows_search_and_says_so(tiny, leak):
+    """``max_seconds`` bounds the rows search (it was ignored for defended states, refused for a KV cache): past the
+    bound every later position gets its first batch of candidates at most, nothing is chosen by the next row, a note
+    counts the positions so limited, and no position claims a wrong token."""
+    from lminvert.invert.rows.search import FIRST
+
+    (prompt,) = _prompts(tiny, 1, 6, 5)
+    layer = tiny.probe.n_layers
+    if leak == "kv":
+        cache, _ = _cache(tiny, [prompt])
+        entry = cache.layers[layer - 1]
+        rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
+        source = "float"
+    else:
+        rows, source = _defended(tiny, prompt, "noise:0.05", 5), "noise:0.05"
+    given = HiddenStates.from_array(rows)
+    (free,) = lminvert.invert(tiny, given, layer, leak=leak, source=source)
+    assert not any("time bound" in n for n in free.notes), free.notes
+    (bound,) = lminvert.invert(tiny, given, layer, leak=leak, source=source, max_seconds=1e-9)
+    assert all(p.candidates_checked <= FIRST for p in bound.positions[1:]), bound.candidates_checked
+    (note,) = [n for n in bound.notes if "time bound" in n]
+    assert f"limited {len(prompt) - 1} of {len(prompt)} positions" in note or f"limited {len(prompt)} of" in note
+    for token, truth, verdict in zip(bound.token_ids, prompt, bound.verdicts, strict=True):
+        assert token == truth or verdict not in CLAIMED, (bound.token_ids, prompt, bound.verdicts)
+
+
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 10_000), kind=st.sampled_from(["quant:int8", "quant:int4", "noise:0.01", "noise:0.05"]))
 def test_defended_states_take_the_rows_search_and_claim_nothing_wrong(tiny, seed, kind):
@@ -141,14 +195,9 @@ def test_defended_states_take_the_rows_search_and_claim_nothing_wrong(tiny, seed
     is certified or confident with a wrong token."""
     layer = tiny.probe.n_layers
     prompts = _prompts(tiny, 1, 5, seed)
-    clean = tiny.probe.states(torch.tensor(prompts[0]), [layer])[tiny.probe.layer(layer)][0].float()
-    name, value = kind.split(":")
-    if name == "quant":
-        rows = Quant(kind=value).quantise(clean)
-    else:
-        rows = add_noise(clean, float(value), torch.Generator().manual_seed(seed))
+    rows = _defended(tiny, prompts[0], kind, seed)
     result = lminvert.invert(tiny, HiddenStates.from_array(rows), layer, source=kind)[0]
-    assert result.policy == "rows" and result.source.startswith(name)
+    assert result.policy == "rows" and result.source.startswith(kind.split(":")[0])
     for token, truth, verdict in zip(result.token_ids, prompts[0], result.verdicts, strict=True):
         assert token == truth or verdict not in CLAIMED, (result.token_ids, prompts[0], result.verdicts)
 

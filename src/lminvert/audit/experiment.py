@@ -112,7 +112,7 @@ class Audit(Experiment):
         "and one chat: 16 min 49 s, 692 s of searches and 310 s of one-time calibrations, the searches times 10; "
         "earlier code measured in parts: about three hours; at least 21 minutes at this design's floor, "
         "bench_audit_floor.py; docs/audit.md); --quick: 53 s with the tables and calibration kept, about 4 minutes on "
-        "an empty cache (248-250 s, docs/results.md)"
+        "an empty cache (227-250 s, docs/results.md)"
     )
 
     def _prompts(self, ctx: Context, model: LoadedModel) -> list[list[int]]:

@@ -65,10 +65,10 @@ def invert(
     then values, ``[T, 2 * kv_heads * head_dim]`` per prompt, as :func:`lminvert.kv_captures.read_kv` reads a saved
     cache; block ``b`` is transformers' ``cache.layers[b - 1]``; a :class:`lminvert.KVCapture` is one) and states whose
     ``source`` is ``noise:S`` or ``quant:B`` are searched in the rows' own space with the leak's error model
-    (:mod:`lminvert.invert.rows`: the first token and ambiguous positions chosen by the next rows), which takes none of
-    the engine's budgets or executors (a one-line error names what it refuses). One vector (``kind="last"``: a bare
-    ``[d]`` or ``[N, d]`` array's rows, a states file's last rows) is searched for whole prompts of up to
-    ``max_length`` tokens, ``max_seconds`` each (:mod:`lminvert.invert.last`). ``noise`` is added here, for studies.
+    (:mod:`lminvert.invert.rows`: the first token and ambiguous positions chosen by the next rows), which takes
+    ``max_seconds`` and no other of the engine's options (a one-line error names what it refuses). One vector
+    (``kind="last"``: a bare ``[d]`` or ``[N, d]`` array's rows, a states file's last rows) is searched for whole
+    prompts of up to ``max_length`` tokens, ``max_seconds`` each (:mod:`lminvert.invert.last`). ``noise``: added here.
 
     Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of
     ``source``; no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call:
@@ -87,8 +87,9 @@ def invert(
     _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
     if kind != "states" or (leak.noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's
+        check_rows_options(leak, search, run, defended=error_model.label if kind == "states" else None)  # known now
         last = _last_options(leak, search)
-        return _invert_rows(model, states, layer, kind, error_model, leak.check, search.screen, offsets, last)
+        return _invert_rows(model, states, layer, kind, error_model, leak.check, search.screen, offsets, last, deadline)
     resolved, found = _layer(model, states, layer, error_model, leak.check)
     config = _config(model, search, run, error_model, deadline)
     flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
@@ -221,14 +222,15 @@ def _invert_rows(
     screen: bool | None,
     offsets: list[int] | None = None,
     last: LastOptions | None = None,
+    deadline: float | None = None,
 ) -> list[InversionResult]:
     """A leak searched in its rows' space, or one vector's (:func:`.leaks.invert_leak`) at the layer asked for or
-    found."""
+    found; after ``deadline`` (``time.time()``), each position stops after its first batch."""
     if leak == "states":
         resolved, notes = _layer(model, states, layer, source, check)
     else:
         resolved, notes = view_layer(model, states, layer, leak, source)
-    return invert_leak(model, states, resolved, notes, leak, source, screen, offsets, last)
+    return invert_leak(model, states, resolved, notes, leak, source, screen, offsets, last, deadline)
 
 
 def _layer(

@@ -30,11 +30,12 @@ def invert_leak(
     screen: bool | None,
     offsets: list[int] | None = None,
     last: LastOptions | None = None,
+    deadline: float | None = None,
 ) -> list[InversionResult]:
     """``states``' rows as leak ``leak`` at layer ``resolved`` (a KV cache's block), searched in their own space
-    (:mod:`lminvert.invert.rows`), or one vector per prompt (``last``: :mod:`.last`, with ``last``'s options);
-    ``notes``: what every result carries first; one-line errors for rows of another width or dtype than the
-    view's."""
+    (:mod:`lminvert.invert.rows`; after ``deadline``, ``time.time()``, each position stops after its first batch), or
+    one vector per prompt (``last``: :mod:`.last`, with ``last``'s options); ``notes``: what every result carries
+    first; one-line errors for rows of another width or dtype than the view's."""
     view = make_view(leak, model, resolved)
     if states.hidden_size != view.width:
         raise LminvertError(
@@ -46,7 +47,7 @@ def invert_leak(
         notes = (*notes, *_window_note(model, resolved, [len(s) for s in states.states]))
     if leak == "last":
         return invert_last(model, last_vectors(states), resolved, source, last or LastOptions(), notes)
-    return invert_rows(model, list(states.states), view, source, notes, screen, offsets)
+    return invert_rows(model, list(states.states), view, source, notes, screen, offsets, deadline)
 
 
 def _window_note(model: LoadedModel, block: Layer, lengths: list[int]) -> list[str]:

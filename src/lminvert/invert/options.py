@@ -149,21 +149,23 @@ def grouped(
     return groups
 
 
-def check_rows_options(leak: Leak, search: Search, run: Run) -> None:
-    """A one-line error for the engine's options given with a leak that the rows search inverts (``kv``, ``last``),
-    which it does not take."""
+def check_rows_options(leak: Leak, search: Search, run: Run, defended: str | None = None) -> None:
+    """A one-line error for the engine's options given with a leak that the rows search inverts (``kv``, ``last``,
+    states under ``defended``, a noise or quantisation source's label: known once the states are read), which it does
+    not take; ``max_seconds`` it takes (each position after the bound stops after its first batch; one vector's search
+    is bounded by it)."""
     if leak.kind != "last" and search.max_length is not None:
         raise LminvertError("max_length (--max-length) is for one vector: use it with --leak last")
-    if leak.kind == "states":
+    if leak.kind == "states" and defended is None:
         return
     given = {
         "--method": search.method != Search.method, "--policy": search.policy != Search.policy,
-        "--noise": leak.noise > 0, "--max-seconds": search.max_seconds is not None and leak.kind != "last",
-        "--max-candidates": search.max_candidates is not None, "--certify": bool(search.certify),
-        "--ray": run.executor not in (None, "inprocess"), "--tolerance-scale": search.tolerance_scale != 1.0,
-        "--scout/--no-scout": search.scout is not None,
+        "--noise": leak.noise > 0, "--max-candidates": search.max_candidates is not None,
+        "--certify": bool(search.certify), "--ray": run.executor not in (None, "inprocess"),
+        "--tolerance-scale": search.tolerance_scale != 1.0, "--scout/--no-scout": search.scout is not None,
     }  # fmt: skip
     refused = [name for name, on in given.items() if on]
     if refused:
         refused_text = ", ".join(refused)
-        raise LminvertError(f"--leak {leak.kind} is searched in the rows' own space, which takes no {refused_text}")
+        what = f"--leak {leak.kind} is" if defended is None else f"states under --source {defended} are"
+        raise LminvertError(f"{what} searched in the rows' own space, which takes no {refused_text}")

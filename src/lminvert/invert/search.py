@@ -69,7 +69,12 @@ class Settings:
 
     def late(self) -> bool:
         """Whether the deadline has passed."""
-        return self.deadline is not None and time.time() > self.deadline
+        return past(self.deadline)
+
+
+def past(deadline: float | None) -> bool:
+    """Whether the wall-clock bound ``deadline`` (``time.time()``; None: none) has passed (the rows search's too)."""
+    return deadline is not None and time.time() > deadline
 
 
 class PromptSearch:

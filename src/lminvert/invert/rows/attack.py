@@ -86,6 +86,7 @@ class Recovered:
     margins: list[float]
     tolerances: list[float]
     reasons: list[str]
+    cut: int = 0  # positions the time bound limited to their first batch (:meth:`.search.RowSearch.run`)
 
 
 def _error_model(source: str | ErrorModel | None) -> ErrorModel:
@@ -181,9 +182,12 @@ class Attack:
             self._sorted = self.table.sort(dim=1).values
         return self._sorted
 
-    def run(self, shipped: list[Shipped], states: HiddenStates | None = None) -> list[Recovered]:
+    def run(
+        self, shipped: list[Shipped], states: HiddenStates | None = None, deadline: float | None = None
+    ) -> list[Recovered]:
         """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
-        gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``)."""
+        gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``);
+        ``deadline`` (``time.time()``): the rows searches' time bound (:meth:`.search.RowSearch.run`)."""
         first = shipped[0]
         if self.leak.name == "last":
             return self._last(shipped)
@@ -192,19 +196,21 @@ class Attack:
         rows = [r for r, _ in undone]
         ties = [None if t is None else TieSort(self.table[t]) for _, t in undone]
         if any(t is not None and t.size for t in ties):  # each prompt through its own map (a search per prompt)
-            return [self._tied(r, s, t) for r, s, t in zip(rows, shipped, ties, strict=True)]
+            return [self._tied(r, s, t, deadline) for r, s, t in zip(rows, shipped, ties, strict=True)]
         if self.leak.name == "states" and whole and states is not None and first.source is None:
             return self._engine(rows, states)
-        return self._rows(rows, first)
+        return self._rows(rows, first, deadline=deadline)
 
-    def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort) -> Recovered:
+    def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort, deadline: float | None = None) -> Recovered:
         """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`, with the radii of
         the rows themselves (sorting within groups moves no row further from another, and keeps each row's norm)."""
-        return self._rows([tied(rows)], replace(shipped, public=tied), self._measure(None, False))[0]
+        return self._rows([tied(rows)], replace(shipped, public=tied), self._measure(None, False), deadline)[0]
 
-    def _rows(self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None) -> list[Recovered]:
+    def _rows(
+        self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None, deadline: float | None = None
+    ) -> list[Recovered]:
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
-        and error model; ``measured``: its radii, else measured through its map)."""
+        and error model; ``measured``: its radii, else measured through its map; ``deadline``: the time bound)."""
         public = first.public
         source = _error_model(first.source)
         table = self.table if public is None else public(self.table)
@@ -232,7 +238,7 @@ class Attack:
         )  # fmt: skip
         out = []
         for r in rows:
-            found = search.run(r)
+            found = search.run(r, deadline)
             measures = found.measures
             out.append(
                 Recovered(
@@ -246,6 +252,7 @@ class Attack:
                     [m.margin for m in measures],
                     found.tolerances,
                     found.reasons,
+                    found.cut,
                 )
             )
         return out

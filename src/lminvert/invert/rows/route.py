@@ -30,18 +30,20 @@ def invert_rows(
     notes: tuple[str, ...] = (),
     screen: bool | None = None,
     offsets: list[int] | None = None,
+    deadline: float | None = None,
 ) -> list[InversionResult]:
     """Every prompt's rows ``[T, k]`` (``view``'s, under ``source``) inverted by :class:`.attack.Attack`; ``notes``:
     what every result carries first (how the rows were read); ``screen``: as :func:`lminvert.invert`'s; ``offsets``:
-    a KV cache's left padding per prompt (:func:`aligned`)."""
+    a KV cache's left padding per prompt (:func:`aligned`); ``deadline`` (``time.time()``): from then on each
+    position stops after its first batch of candidates (:meth:`.search.RowSearch.run`)."""
     attack = Attack(view, screen=screen)
     offsets = offsets or [0] * len(rows)
     moved = [aligned(attack, r.float().cpu(), o) for r, o in zip(rows, offsets, strict=True)]
-    found = attack.run([Observed(r, source) for r, _ in moved])
+    found = attack.run([Observed(r, source) for r, _ in moved], deadline=deadline)
     below = view.states_layer.name
     route = f"searched in the space of {DESCRIBED[view.name].format(layer=view.layer.name, below=below)}"
     return [
-        _result(model, view, f, source, (*notes, *([] if m is None else [m]), route))
+        _result(model, view, f, source, (*notes, *([] if m is None else [m]), route, *_bound_note(f)))
         for f, (_, m) in zip(found, moved, strict=True)
     ]
 
@@ -61,6 +63,17 @@ def aligned(attack: Attack, rows: torch.Tensor, offset: int) -> tuple[torch.Tens
     if near[1] < near[0]:
         return moved, f"left padding of {offset} rows: keys rotated back by {offset} positions (counted from the pads)"
     return rows, f"left padding of {offset} rows: keys already rotated from position 0 (positions from the mask)"
+
+
+def _bound_note(found: Recovered) -> list[str]:
+    """What the time bound did to a prompt's search, where it did anything."""
+    if not found.cut:
+        return []
+    return [
+        f"the time bound limited {found.cut} of {len(found.token_ids)} positions to their first batch of candidates, "
+        "choosing none by the next row: each kept the acceptor's choice among what it had verified (a position under "
+        "way when the bound passed ran to its end); give more time (--max-seconds) before concluding anything"
+    ]
 
 
 def _result(

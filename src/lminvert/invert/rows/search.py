@@ -49,6 +49,7 @@ from ...models.ties import tied_twins
 from .. import acceptor
 from ..acceptor import Evidence, Radii
 from ..proposal import merge, ranked
+from ..search import past
 from ..sources import ErrorModel
 from ..tables import first_position_table
 from ..tolerance import FLOOR, SAFETY, norm
@@ -118,11 +119,10 @@ class RowSearch:
         self.source = source.calibrated(measured.first, measured.rest)
         self.sinks = SinkLike(model, layer) if source.needs_calibration else None  # a leak computed elsewhere
         self.rounding, self.gap = measured.rounding, measured.gap
-        probe = model.probe
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
-        self.floor = max(FLOOR, float(torch.finfo(probe.dtype).eps))
-        self.ridge = Ridge.of(probe)
+        self.floor = max(FLOOR, float(torch.finfo(model.probe.dtype).eps))
+        self.ridge = Ridge.of(model.probe)
         if table is None:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
@@ -142,10 +142,11 @@ class RowSearch:
         gap = 0.0 if self.source.boxed else self.gap * size
         return Radii(bound + rounding, bound + rounding, bound, rounding, gap, FLOOR * size)
 
-    def run(self, shipped: torch.Tensor) -> Found:
-        """Invert one prompt's rows ``[T, k]`` (rows of NaN: missing positions)."""
+    def run(self, shipped: torch.Tensor, deadline: float | None = None) -> Found:
+        """Invert one prompt's rows ``[T, k]`` (NaN rows: missing). From ``deadline`` (``time.time()``) on, a position
+        gets its first batch of candidates at most and nothing is chosen by the next row (:attr:`Found.cut`)."""
         start = time.perf_counter()
-        trail = Found()
+        trail, cut = Found(), 0
         ids = trail.token_ids
         after_guess = fitted = broken = False
         # the next token a position was chosen under (by the next row), verified first at the position after it (led)
@@ -161,9 +162,12 @@ class RowSearch:
             # after a guess under which the last row fitted nothing, the prefix is likely wrong: this position is
             # offered BROKEN candidates at most, and a missing one is not chosen by the next row
             budget = BROKEN if after_guess and broken else None
+            late = past(deadline)
+            if late and t > 0:  # position 0 is the table's: every token at once, no forward
+                budget = min(budget or self.first, self.first)
             missing = bool(torch.isnan(row).any())
             if missing:
-                decision, count, fit = self.ahead.missing(ids, after, following, running, broken)
+                decision, count, fit = self.ahead.missing(ids, after, following, running, broken or late)
                 chosen, broken = Measure(), not fit
             else:
                 # an alone view's candidates need no running prefix: its rows do not read it
@@ -173,6 +177,8 @@ class RowSearch:
                 )  # fmt: skip
                 broken = decision.unfitted
             ahead = decision.guess and self.lookahead and after is not None and not torch.isnan(after).any()
+            skipped = ahead and past(deadline)  # a choice by the next row not begun after the bound
+            cut, ahead = cut + ((late and t > 0) or skipped), ahead and not skipped
             if ahead and t == 0:
                 dists = self.source.distances(self.table, row)
                 decision, looked, lead = self.ahead.first(row, dists, after, following)
@@ -191,7 +197,7 @@ class RowSearch:
             tolerance = math.nan if torch.isnan(row).any() else self.radii(row, t).cached
             trail.add(decision.token, verdict, count, chosen, tolerance, decision.reason)
             running.add(decision.token)
-        return replace(trail, seconds=time.perf_counter() - start)
+        return replace(trail, seconds=time.perf_counter() - start, cut=cut)
 
     def _sinklike(self, prefix: list[int], token: int | None) -> bool:
         """Whether ``token``'s state after ``prefix`` is sink-like (:mod:`.sinklike`; never for lminvert's own

@@ -71,6 +71,7 @@ class Found:
     tolerances: list[float] = field(default_factory=list)  # the acceptance radius (error bound plus rounding)
     reasons: list[str] = field(default_factory=list)  # the acceptor's reason for each verdict
     seconds: float = 0.0
+    cut: int = 0  # positions the time bound limited to their first batch of candidates
 
     def add(self, token: int, verdict: str, checked: int, chosen: Measure, tolerance: float, reason: str) -> None:
         """The next position's token, verdict and evidence."""
