@@ -150,9 +150,13 @@ def test_defended_states_refuse_the_engines_options_in_one_line(tiny, tmp_path):
     (prompt,) = _prompts(tiny, 1, 5, 11)
     rows = HiddenStates.from_array(_defended(tiny, prompt, "noise:0.01", 11))
     layer = tiny.probe.n_layers
-    for option, named in [({"max_candidates": 3}, "--max-candidates"), ({"policy": "random"}, "--policy")]:
+    refused = [({"max_candidates": 3}, "--max-candidates"), ({"policy": "random"}, "--policy"),
+               ({"speculate": False}, "--no-speculate"), ({"seed": 3}, "--seed")]  # fmt: skip
+    for option, named in refused:
         with pytest.raises(LminvertError, match=f"states under --source noise:0.01 are searched .* takes no {named}"):
             lminvert.invert(tiny, rows, layer, source="noise:0.01", **option)
+    with pytest.raises(LminvertError, match=r"--leak last is searched .* takes no --screen/--no-screen"):
+        lminvert.invert(tiny, rows.states[0][-1], layer, leak="last", screen=False)
     path = tmp_path / "noisy.pt"
     torch.save(rows.states[0], path)
     args = ["--model", "tiny-llama", "--layer", str(layer), "--source", "noise:0.01", "--max-candidates", "3"]

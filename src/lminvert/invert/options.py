@@ -163,6 +163,8 @@ def check_rows_options(leak: Leak, search: Search, run: Run, defended: str | Non
         "--noise": leak.noise > 0, "--max-candidates": search.max_candidates is not None,
         "--certify": bool(search.certify), "--ray": run.executor not in (None, "inprocess"),
         "--tolerance-scale": search.tolerance_scale != 1.0, "--scout/--no-scout": search.scout is not None,
+        "--no-speculate": not search.speculate, "first_table": not search.first_table, "--seed": search.seed != 0,
+        "--screen/--no-screen": leak.kind == "last" and search.screen is not None,
     }  # fmt: skip
     refused = [name for name, on in given.items() if on]
     if refused:
