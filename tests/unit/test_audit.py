@@ -320,7 +320,7 @@ def test_a_later_guess_whose_state_is_sink_like_is_chosen_by_the_next_row(tiny):
         search = _rows_search(tiny, layer, leak, attack, "noise:0.05", lookahead)
         search.sinks = Told()
         later = search.ahead.later
-        search.ahead.later = lambda prefix, *args, later=later: asked.append(list(prefix)) or later(prefix, *args)
+        search.ahead.later = lambda prefix, *a, later=later, **k: asked.append(list(prefix)) or later(prefix, *a, **k)
         found[lookahead] = search.run(shipped)
     assert asked == [ids[:2]]  # only at the sink-like guess, only with the lookahead
     assert found[False].token_ids[2] == other

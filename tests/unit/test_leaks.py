@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import lminvert
 from lminvert.errors import LminvertError
+from lminvert.invert import acceptor
 from lminvert.invert.sources import Quant
 from lminvert.invert.tolerance import add_noise
 from lminvert.kv_captures import read_kv
@@ -477,3 +478,36 @@ def test_the_position_1_maps_vocabulary_norms_are_kept_on_disk_for_the_map_they_
     remade, renormed = tables.position1_projection(third, layer)
     assert not torch.equal(remade, jac)
     assert torch.equal(renormed, (third.probe.vocab_matrix(torch.float32) @ remade.float()).square().sum(1))
+
+
+def test_a_choice_by_the_next_row_past_the_time_bound_gathers_no_evidence_and_stays_a_guess(tiny, monkeypatch):
+    """Position 0 chosen by the next row (states under heavy noise: its own row does not choose). Where the bound has
+    passed, the lookahead tries no next token after its first and gathers no evidence for the acceptor, so the choice
+    is a guess (``uncertain``). Simulated: every choice under a next token is marked ``confident`` (so that, without a
+    bound, the evidence is gathered), and the lookahead's clock says "past" from its first look."""
+    from lminvert.invert.rows import lookahead
+
+    layer = tiny.probe.n_layers
+    (prompt,) = _prompts(tiny, 1, 5, 0)
+    rows = HiddenStates.from_array(_defended(tiny, prompt, "noise:0.2", 0))
+    tried, gathered = [], []
+    under, next_row = lookahead.Lookahead.under, lookahead.Lookahead._next_row
+
+    def sure(self, prefix_ids, following, *args, **kwargs):
+        tried.append(following)
+        got = under(self, prefix_ids, following, *args, **kwargs)
+        return dataclasses.replace(got, decision=dataclasses.replace(got.decision, verdict="confident"))
+
+    def counted(self, *args, **kwargs):
+        gathered.append(1)
+        return next_row(self, *args, **kwargs)
+
+    monkeypatch.setattr(lookahead.Lookahead, "under", sure)
+    monkeypatch.setattr(lookahead.Lookahead, "_next_row", counted)
+    (free,) = lminvert.invert(tiny, rows, layer, source="noise:0.2")
+    assert gathered, (free.positions[0].reason, tried)
+    tried.clear(), gathered.clear()
+    monkeypatch.setattr(lookahead, "past", lambda deadline: True)
+    (bound,) = lminvert.invert(tiny, rows, layer, source="noise:0.2")
+    assert len(tried) == 1 and not gathered
+    assert bound.verdicts[0] == "uncertain" and bound.positions[0].reason == acceptor.BY_NEXT

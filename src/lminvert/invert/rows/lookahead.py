@@ -29,6 +29,7 @@ from ...models.observed import attention
 from .. import acceptor
 from ..acceptor import Decision, Evidence, NextRow, Radii
 from ..layouts import other_attention
+from ..search import past
 from ..tolerance import calibration_prompts
 from .running import Running
 from .verified import Verified
@@ -93,18 +94,21 @@ class Lookahead:
         self._calibration: dict[str, tuple[int, int]] = {}
 
     def first(
-        self, row: torch.Tensor, dists: torch.Tensor, after: torch.Tensor, reading, measuring: bool = False
-    ) -> tuple[Decision, int, int | None]:
+        self, row: torch.Tensor, dists: torch.Tensor, after: torch.Tensor, reading, measuring: bool = False,
+        deadline: float | None = None,
+    ) -> tuple[Decision, int, int | None]:  # fmt: skip
         """Position 0's token chosen by the next row ``after`` (``reading``: what it reads as; ``dists``: the error
         model's distances of position 0's table to ``row``), with the acceptor's verdict on the evidence; the
         candidates this ran; and the next token it was chosen under (None: none), which the next position verifies
-        first. ``measuring``: the rule's own verdict, for :meth:`calibration`."""
+        first. ``measuring``: the rule's own verdict, for :meth:`calibration`. Past ``deadline`` (``time.time()``) no
+        further first token is tried and no evidence is gathered: the choice is a guess."""
         search = self.search
         order = search.source.order(search.table, row)
         inside = int((dists <= search.radii(row, 0).cached).sum())
-        looked = self.by_next([], order, after, reading)
+        looked = self.by_next([], order, after, reading, deadline=deadline)
         ran, evidence = looked.ran, None
-        if looked.choice is not None and looked.choice.verdict != acceptor.UNCERTAIN and inside <= COVER:
+        chosen = looked.choice is not None and looked.choice.verdict != acceptor.UNCERTAIN
+        if chosen and inside <= COVER and not past(deadline):
             assert looked.following is not None and looked.following.token is not None
             # the choice made anew with every first token its own row allows verified under the next token at once
             got = self.under([], looked.following.token, order, after, None, cover=inside)
@@ -123,6 +127,7 @@ class Lookahead:
         reading,
         running: Running | None,
         measuring: bool = False,
+        deadline: float | None = None,
     ) -> tuple[Decision, int, int | None]:
         """The token at a later position ``t = len(prefix_ids)`` whose own row ``row`` did not choose and whose state
         is sink-like (:mod:`.sinklike`: the bound there may hold every token), chosen by the next row ``after``: the
@@ -132,7 +137,7 @@ class Lookahead:
         (``LATER_TRIES`` guesses at most). With the same evidence as at position 0 (the next position's own search
         under the choice, the runner-up's, and the rule's rate on calibration prompts with such a sink:
         :meth:`_measure_later`). Returns the decision (the own guess where the next row fits under no token), the
-        candidates run, and the next token."""
+        candidates run, and the next token. Past ``deadline``: no further guess and no evidence (a guess)."""
         search, t = self.search, len(prefix_ids)
         cover = search.model.probe.vocab_size
         guesses, ran = [int(order[0])], 0
@@ -142,7 +147,7 @@ class Lookahead:
             assert following.token is not None  # where nothing fitted, the nearest: often the true next token anyway
             got = self.under(prefix_ids, following.token, order, after, running, cover=cover, own=row)
             ran += count + got.ran
-            if not got.decision.unfitted and got.decision.token is not None:
+            if (not got.decision.unfitted and got.decision.token is not None) or past(deadline):
                 break
             if got.nearest is not None and got.nearest not in guesses and len(guesses) < LATER_TRIES:
                 guesses.append(got.nearest)
@@ -150,7 +155,7 @@ class Lookahead:
         if choice.unfitted or choice.token is None:
             return acceptor.chosen_by_next(guesses[0]), ran, following.token
         evidence = None
-        if choice.verdict != acceptor.UNCERTAIN:
+        if choice.verdict != acceptor.UNCERTAIN and not past(deadline):
             looked = Looked(choice.token, ran, True, choice, guess, following, got.tried)
             evidence, count = self._next_row(prefix_ids, looked, after, reading, None if measuring else LATER)
             ran += count
@@ -253,16 +258,18 @@ class Lookahead:
         return torch.tensor([claims, wrong], dtype=torch.float64)
 
     def missing(
-        self, prefix: list[int], after: torch.Tensor | None, reading, running: Running, broken: bool
-    ) -> tuple[acceptor.Decision, int, bool]:
+        self, prefix: list[int], after: torch.Tensor | None, reading, running: Running, broken: bool,
+        deadline: float | None = None,
+    ) -> tuple[acceptor.Decision, int, bool]:  # fmt: skip
         """A missing position: chosen by the next row where it is shipped (:meth:`by_next`, the model's prediction
         first) and the row before fitted (``broken``: it did not, so the prefix is likely wrong and nothing would fit
-        the next row), else the prediction's first token; a guess either way. And the candidates this ran, and
-        whether the next row fitted under the token (True where it was not tried)."""
+        the next row), else the prediction's first token; a guess either way (no further token tried after
+        ``deadline``). And the candidates this ran, and whether the next row fitted under the token (True where it was
+        not tried)."""
         search = self.search
         predicted = search._prediction(prefix, running)
         if after is not None and not torch.isnan(after).any() and search.lookahead and not broken:
-            looked = self.by_next(prefix, predicted, after, reading, running)
+            looked = self.by_next(prefix, predicted, after, reading, running, deadline=deadline)
             return acceptor.chosen_by_next(looked.token), looked.ran, looked.fit
         guess = predicted[:1]
         empty = torch.empty(0)
@@ -271,18 +278,18 @@ class Lookahead:
 
     def by_next(
         self, prefix_ids: list[int], order: torch.Tensor, after: torch.Tensor, reading,
-        running: Running | None = None, cover: int = 0,
+        running: Running | None = None, cover: int = 0, deadline: float | None = None,
     ) -> Looked:  # fmt: skip
         """The token at position ``t = len(prefix_ids)`` chosen by the next row ``after``. Given each of the first
         tokens of ``order`` in turn (``LOOK`` at most), the next token is found, then tokens at ``t`` are tried under
         it (:meth:`under`; ``cover``: the first that many of ``order`` at once) until the acceptor finds any under
         which the next row's state fits (several may: another next token would not separate them either); else the
-        first try's choice. A next token already tried is not tried again."""
+        first try's choice. A next token already tried is not tried again; none after ``deadline`` once one was."""
         search, t = self.search, len(prefix_ids)
         ran, picks, tried, guessed = 0, [], set(), set()
         found: list[tuple[int, Decision, tuple[torch.Tensor, torch.Tensor]]] = []
         queue = order[:LOOK].tolist()
-        while queue and len(guessed) < LOOK:
+        while queue and len(guessed) < LOOK and not (guessed and past(deadline)):
             guess = queue.pop(0)
             if guess in guessed:
                 continue

@@ -167,7 +167,7 @@ class RowSearch:
                 budget = min(budget or self.first, self.first)
             missing = bool(torch.isnan(row).any())
             if missing:
-                decision, count, fit = self.ahead.missing(ids, after, following, running, broken or late)
+                decision, count, fit = self.ahead.missing(ids, after, following, running, broken or late, deadline)
                 chosen, broken = Measure(), not fit
             else:
                 # an alone view's candidates need no running prefix: its rows do not read it
@@ -181,13 +181,13 @@ class RowSearch:
             cut, ahead = cut + ((late and t > 0) or skipped), ahead and not skipped
             if ahead and t == 0:
                 dists = self.source.distances(self.table, row)
-                decision, looked, lead = self.ahead.first(row, dists, after, following)
+                decision, looked, lead = self.ahead.first(row, dists, after, following, deadline=deadline)
                 count += looked
                 chosen = measure(torch.arange(len(dists)), self.table, dists, decision.token)
             elif ahead and not missing and not after_guess and self._sinklike(ids, decision.token):  # under the next
                 order = self._order(ids, reads[t], running, decision.token, row)
                 own = decision.token
-                decision, looked, lead = self.ahead.later(ids, row, order, after, following, running)
+                decision, looked, lead = self.ahead.later(ids, row, order, after, following, running, deadline=deadline)
                 count, chosen, led = count + looked, chosen if decision.token == own else Measure(), t + 1
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
