@@ -511,3 +511,10 @@ def test_a_choice_by_the_next_row_past_the_time_bound_gathers_no_evidence_and_st
     (bound,) = lminvert.invert(tiny, rows, layer, source="noise:0.2")
     assert len(tried) == 1 and not gathered
     assert bound.verdicts[0] == "uncertain" and bound.positions[0].reason == acceptor.BY_NEXT
+    from lminvert.invert.rows import search
+
+    looks = iter([False, False])  # the bound passes after position 0's two looks, during its choice by the next row
+    monkeypatch.setattr(search, "past", lambda deadline: next(looks, True))
+    (cut,) = lminvert.invert(tiny, rows, layer, source="noise:0.2")
+    (note,) = [n for n in cut.notes if "time bound" in n]
+    assert f"limited {len(prompt)} of {len(prompt)} positions" in note, note  # position 0's choice counted too

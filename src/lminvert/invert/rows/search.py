@@ -182,13 +182,13 @@ class RowSearch:
             if ahead and t == 0:
                 dists = self.source.distances(self.table, row)
                 decision, looked, lead = self.ahead.first(row, dists, after, following, deadline=deadline)
-                count += looked
+                count, cut = count + looked, cut + (decision.guess and past(deadline))  # a guess the bound may have cut
                 chosen = measure(torch.arange(len(dists)), self.table, dists, decision.token)
             elif ahead and not missing and not after_guess and self._sinklike(ids, decision.token):  # under the next
-                order = self._order(ids, reads[t], running, decision.token, row)
-                own = decision.token
+                order, own = self._order(ids, reads[t], running, decision.token, row), decision.token
                 decision, looked, lead = self.ahead.later(ids, row, order, after, following, running, deadline=deadline)
                 count, chosen, led = count + looked, chosen if decision.token == own else Measure(), t + 1
+                cut += decision.guess and past(deadline)
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
             after_guess = after_guess or decision.guess
