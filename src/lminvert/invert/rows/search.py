@@ -177,18 +177,18 @@ class RowSearch:
                 )  # fmt: skip
                 broken = decision.unfitted
             ahead = decision.guess and self.lookahead and after is not None and not torch.isnan(after).any()
-            skipped = ahead and past(deadline)  # a choice by the next row not begun after the bound
-            cut, ahead = cut + ((late and t > 0) or skipped), ahead and not skipped
-            if ahead and t == 0:
+            # a choice by the next row is due at position 0, and at a later guess whose state is sink-like
+            due = ahead and (t == 0 or (not missing and not after_guess and self._sinklike(ids, decision.token)))
+            if due and t == 0 and not past(deadline):
                 dists = self.source.distances(self.table, row)
                 decision, looked, lead = self.ahead.first(row, dists, after, following, deadline=deadline)
-                count, cut = count + looked, cut + (decision.guess and past(deadline))  # a guess the bound may have cut
+                count += looked
                 chosen = measure(torch.arange(len(dists)), self.table, dists, decision.token)
-            elif ahead and not missing and not after_guess and self._sinklike(ids, decision.token):  # under the next
+            elif due and not past(deadline):  # under the next token
                 order, own = self._order(ids, reads[t], running, decision.token, row), decision.token
                 decision, looked, lead = self.ahead.later(ids, row, order, after, following, running, deadline=deadline)
                 count, chosen, led = count + looked, chosen if decision.token == own else Measure(), t + 1
-                cut += decision.guess and past(deadline)
+            cut += (late and t > 0) or (due and decision.guess and past(deadline))  # limited by the bound
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
             after_guess = after_guess or decision.guess
