@@ -111,6 +111,7 @@ def test_options_in_groups_or_by_name_are_the_same_call():
     assert grouped("kv") == (Leak(kind="kv"), Search(), Run())
     # the kind as a string, the leak's other options by name beside it (as bench_leaks.py calls it)
     assert grouped("kv", source="float") == (Leak(kind="kv", source="float"), Search(), Run())
+    assert grouped("kv", together=1)[2] == Run(together=1)  # one prompt at a time: what a rows search does
     for call, needle in [
         (lambda: grouped(max_secs=5), "no option 'max_secs'"),
         (lambda: grouped(search=Search(), max_seconds=5), "both by name and in search="),
@@ -120,6 +121,7 @@ def test_options_in_groups_or_by_name_are_the_same_call():
         (lambda: Run(together=0), "together"),
         (lambda: Leak(kind="logits"), "unknown leak"),
         (lambda: grouped("kv", method="bruteforce", max_candidates=4), "takes no --method, --max-candidates"),
+        (lambda: grouped("last", together=8), "takes no --together"),
     ]:
         with pytest.raises(LminvertError, match=needle) as caught:
             call()

@@ -152,7 +152,8 @@ def test_defended_states_refuse_the_engines_options_in_one_line(tiny, tmp_path):
     rows = HiddenStates.from_array(_defended(tiny, prompt, "noise:0.01", 11))
     layer = tiny.probe.n_layers
     refused = [({"max_candidates": 3}, "--max-candidates"), ({"policy": "random"}, "--policy"),
-               ({"speculate": False}, "--no-speculate"), ({"seed": 3}, "--seed")]  # fmt: skip
+               ({"speculate": False}, "--no-speculate"), ({"seed": 3}, "--seed"), ({"together": 4}, "--together"),
+               ({"batch_scale": 2}, "batch_scale")]  # fmt: skip
     for option, named in refused:
         with pytest.raises(LminvertError, match=f"states under --source noise:0.01 are searched .* takes no {named}"):
             lminvert.invert(tiny, rows, layer, source="noise:0.01", **option)

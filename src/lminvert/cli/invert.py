@@ -52,7 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--together",
         type=int,
         default=32,
-        help="prompts inverted at once: their candidates share one forward per step (1: one at a time)",
+        help=(
+            "prompts inverted at once: their candidates share one forward per step (1: one at a time, as KV caches, "
+            "one vector and defended states always go)"
+        ),
     )
     add_ray_arg(runs)
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per prompt")

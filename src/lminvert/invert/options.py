@@ -152,8 +152,8 @@ def grouped(
 def check_rows_options(leak: Leak, search: Search, run: Run, defended: str | None = None) -> None:
     """A one-line error for the engine's options given with a leak that the rows search inverts (``kv``, ``last``,
     states under ``defended``, a noise or quantisation source's label: known once the states are read), which it does
-    not take; ``max_seconds`` it takes (each position after the bound stops after its first batch; one vector's search
-    is bounded by it)."""
+    not take (``together`` other than 1 and its default among them: it inverts one prompt at a time); ``max_seconds`` it
+    takes (each position after the bound stops after its first batch; one vector's search is bounded by it)."""
     if leak.kind != "last" and search.max_length is not None:
         raise LminvertError("max_length (--max-length) is for one vector: use it with --leak last")
     if leak.kind == "states" and defended is None:
@@ -165,6 +165,8 @@ def check_rows_options(leak: Leak, search: Search, run: Run, defended: str | Non
         "--tolerance-scale": search.tolerance_scale != 1.0, "--scout/--no-scout": search.scout is not None,
         "--no-speculate": not search.speculate, "first_table": not search.first_table, "--seed": search.seed != 0,
         "--screen/--no-screen": leak.kind == "last" and search.screen is not None,
+        # one prompt at a time, each batch its own size: --together 1 is what it does
+        "--together": run.together not in (1, Run.together), "batch_scale": run.batch_scale is not None,
     }  # fmt: skip
     refused = [name for name, on in given.items() if on]
     if refused:
