@@ -135,6 +135,29 @@ def test_options_in_groups_or_by_name_are_the_same_call():
         invert(model, states, maxseconds=3)
 
 
+def test_states_and_options_of_the_wrong_type_are_one_line_errors_and_numpy_arrays_are_states():
+    """What a Python user passes by mistake (text, None, a list of numbers; a string where a number goes; an int where
+    a flag goes) is a one-line error before any work, where it was an AttributeError or TypeError from deep inside;
+    a numpy array or a list of tensors is read as a tensor is, with the same answer."""
+    model = lminvert.load_model("tiny-llama")
+    states = encode(model, [[5, 6, 7]], 1)
+    tensor = states.states[0]
+    for wrong in ("the prompt", None, [[1.0, 2.0]], 3):
+        with pytest.raises(LminvertError, match="invert takes hidden states") as caught:
+            invert(model, wrong, 1)
+        assert "\n" not in str(caught.value)
+    typed = [({"max_seconds": "5"}, "max_seconds must be a number, not str '5'"),
+             ({"together": "2"}, "together must be an int"), ({"seed": 1.5}, "seed must be an int"),
+             ({"speculate": 1}, "speculate must be True or False"), ({"check": "no"}, "check must be"),
+             ({"policy": 3}, "policy must be a string"), ({"noise": True}, "noise must be a number")]  # fmt: skip
+    for option, needle in typed:
+        with pytest.raises(LminvertError, match=needle):
+            invert(model, tensor, 1, **option)
+    for same in (tensor.numpy(), [tensor]):
+        (result,) = invert(model, same, 1)
+        assert result.token_ids == [5, 6, 7]
+
+
 def test_cli_json_schema(cli, tmp):
     path = tmp / "s.safetensors"
     enc = cli(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy
 import torch
 from tqdm.auto import tqdm
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def invert(
     model: LoadedModel,
-    states: HiddenStates | torch.Tensor | KVCapture,
+    states: HiddenStates | torch.Tensor | numpy.ndarray | list[torch.Tensor] | KVCapture,
     layer: LayerSpec | None = None,
     *,
     leak: Leak | str | None = None,
@@ -44,7 +45,9 @@ def invert(
     run: Run | None = None,
     **options: Any,
 ) -> list[InversionResult]:
-    """Recover the token ids of every prompt in ``states`` (one result per prompt, in order).
+    """Recover the token ids of every prompt in ``states`` (one result per prompt, in order): a :class:`HiddenStates`
+    (``HiddenStates.load(path)``), a tensor or numpy array ``[d]``, ``[T, d]`` or ``[N, T, d]``, a list of ``[T, d]``
+    tensors, or a KV cache (:class:`KVCapture`, :func:`lminvert.read_kv`); anything else is a one-line error.
 
     ``model`` comes from :func:`lminvert.load_model`, in the dtype the states were computed in (checked against
     the file); everything runs on the model's device. ``layer`` (``--layer``; a KV cache's block) defaults to what
@@ -81,8 +84,7 @@ def invert(
     if isinstance(states, KVCapture):
         states, layer, kind, offsets = kv_states(states, layer, kind)
         check_rows_options(replace(leak, kind=kind), search, run)
-    if isinstance(states, torch.Tensor):
-        states = HiddenStates.from_array(states.detach().cpu())
+    states = _as_states(states)
     model = require_loaded(model, "invert")
     _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
@@ -94,6 +96,23 @@ def invert(
     config = _config(model, search, run, error_model, deadline)
     flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
     return _with_notes(model, states, found, flat)
+
+
+def _as_states(states: Any) -> HiddenStates:
+    """``states`` as :class:`HiddenStates`: a tensor or numpy array (``[d]``, ``[T, d]`` or ``[N, T, d]``) or a list of
+    ``[T, d]`` tensors read as :meth:`HiddenStates.from_array` reads them; a one-line error for anything else."""
+    if isinstance(states, HiddenStates):
+        return states
+    if isinstance(states, torch.Tensor):
+        return HiddenStates.from_array(states.detach().cpu())
+    if isinstance(states, numpy.ndarray):
+        return HiddenStates.from_array(states)
+    if isinstance(states, (list, tuple)) and states and all(isinstance(s, torch.Tensor) for s in states):
+        return HiddenStates.from_array([s.detach().cpu() for s in states])
+    raise LminvertError(
+        "invert takes hidden states (HiddenStates.load(path), a tensor or numpy array [T, d], a list of [T, d] "
+        f"tensors) or a KV cache (lminvert.read_kv(path)), not {type(states).__name__}"
+    )
 
 
 def _last_options(leak: Leak, search: Search) -> LastOptions:

@@ -11,6 +11,7 @@ both ways.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from numbers import Integral, Real
 from typing import Any
 
 from ..errors import LminvertError
@@ -20,6 +21,31 @@ from .sources import ErrorModel, parse_source
 from .views import VIEWS
 
 METHODS = ("sipit", "bruteforce")
+# each option's type, checked before its value (a string or a None where a number goes was a TypeError deep inside)
+INTS = frozenset({"max_candidates", "seed", "max_length", "together", "batch_scale"})
+NUMBERS = frozenset({"noise", "max_seconds", "tolerance_scale"})
+FLAGS = frozenset({"check", "normalised", "certify", "screen", "speculate", "scout", "first_table", "progress"})
+NAMES = frozenset({"kind", "method", "policy"})
+OPTIONAL = frozenset({"max_candidates", "max_seconds", "certify", "screen", "scout", "max_length", "batch_scale"})
+
+
+def _check_types(group: object) -> None:
+    """A one-line error for an option of ``group`` (a frozen dataclass of this module) given a value of the wrong
+    type: an int where :data:`INTS` name it, a number for :data:`NUMBERS`, a bool for :data:`FLAGS`, a string for
+    :data:`NAMES`; None only where :data:`OPTIONAL` allows it."""
+    for option in fields(group):  # type: ignore[arg-type]
+        name, value = option.name, getattr(group, option.name)
+        if value is None and name in OPTIONAL:
+            continue
+        wanted = (
+            "an int" if name in INTS and (isinstance(value, bool) or not isinstance(value, Integral))
+            else "a number" if name in NUMBERS and (isinstance(value, bool) or not isinstance(value, Real))
+            else "True or False" if name in FLAGS and not isinstance(value, bool)
+            else "a string" if name in NAMES and not isinstance(value, str)
+            else None
+        )  # fmt: skip
+        if wanted is not None:
+            raise LminvertError(f"{name} must be {wanted}, not {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +66,7 @@ class Leak:
     normalised: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.kind not in VIEWS:
             raise LminvertError(f"unknown leak '{self.kind}': use one of {', '.join(VIEWS)}")
         if self.noise < 0 or self.noise != self.noise:
@@ -83,6 +110,7 @@ class Search:
     max_length: int | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.max_length is not None and self.max_length < 1:
             raise LminvertError("max_length (--max-length) must be at least 1 (tokens)")
         if self.method not in METHODS:
@@ -111,6 +139,7 @@ class Run:
     progress: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.together < 1:
             raise LminvertError("together (--together) must be at least 1 (prompts inverted at once)")
         if self.batch_scale is not None and self.batch_scale < 1:
