@@ -45,9 +45,8 @@ def invert(
     run: Run | None = None,
     **options: Any,
 ) -> list[InversionResult]:
-    """Recover the token ids of every prompt in ``states`` (one result per prompt, in order): a :class:`HiddenStates`
-    (``HiddenStates.load(path)``), a tensor or numpy array ``[d]``, ``[T, d]`` or ``[N, T, d]``, a list of ``[T, d]``
-    tensors, or a KV cache (:class:`KVCapture`, :func:`lminvert.read_kv`); anything else is a one-line error.
+    """Recover the token ids of every prompt in ``states`` (one result per prompt, in order): :class:`HiddenStates`, a
+    tensor or numpy array ``[d]``, ``[T, d]`` or ``[N, T, d]``, a list of ``[T, d]`` tensors, or a :class:`KVCapture`.
 
     ``model`` comes from :func:`lminvert.load_model`, in the dtype the states were computed in (checked against
     the file); everything runs on the model's device. ``layer`` (``--layer``; a KV cache's block) defaults to what
