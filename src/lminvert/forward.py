@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -35,14 +36,27 @@ Prompt = str | Sequence[int]
 
 
 def token_ids_of(model: LoadedModel, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[list[int]]:
-    """Tokenise text prompts (ids pass through), truncated to ``max_tokens``."""
-    if not prompts:
+    """Tokenise text prompts (ids pass through), truncated to ``max_tokens``. One text, or one prompt's ids (a flat
+    list or a 1-d tensor), is one prompt (a text was read as one prompt per character)."""
+    if max_tokens is not None and max_tokens < 1:
+        raise LminvertError(f"max_tokens must be at least 1, got {max_tokens}")
+    if isinstance(prompts, torch.Tensor | np.ndarray):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and len(prompts) and all(isinstance(t, Integral) for t in prompts)
+    ):
+        prompts = [prompts]  # type: ignore[list-item]
+    if prompts is None or not len(prompts):
         raise LminvertError("no prompts given: pass at least one text or token-id list")
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
             ids = model.tokenize(prompt, max_tokens)
         else:
+            if isinstance(prompt, torch.Tensor | np.ndarray):
+                prompt = prompt.tolist()
+            if not isinstance(prompt, Sequence) or not all(isinstance(t, Integral) for t in prompt):
+                raise LminvertError(f"a prompt is a text or a list of token ids, not {prompt!r:.60}")
             ids = [int(t) for t in prompt][:max_tokens]
             if not ids:
                 raise LminvertError("empty token-id list: every prompt needs at least one token")

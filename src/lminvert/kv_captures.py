@@ -79,12 +79,16 @@ class _Found:
 
 
 def read_kv(
-    path: str | Path, block: int | None = None, key: str | None = None, mask: str | Path | None = None
+    path: str | Path | Any, block: int | None = None, key: str | None = None, mask: str | Path | None = None
 ) -> KVCapture:
     """Block ``block``'s cache rows saved in ``path`` (see the module docstring), pads dropped by the attention mask
-    saved beside them or given as the ``mask`` file."""
-    path = Path(path)
-    loaded = _load(path)
+    saved beside them or given as the ``mask`` file. ``path`` may also be what would have been saved, still in memory
+    (``out.past_key_values``, a list of (keys, values), a dict of tensors): read as its file would be."""
+    if isinstance(path, str | Path):
+        path = Path(path)
+        loaded = _load(path)
+    else:
+        path, loaded = Path("the given cache"), dict(path) if isinstance(path, dict) else path  # the mask is popped
     saved_mask = _pop_mask(loaded)
     given_mask = _read_mask(Path(mask)) if mask is not None else None
     found = _find(path, loaded, key)

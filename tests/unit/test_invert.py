@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -156,6 +157,26 @@ def test_states_and_options_of_the_wrong_type_are_one_line_errors_and_numpy_arra
     for same in (tensor.numpy(), [tensor]):
         (result,) = invert(model, same, 1)
         assert result.token_ids == [5, 6, 7]
+
+
+def test_one_text_or_one_prompts_ids_are_one_prompt_and_wrong_prompts_are_one_line_errors():
+    """``encode(model, "a text", layer)`` encodes one prompt (it encoded one prompt per character), and so do one
+    prompt's ids as a flat list, a tensor or a numpy array; a prompt that is neither text nor ids, ``max_tokens=0`` and
+    a model name that is not a string are one-line errors."""
+    model = lminvert.load_model("tiny-llama")
+    text = "a short prompt"
+    assert [len(s) for s in encode(model, text, 1).states] == [len(model.tokenize(text))]
+    for ids in ([5, 6, 7], torch.tensor([5, 6, 7]), np.array([5, 6, 7])):
+        (states,) = encode(model, ids, 1).states
+        assert torch.equal(states, encode(model, [[5, 6, 7]], 1).states[0])
+    for prompts, needle in [([None], "a prompt is a text or a list of token ids"), ([[1.5, 2]], "a prompt is a text"),
+                            ([], "no prompts given")]:  # fmt: skip
+        with pytest.raises(LminvertError, match=needle):
+            encode(model, prompts, 1)
+    with pytest.raises(LminvertError, match="max_tokens must be at least 1"):
+        encode(model, [text], 1, max_tokens=0)
+    with pytest.raises(LminvertError, match="load_model takes a model's name"):
+        lminvert.load_model(None)
 
 
 def test_cli_json_schema(cli, tmp):

@@ -103,6 +103,17 @@ def test_a_saved_dynamic_cache_with_a_mask_file(tmp_path, run):
     assert any("DynamicCache of 3 blocks" in n for n in capture.notes)
 
 
+def test_a_cache_still_in_memory_reads_as_its_file(tmp_path, run):
+    """``read_kv(out.past_key_values)`` (or the list of pairs, or a dict) without saving it first: the same rows as the
+    saved file; something that holds no cache is the file's one-line error."""
+    np.save(tmp_path / "mask.npy", run.mask.numpy())
+    for given in (run.cache, _pairs(run.cache), {"past_key_values": _pairs(run.cache), "attention_mask": run.mask}):
+        for block in range(1, BLOCKS + 1):
+            mask = None if isinstance(given, dict) else tmp_path / "mask.npy"
+            _check(read_kv(given, block=block, mask=mask), run, block, number=block)
+    _error("the given cache holds no", torch.zeros(3))
+
+
 def test_a_cache_without_its_mask_keeps_every_row_and_says_so(tmp_path, run):
     torch.save(run.cache, str(tmp_path / "cache.pt"))
     capture = read_kv(str(tmp_path / "cache.pt"), block=1)

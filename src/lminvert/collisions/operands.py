@@ -44,6 +44,8 @@ def tile_shape(n: int, tile_rows: int, tile_cols: int) -> tuple[int, int]:
 
 def check_input(x: ArrayLike) -> tuple[int, int]:
     """``(N, d)`` of a ``[N, d]`` float32 or float64 array of at least two vectors; a one-line error otherwise."""
+    if not hasattr(x, "ndim") or not hasattr(x, "shape"):
+        raise LminvertError(f"expected a [N, d] tensor or numpy array of vectors, got {type(x).__name__}")
     if x.ndim != 2:
         raise LminvertError(f"expected a [N, d] array of vectors, got shape {list(x.shape)}")
     n, d = int(x.shape[0]), int(x.shape[1])

@@ -213,6 +213,13 @@ def load_model(
     inversion tables, candidate rankings) is made on that device. Converted models load from the cache in about
     a second; hold on to the result rather than reloading.
     """
+    if isinstance(name, Path):
+        name = str(name)
+    if not isinstance(name, str) or not name.strip():
+        raise LminvertError(
+            f"load_model takes a model's name ('{DEFAULT_MODEL}', a hub id, a directory or a .gguf path), "
+            f"not {name!r:.60}"
+        )
     if dtype not in DTYPES:
         raise LminvertError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
     target = resolve_device(device)
