@@ -42,6 +42,11 @@ def token_ids_of(model: LoadedModel, prompts: Sequence[Prompt], max_tokens: int 
         raise LminvertError(f"max_tokens must be at least 1, got {max_tokens}")
     if isinstance(prompts, torch.Tensor | np.ndarray):
         prompts = prompts.tolist()
+    elif prompts is not None and not isinstance(prompts, Sequence):  # a generator of prompts, say
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise LminvertError(f"prompts are a list of texts or of token-id lists, not {prompts!r:.60}") from None
     if isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and len(prompts) and all(isinstance(t, Integral) for t in prompts)
     ):
