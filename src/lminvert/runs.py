@@ -30,7 +30,7 @@ import torch
 
 from .cpu import cpu_features, cpu_model
 from .errors import LminvertError
-from .paths import read_json, write_json
+from .paths import check_output_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class RunDirectory:
 
     def __init__(self, path: str | Path | None, kind: str, config: Mapping[str, Any], identity: Sequence[str]):
         self.kind = kind
-        self.path = Path(path) if path is not None else Path(tempfile.mkdtemp(prefix=f"lminvert-{kind}-"))
-        self.path.mkdir(parents=True, exist_ok=True)
+        # a path that cannot be written is a one-line error here, before the run's work (callers of the API too)
+        self.path = check_output_dir(path) if path is not None else Path(tempfile.mkdtemp(prefix=f"lminvert-{kind}-"))
         self.config = dict(config)
         manifest = self.path / MANIFEST
         # a manifest with nothing computed beside it (a run stopped by bad input before any work) is not resumed

@@ -74,7 +74,12 @@ class HiddenStates:
         path = Path(path)
         if path.suffix != ".safetensors":
             raise LminvertError(f"output must end in .safetensors, got '{path.name}'")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LminvertError(
+                f"cannot write {path} ({exc.strerror or type(exc).__name__}): choose another path"
+            ) from None
         tensors = {f"states.{i}": s.detach().cpu().contiguous() for i, s in enumerate(self.states)}
         if self.token_ids is not None:
             for i, ids in enumerate(self.token_ids):
@@ -91,8 +96,13 @@ class HiddenStates:
             "n_prompts": str(len(self)),
             "lminvert_version": self.lminvert_version or "",
         }
-        with atomic_file(path) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
+        try:
+            with atomic_file(path) as tmp:
+                save_file(tensors, str(tmp), metadata=meta)
+        except OSError as exc:
+            raise LminvertError(
+                f"cannot write {path} ({exc.strerror or type(exc).__name__}): choose another path"
+            ) from None
         return path
 
     @classmethod

@@ -20,6 +20,7 @@ from lminvert.collisions.store import StateStore
 from lminvert.errors import LminvertError
 from lminvert.executors import get_executor
 from lminvert.models import LoadedModel
+from lminvert.states import HiddenStates
 
 from ..conftest import small_vocab_llama
 
@@ -188,6 +189,24 @@ def test_a_model_without_tokenizer_says_how_to_give_ids(small_vocab):
     with pytest.raises(LminvertError, match=r"has no tokenizer, so text cannot be encoded: give token ids"):
         small_vocab.tokenize("hello")
     assert small_vocab.decode([5, 9]) == "5 9"  # ids shown as numbers
+
+
+def test_one_prefix_given_bare_is_one_prefix_and_an_unwritable_out_is_refused_first(small_vocab, tmp_path):
+    """One prefix's ids as a flat list are one prefix (a text was one prefix per character), with the results of the
+    same prefix in a list; a run directory that cannot be written, a size of the wrong type, and a states file that
+    cannot be written are one-line errors before any work."""
+    bare = exhaustive_test(small_vocab, [1, 2, 3], layers=[1], out=tmp_path / "bare", batch_size=100)
+    listed = exhaustive_test(small_vocab, [[1, 2, 3]], layers=[1], out=tmp_path / "listed", batch_size=100)
+    assert [p.ids for p in bare.prefixes] == [p.ids for p in listed.prefixes] == [(1, 2, 3)]
+    assert bare.prefixes[0].layers["1"].min_distance == listed.prefixes[0].layers["1"].min_distance
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LminvertError, match=r"cannot write into .*choose another --out"):
+        exhaustive_test(small_vocab, [[1]], layers=[1], out=tmp_path / "file" / "run")
+    with pytest.raises(LminvertError, match="max_tokens must be an int"):
+        find_collisions(small_vocab, n_prompts=4, layers=[1], max_tokens="3", out=tmp_path / "c")
+    states = HiddenStates.from_array(torch.zeros(2, 4))
+    with pytest.raises(LminvertError, match=r"cannot write .*choose another path"):
+        states.save(tmp_path / "file" / "s.safetensors")
 
 
 def test_exhaustive_finds_the_planted_pair_and_matches_brute_force(small_vocab, tmp_path):

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import LminvertError
 from ..executors import Executor, get_executor
+from ..forward import token_ids_of
 from ..models import DEFAULT_LAYERS, Layer, LayerSpec, LoadedModel
 from ..models.loading import require_loaded
 from ..models.ties import representatives, tied_pairs, tied_token_groups
@@ -209,9 +210,9 @@ def exhaustive_test(
 
 def _prefix_ids(model: LoadedModel, prefixes: Sequence[str | Sequence[int]]) -> list[tuple[int, ...]]:
     """The prefixes as token ids (text tokenized), each checked against the vocabulary; none is an error."""
-    if not prefixes:
+    if prefixes is None or (isinstance(prefixes, Sequence) and not len(prefixes)):
         raise LminvertError("no prefixes given: pass --prefix TEXT or --from-collisions DIR")
-    ids = [tuple(model.tokenize(p)) if isinstance(p, str) else tuple(int(t) for t in p) for p in prefixes]
+    ids = [tuple(p) for p in token_ids_of(model, prefixes)]  # one text, or one prefix's ids, is one prefix
     for prefix in ids:
         model.probe.check_ids(torch.tensor(prefix, dtype=torch.long))
     return ids
