@@ -281,6 +281,15 @@ def test_experiment_cli_size_overrides_reach_the_run(cli, tmp_path):
     assert all(r["length"] == 5 and r["exact"] for r in doc["rows"])
     bad = cli(*args[:-5], "--size", "nokey")
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+    wrong_sizes = [
+        ("length=abc", "--size length must be an int (the preset's is"),
+        ("length=2.5", "--size length must be an int"),
+        ('kinds="random"', "--size kinds must be a list"),
+    ]
+    for size, needle in wrong_sizes:
+        wrong = cli(*args[:-5], "--size", size)  # a TypeError from deep inside, or a string read as a list of letters
+        assert wrong.returncode == 2 and needle in wrong.stderr, wrong.stderr
+        assert len(wrong.stderr.strip().splitlines()) == 1
 
 
 def test_the_reproduce_line_names_a_precision_that_is_not_the_default():

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,18 @@ def _run_unit(
     return done, {name: m.describe() for name, m in loaded.items()}
 
 
+def _check_size(name: str, value: Any, default: Any) -> None:
+    """A one-line error for a size given with another type than its preset's (``--size length=abc`` where an int goes;
+    a float for an int; a list where a list goes), before any work. A preset of None takes anything."""
+    kinds = [(bool, bool, "True or False"), (int, Integral, "an int"), (float, Real, "a number"),
+             (str, str, "a string"), (list, list | tuple, "a list"), (dict, dict, "a mapping")]  # fmt: skip
+    for preset, accepted, wanted in kinds:
+        if isinstance(default, preset):
+            if not isinstance(value, accepted) or (preset is not bool and isinstance(value, bool)):
+                raise LminvertError(f"--size {name} must be {wanted} (the preset's is {default!r}), not {value!r:.60}")
+            return
+
+
 def run_experiment(
     experiment: Experiment,
     load: Callable[[str], LoadedModel],
@@ -113,6 +126,8 @@ def run_experiment(
     if unknown:
         what = experiment.name if kind == experiment.name else f"{kind} {experiment.name}"
         raise LminvertError(f"{what} has no size {', '.join(sorted(unknown))}: use {', '.join(experiment.full_size)}")
+    for name, value in (overrides or {}).items():
+        _check_size(name, value, experiment.full_size[name])
     out = check_output_dir(out)
     size = experiment.size(quick, overrides)
     models = tuple(models or (experiment.quick_models if quick else None) or experiment.models)
