@@ -287,7 +287,7 @@ def test_experiment_cli_size_overrides_reach_the_run(cli, tmp_path):
         ('kinds="random"', "--size kinds must be a list"),
     ]
     for size, needle in wrong_sizes:
-        wrong = cli(*args[:-5], "--size", size)  # a TypeError from deep inside, or a string read as a list of letters
+        wrong = cli(*args[:-5], "--size", size)  # length=abc was a TypeError from deep inside
         assert wrong.returncode == 2 and needle in wrong.stderr, wrong.stderr
         assert len(wrong.stderr.strip().splitlines()) == 1
 
