@@ -65,6 +65,12 @@ def test_a_kv_cache_saved_whole_inverts_through_the_api_and_the_command(tiny, tm
     results = lminvert.invert(tiny, read_kv(path, block=block), leak="kv")
     _check(results, prompts)
     assert results[0].policy == "rows" and results[0].layer == str(block)
+    # the cache still in memory, unsaved: the same answer and verdicts (it was an AttributeError)
+    for in_memory in (cache, [(layer.keys, layer.values) for layer in cache.layers]):
+        (held,) = lminvert.invert(tiny, in_memory, block, leak="kv")
+        assert (held.token_ids, held.verdicts) == (results[0].token_ids, results[0].verdicts)
+    with pytest.raises(LminvertError, match="a KV cache's layer is its block number"):
+        lminvert.invert(tiny, cache, "middle", leak="kv")
     assert any("KV cache" in n for n in results[0].notes)
     done = run_cli("invert", str(path), "--model", "tiny-llama", "--layer", str(block), "--json")
     assert done.returncode == 0, done.stderr

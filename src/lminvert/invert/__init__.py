@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..errors import LminvertError
 from ..executors import Executor, ModelSetup, get_executor
-from ..kv_captures import KVCapture
+from ..kv_captures import KVCapture, read_kv
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_compatible
 from ..models.loading import require_loaded
@@ -79,11 +79,7 @@ def invert(
     """
     leak, search, run = grouped(leak, search, run, **options)
     deadline = None if search.max_seconds is None else time.time() + search.max_seconds
-    kind, offsets = leak.kind, None
-    if isinstance(states, KVCapture):
-        states, layer, kind, offsets = kv_states(states, layer, kind)
-        check_rows_options(replace(leak, kind=kind), search, run)
-    states = _as_states(states)
+    states, layer, kind, offsets = _given(states, layer, leak, search, run)
     model = require_loaded(model, "invert")
     _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
@@ -95,6 +91,24 @@ def invert(
     config = _config(model, search, run, error_model, deadline)
     flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
     return _with_notes(model, states, found, flat)
+
+
+def _given(
+    states: Any, layer: LayerSpec | None, leak: Leak, search: Search, run: Run
+) -> tuple[HiddenStates, LayerSpec | None, str, list[int] | None]:
+    """What ``invert`` was given as rows, its layer (a KV cache's block), the leak's kind and a KV cache's left
+    padding: a :class:`KVCapture`'s rows and block, a cache still in memory with ``leak="kv"`` (``out.past_key_values``,
+    a list of (keys, values): :func:`lminvert.read_kv` of block ``layer``), else :func:`_as_states`."""
+    kind, offsets = leak.kind, None
+    plain = isinstance(states, list | tuple) and all(isinstance(s, torch.Tensor) for s in states)
+    if kind == "kv" and not plain and not isinstance(states, HiddenStates | KVCapture | torch.Tensor | numpy.ndarray):
+        if layer is not None and not isinstance(layer, int):
+            raise LminvertError(f"a KV cache's layer is its block number (1..), not {layer!r}")
+        states = read_kv(states, block=layer)
+    if isinstance(states, KVCapture):
+        states, layer, kind, offsets = kv_states(states, layer, kind)
+        check_rows_options(replace(leak, kind=kind), search, run)
+    return _as_states(states), layer, kind, offsets
 
 
 def _as_states(states: Any) -> HiddenStates:
