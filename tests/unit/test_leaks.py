@@ -69,8 +69,9 @@ def test_a_kv_cache_saved_whole_inverts_through_the_api_and_the_command(tiny, tm
     for in_memory in (cache, [(layer.keys, layer.values) for layer in cache.layers]):
         (held,) = lminvert.invert(tiny, in_memory, block, leak="kv")
         assert (held.token_ids, held.verdicts) == (results[0].token_ids, results[0].verdicts)
-    with pytest.raises(LminvertError, match="a KV cache's layer is its block number"):
-        lminvert.invert(tiny, cache, "middle", leak="kv")
+    for named in (cache, read_kv(path, block=block)):  # a layer's name names no block (a ValueError for a capture)
+        with pytest.raises(LminvertError, match="a KV cache's layer is its block number"):
+            lminvert.invert(tiny, named, "middle", leak="kv")
     assert any("KV cache" in n for n in results[0].notes)
     done = run_cli("invert", str(path), "--model", "tiny-llama", "--layer", str(block), "--json")
     assert done.returncode == 0, done.stderr

@@ -25,7 +25,7 @@ from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .last import LastOptions
 from .layerfit import resolve_layer
-from .leaks import DEFENDED, invert_leak, kv_states, view_layer
+from .leaks import DEFENDED, block_number, invert_leak, kv_states, view_layer
 from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
@@ -102,9 +102,7 @@ def _given(
     kind, offsets = leak.kind, None
     plain = isinstance(states, list | tuple) and all(isinstance(s, torch.Tensor) for s in states)
     if kind == "kv" and not plain and not isinstance(states, HiddenStates | KVCapture | torch.Tensor | numpy.ndarray):
-        if layer is not None and not isinstance(layer, int):
-            raise LminvertError(f"a KV cache's layer is its block number (1..), not {layer!r}")
-        states = read_kv(states, block=layer)
+        states = read_kv(states, block=block_number(layer))
     if isinstance(states, KVCapture):
         states, layer, kind, offsets = kv_states(states, layer, kind)
         check_rows_options(replace(leak, kind=kind), search, run)

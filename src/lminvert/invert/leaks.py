@@ -72,13 +72,24 @@ def last_vectors(states: HiddenStates) -> list:
     return [s[-1] for s in states.states]
 
 
+def block_number(layer: LayerSpec | None) -> int | None:
+    """A KV cache's block as given (``layer``: an int or its digits; None: not given); a one-line error for another
+    layer name ('middle', 'final'), which names no block."""
+    if layer is None or (isinstance(layer, int) and not isinstance(layer, bool)):
+        return layer
+    if isinstance(layer, str) and layer.lstrip("-").isdigit():
+        return int(layer)
+    raise LminvertError(f"a KV cache's layer is its block number (1..), not {layer!r}")
+
+
 def kv_states(
     capture: KVCapture, layer: LayerSpec | None, leak: str
 ) -> tuple[HiddenStates, LayerSpec | None, str, list[int]]:
     """A KV cache read from a file (:func:`lminvert.kv_captures.read_kv`) as rows, its block and left padding."""
     if leak not in ("states", "kv"):
         raise LminvertError(f"a KV cache is the kv leak, not {leak}: drop --leak {leak}")
-    if layer is not None and capture.block is not None and int(layer) != capture.block:
+    layer = block_number(layer)
+    if layer is not None and capture.block is not None and layer != capture.block:
         raise LminvertError(f"the file holds block {capture.block}'s cache, not block {layer}: drop --layer")
     states = HiddenStates(states=capture.rows, dtype=capture.dtype, notes=capture.notes)
     return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
