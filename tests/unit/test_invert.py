@@ -150,13 +150,21 @@ def test_states_and_options_of_the_wrong_type_are_one_line_errors_and_numpy_arra
     typed = [({"max_seconds": "5"}, "max_seconds must be a number, not str '5'"),
              ({"together": "2"}, "together must be an int"), ({"seed": 1.5}, "seed must be an int"),
              ({"speculate": 1}, "speculate must be True or False"), ({"check": "no"}, "check must be"),
-             ({"policy": 3}, "policy must be a string"), ({"noise": True}, "noise must be a number")]  # fmt: skip
+             ({"policy": 3}, "policy must be a string"), ({"noise": True}, "noise must be a number"),
+             ({"source": 3}, "source must be a name"), ({"executor": 3}, "executor must be a name"),
+             ({"leak": 3}, "leak= takes a leak's kind"), ({"run": "fast"}, r"run= takes lminvert\.Run"),
+             ({"search": {"max_seconds": 3}}, r"search= takes lminvert\.Search")]  # fmt: skip
     for option, needle in typed:
         with pytest.raises(LminvertError, match=needle):
             invert(model, tensor, 1, **option)
     for same in (tensor.numpy(), [tensor]):
         (result,) = invert(model, same, 1)
         assert result.token_ids == [5, 6, 7]
+    with pytest.raises(LminvertError, match="tokenize takes a text"):
+        model.tokenize(3)
+    with pytest.raises(LminvertError, match="decode takes token ids"):
+        model.decode("abc")
+    assert model.decode(torch.tensor([5, 6, 7])) == model.decode([5, 6, 7])
 
 
 def test_one_text_or_one_prompts_ids_are_one_prompt_and_wrong_prompts_are_one_line_errors():

@@ -78,6 +78,8 @@ class Leak:
             )
         if isinstance(self.source, str):
             parse_source(self.source)  # a bad name fails here
+        elif self.source is not None and not isinstance(self.source, ErrorModel):
+            raise LminvertError(f"source must be a name like 'float' or 'noise:0.01', not {self.source!r:.60}")
         if self.normalised and self.kind != "last":
             raise LminvertError("normalised (--normalised) describes one vector: give it with --leak last")
 
@@ -140,6 +142,8 @@ class Run:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.executor is not None and not (isinstance(self.executor, str) or hasattr(self.executor, "map_with")):
+            raise LminvertError(f"executor must be a name like 'ray:auto' or an Executor, not {self.executor!r:.60}")
         if self.together < 1:
             raise LminvertError("together (--together) must be at least 1 (prompts inverted at once)")
         if self.batch_scale is not None and self.batch_scale < 1:
@@ -162,6 +166,13 @@ def grouped(
             raise LminvertError(f"the leak's kind given twice (leak={leak!r} and kind=): give it once")
         leak, options = None, {"kind": leak, **options}
     made = {"leak": leak, "search": search, "run": run}
+    for name, group in GROUPS.items():
+        if made[name] is not None and not isinstance(made[name], group):
+            kind = "a leak's kind ('kv'), " if name == "leak" else ""
+            raise LminvertError(
+                f"{name}= takes {kind}lminvert.{group.__name__}(...) or None, not {made[name]!r:.60} (or give its "
+                "options by name)"
+            )
     loose: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
     for option, value in options.items():
         if option not in _OPTION:

@@ -8,8 +8,10 @@ import socket
 import urllib.parse
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Integral
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -92,6 +94,8 @@ class LoadedModel:
 
     def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text`` as the model's tokenizer makes them (its own special tokens included)."""
+        if not isinstance(text, str):
+            raise LminvertError(f"tokenize takes a text, not {type(text).__name__} {text!r:.60}")
         if not text or not text.strip():
             raise LminvertError("empty text: give a prompt with at least one non-blank character")
         if self.tokenizer is None:
@@ -105,6 +109,11 @@ class LoadedModel:
         return ids
 
     def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (a list, tuple, tensor or array of ids); no tokenizer: the ids as numbers."""
+        if isinstance(token_ids, torch.Tensor | np.ndarray):
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, str) or not all(isinstance(t, Integral) for t in token_ids):
+            raise LminvertError(f"decode takes token ids, not {token_ids!r:.60}")
         if self.tokenizer is None:
             return " ".join(str(t) for t in token_ids)
         return self.tokenizer.decode(token_ids)
