@@ -192,6 +192,20 @@ def test_the_last_leak_gives_back_a_short_prompt_whole_through_the_one_vector_se
     assert all(r["route"] == "last-table" and len(r["recovered"]) == 1 for r in _cells(rows, defence="permute"))
 
 
+def test_a_loaded_model_is_audited_as_it_is_and_a_missing_directory_or_model_is_one_line(tiny, tmp_path):
+    """``audit(out, model=<a loaded model>)`` runs on that model, recorded by its name (its config was not JSON: a
+    TypeError); no ``out`` or a model of no kind is a one-line error before any work."""
+    doc = audit(
+        tmp_path / "loaded", model=tiny, quick=True, prompts=1, length=4, layers=[1], leaks=["states"],
+        defences=["none"], progress=False,
+    )  # fmt: skip
+    assert doc["config"]["models"] == [tiny.name] and doc["rows"] and all(r["exact"] for r in doc["rows"])
+    for call, needle in [(lambda: audit(None, model="tiny-llama"), "audit needs a directory"),
+                         (lambda: audit(tmp_path / "x", model=3), "model must be a model's name")]:  # fmt: skip
+        with pytest.raises(LminvertError, match=needle):
+            call()
+
+
 def test_the_report_holds_the_leak_matrix_and_a_verdict_per_layer(run):
     doc, out = run
     text = (out / "results.md").read_text()

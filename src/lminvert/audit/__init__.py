@@ -26,7 +26,7 @@ KIND = "audit"
 def audit(
     out: str | Path,
     *,
-    model: str = "smollm2-135m",
+    model: str | LoadedModel = "smollm2-135m",
     quick: bool = False,
     load: Callable[[str], LoadedModel] | None = None,
     seed: int = 0,
@@ -38,11 +38,17 @@ def audit(
     ``sizes`` change the preset (``quick`` or full): ``layers`` (e.g. ``[1, "middle", -1]``), ``leaks``
     (``states``, ``kv``, ``last``), ``defences`` (names as :func:`.defences.parse_defence` reads them), ``prompts``,
     ``length``, ``kinds``, ``prompts_file`` (one prompt a line), ``last_seconds`` (the ``last`` leak's search budget per
-    prompt). Returns the results document."""
+    prompt). ``model``: a name, or a model already loaded (used as it is). Returns the results document."""
     from ..experiments.runner import run_experiment
     from ..models import load_model
     from ..report.experiments import render_experiment
 
+    if out is None:
+        raise LminvertError("audit needs a directory to write into (out, --out)")
+    if isinstance(model, LoadedModel):  # loaded already: the run records its name and uses it as it is
+        model, load = model.name, (lambda _name, loaded=model: loaded)
+    elif not isinstance(model, str):
+        raise LminvertError(f"model must be a model's name or a loaded model, not {model!r:.60}")
     experiment = Audit()
     for name in sizes.get("defences") or ():
         parse_defence(name)
