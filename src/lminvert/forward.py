@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from numbers import Integral
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from ._version import __version__
 from .errors import LminvertError
 from .models import LoadedModel
 from .models.layers import Layer, LayerSpec
-from .models.loading import require_loaded
+from .models.loading import require_loaded, token_id_list
 from .models.single_key import single_key
 from .states import HiddenStates
 
@@ -47,9 +46,7 @@ def token_ids_of(model: LoadedModel, prompts: Sequence[Prompt], max_tokens: int 
             prompts = list(prompts)
         except TypeError:
             raise LminvertError(f"prompts are a list of texts or of token-id lists, not {prompts!r:.60}") from None
-    if isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and len(prompts) and all(isinstance(t, Integral) for t in prompts)
-    ):
+    if isinstance(prompts, str) or (prompts and token_id_list(prompts) is not None):
         prompts = [prompts]  # type: ignore[list-item]
     if prompts is None or not len(prompts):
         raise LminvertError("no prompts given: pass at least one text or token-id list")
@@ -58,11 +55,10 @@ def token_ids_of(model: LoadedModel, prompts: Sequence[Prompt], max_tokens: int 
         if isinstance(prompt, str):
             ids = model.tokenize(prompt, max_tokens)
         else:
-            if isinstance(prompt, torch.Tensor | np.ndarray):
-                prompt = prompt.tolist()
-            if not isinstance(prompt, Sequence) or not all(isinstance(t, Integral) for t in prompt):
+            listed = token_id_list(prompt)
+            if listed is None:
                 raise LminvertError(f"a prompt is a text or a list of token ids, not {prompt!r:.60}")
-            ids = [int(t) for t in prompt][:max_tokens]
+            ids = listed[:max_tokens]
             if not ids:
                 raise LminvertError("empty token-id list: every prompt needs at least one token")
         out.append(ids)

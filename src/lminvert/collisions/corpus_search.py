@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
 from ..corpora import Prompt, sample_prompts
-from ..errors import LminvertError
+from ..errors import LminvertError, check_kind
 from ..executors import Executor, get_executor
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.loading import require_loaded
@@ -121,9 +120,8 @@ def find_collisions(
 def _check_sizes(n_prompts: int, max_tokens: int, min_tokens: int | None, batch_tokens: int, chunk_size: int) -> None:
     """One-line errors for :func:`find_collisions`'s sizes, before anything is sampled or computed."""
     sizes = {"n_prompts": n_prompts, "max_tokens": max_tokens, "batch_tokens": batch_tokens, "chunk_size": chunk_size}
-    for name, value in {**sizes, "min_tokens": 1 if min_tokens is None else min_tokens}.items():
-        if isinstance(value, bool) or not isinstance(value, Integral):
-            raise LminvertError(f"{name} must be an int, not {type(value).__name__} {value!r}")
+    for name, value in {**sizes, **({} if min_tokens is None else {"min_tokens": min_tokens})}.items():
+        check_kind(name, value, "int")
     if n_prompts < 2:
         raise LminvertError("--n-prompts must be at least 2 (pairs of prompts are compared)")
     if max_tokens < 1 or (min_tokens is not None and not 1 <= min_tokens <= max_tokens):

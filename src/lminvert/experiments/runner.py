@@ -18,13 +18,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..errors import LminvertError
+from ..errors import LminvertError, check_kind
 from ..executors import Executor, get_executor
 from ..models import LoadedModel
 from ..paths import check_output_dir, read_json
@@ -91,15 +90,12 @@ def _run_unit(
 
 
 def _check_size(name: str, value: Any, default: Any) -> None:
-    """A one-line error for a size given with another type than its preset's (``--size length=abc`` where an int goes;
-    a float for an int; a list where a list goes), before any work. A preset of None takes anything."""
-    kinds = [(bool, bool, "True or False"), (int, Integral, "an int"), (float, Real, "a number"),
-             (str, str, "a string"), (list, list | tuple, "a list"), (dict, dict, "a mapping")]  # fmt: skip
-    for preset, accepted, wanted in kinds:
-        if isinstance(default, preset):
-            if not isinstance(value, accepted) or (preset is not bool and isinstance(value, bool)):
-                raise LminvertError(f"--size {name} must be {wanted} (the preset's is {default!r}), not {value!r:.60}")
-            return
+    """A one-line error for a size given with another kind than its preset's (``--size length=abc`` where an int goes;
+    a float for an int; a string where a list goes), before any work. A preset of None takes anything."""
+    kinds = [(bool, "flag"), (int, "int"), (float, "number"), (str, "text"), (list, "list"), (dict, "mapping")]
+    kind = next((kind for preset, kind in kinds if isinstance(default, preset)), None)
+    if kind is not None:
+        check_kind(f"--size {name}", value, kind, f" (the preset's is {default!r})")
 
 
 def run_experiment(

@@ -100,13 +100,20 @@ def _given(
     padding: a :class:`KVCapture`'s rows and block, a cache still in memory with ``leak="kv"`` (``out.past_key_values``,
     a list of (keys, values): :func:`lminvert.read_kv` of block ``layer``), else :func:`_as_states`."""
     kind, offsets = leak.kind, None
-    plain = isinstance(states, list | tuple) and all(isinstance(s, torch.Tensor) for s in states)
-    if kind == "kv" and not plain and not isinstance(states, HiddenStates | KVCapture | torch.Tensor | numpy.ndarray):
+    if kind == "kv" and not isinstance(states, KVCapture) and not _array_like(states):
         states = read_kv(states, block=block_number(layer))
     if isinstance(states, KVCapture):
         states, layer, kind, offsets = kv_states(states, layer, kind)
         check_rows_options(replace(leak, kind=kind), search, run)
     return _as_states(states), layer, kind, offsets
+
+
+def _array_like(states: Any) -> bool:
+    """Whether :func:`_as_states` reads ``states`` as states: :class:`HiddenStates`, a tensor, a numpy array, or a
+    non-empty list or tuple of tensors."""
+    if isinstance(states, HiddenStates | torch.Tensor | numpy.ndarray):
+        return True
+    return isinstance(states, list | tuple) and bool(states) and all(isinstance(s, torch.Tensor) for s in states)
 
 
 def _as_states(states: Any) -> HiddenStates:
@@ -118,7 +125,7 @@ def _as_states(states: Any) -> HiddenStates:
         return HiddenStates.from_array(states.detach().cpu())
     if isinstance(states, numpy.ndarray):
         return HiddenStates.from_array(states)
-    if isinstance(states, (list, tuple)) and states and all(isinstance(s, torch.Tensor) for s in states):
+    if _array_like(states):  # a non-empty list of tensors
         return HiddenStates.from_array([s.detach().cpu() for s in states])
     raise LminvertError(
         "invert takes hidden states (HiddenStates.load(path), a tensor or numpy array [T, d], a list of [T, d] "

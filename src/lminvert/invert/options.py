@@ -11,41 +11,35 @@ both ways.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from numbers import Integral, Real
 from typing import Any
 
-from ..errors import LminvertError
+from ..errors import LminvertError, check_kind
 from ..executors import Executor
 from .policies import POLICIES
 from .sources import ErrorModel, parse_source
 from .views import VIEWS
 
 METHODS = ("sipit", "bruteforce")
-# each option's type, checked before its value (a string or a None where a number goes was a TypeError deep inside)
-INTS = frozenset({"max_candidates", "seed", "max_length", "together", "batch_scale"})
-NUMBERS = frozenset({"noise", "max_seconds", "tolerance_scale"})
-FLAGS = frozenset({"check", "normalised", "certify", "screen", "speculate", "scout", "first_table", "progress"})
-NAMES = frozenset({"kind", "method", "policy"})
+# each option's kind (:func:`lminvert.errors.check_kind`), checked before its value (a string or a None where a number
+# goes was a TypeError deep inside); None only for the OPTIONAL ones
+KIND = {
+    **dict.fromkeys(("max_candidates", "seed", "max_length", "together", "batch_scale"), "int"),
+    **dict.fromkeys(("noise", "max_seconds", "tolerance_scale"), "number"),
+    **dict.fromkeys(
+        ("check", "normalised", "certify", "screen", "speculate", "scout", "first_table", "progress"), "flag"
+    ),
+    **dict.fromkeys(("kind", "method", "policy"), "text"),
+}
 OPTIONAL = frozenset({"max_candidates", "max_seconds", "certify", "screen", "scout", "max_length", "batch_scale"})
 
 
 def _check_types(group: object) -> None:
-    """A one-line error for an option of ``group`` (a frozen dataclass of this module) given a value of the wrong
-    type: an int where :data:`INTS` name it, a number for :data:`NUMBERS`, a bool for :data:`FLAGS`, a string for
-    :data:`NAMES`; None only where :data:`OPTIONAL` allows it."""
+    """A one-line error for an option of ``group`` (a frozen dataclass of this module) given a value of another kind
+    than :data:`KIND` names (None only where :data:`OPTIONAL` allows it)."""
     for option in fields(group):  # type: ignore[arg-type]
         name, value = option.name, getattr(group, option.name)
-        if value is None and name in OPTIONAL:
-            continue
-        wanted = (
-            "an int" if name in INTS and (isinstance(value, bool) or not isinstance(value, Integral))
-            else "a number" if name in NUMBERS and (isinstance(value, bool) or not isinstance(value, Real))
-            else "True or False" if name in FLAGS and not isinstance(value, bool)
-            else "a string" if name in NAMES and not isinstance(value, str)
-            else None
-        )  # fmt: skip
-        if wanted is not None:
-            raise LminvertError(f"{name} must be {wanted}, not {type(value).__name__} {value!r}")
+        if name in KIND and not (value is None and name in OPTIONAL):
+            check_kind(name, value, KIND[name])
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ import logging
 import os
 import socket
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Integral
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +56,16 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
             raise LminvertError(f"device '{device}' asked for, but MPS is not available here: use --device cpu")
         return resolved
     raise LminvertError(f"unsupported device '{device}': use {DEVICES} (--device)")
+
+
+def token_id_list(value: Any) -> list[int] | None:
+    """``value`` as a list of token ids (a list or tuple of integers, or a tensor or array of them), or None where it
+    is not one (a text, a list of lists, None)."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        value = value.tolist()
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(t, Integral) for t in value):
+        return None
+    return [int(t) for t in value]
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,10 +122,10 @@ class LoadedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (a list, tuple, tensor or array of ids); no tokenizer: the ids as numbers."""
-        if isinstance(token_ids, torch.Tensor | np.ndarray):
-            token_ids = token_ids.tolist()
-        if isinstance(token_ids, str) or not all(isinstance(t, Integral) for t in token_ids):
+        ids = token_id_list(token_ids)
+        if ids is None:
             raise LminvertError(f"decode takes token ids, not {token_ids!r:.60}")
+        token_ids = ids
         if self.tokenizer is None:
             return " ".join(str(t) for t in token_ids)
         return self.tokenizer.decode(token_ids)
