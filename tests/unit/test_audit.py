@@ -393,8 +393,7 @@ def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, 
     a prefix that is not the running one is not served by it. With ``reuse``, a token that was one of the position's
     candidates grows the cache from their forward (only the blocks above the layer run: none at the last block's), so
     a forward through every block runs only where it was not."""
-    from lminvert.invert.rows.running import Running
-    from lminvert.invert.rows.search import RowSearch
+    from lminvert.invert.rows.running import Running, predicted
 
     probe = tiny.probe
     layer = probe.layer(at)
@@ -405,8 +404,6 @@ def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, 
     advance = probe.advance_rows
     monkeypatch.setattr(probe, "advance_rows", lambda *args: forwards.append(1) or advance(*args))
     candidates = torch.tensor([4, 8, 15, 16, 23, 42])
-    search = RowSearch.__new__(RowSearch)  # only its whole-prefix prediction is used here
-    search.model = tiny
     offered = 0
     for t, token in enumerate(ids):
         if t and t % 3 != 2:  # the token among the position's candidates (at every third position it is not)
@@ -418,7 +415,7 @@ def test_the_running_prefix_grows_the_caches_a_search_would_compute_whole(tiny, 
         assert running.holds(ids[: t + 1]) and not running.holds(ids[:t]) and not running.holds([])
         if t % 2 and t % 3 == 2:  # caches not asked for here: the tokens added since join the next forward
             continue
-        whole = search._predict(ids[: t + 1])
+        whole = predicted(tiny, ids[: t + 1])
         torch.testing.assert_close(running.log_probs(), whole, rtol=1e-5, atol=1e-5)
         assert torch.equal(running.log_probs().argsort(descending=True)[:20], whole.argsort(descending=True)[:20]), t
         grown = probe.continuation(running.prefix(), candidates)
@@ -435,16 +432,14 @@ def test_a_missing_position_is_chosen_by_the_next_row(tiny):
     next row (shipped whole) chooses the right one (the rest of the prompt comes back whole too); every verdict from
     the missing position on is ``uncertain``, and none is claimed wrongly."""
     from lminvert.invert.rows.attack import Attack
-    from lminvert.invert.rows.search import RowSearch
+    from lminvert.invert.rows.running import predicted
 
     layer = tiny.probe.layer(2)
     leak = make_leak("states", tiny, layer)
     prefix = [5, 17, 300]
-    search = RowSearch.__new__(RowSearch)
-    search.model = tiny
     ids = [
         *prefix,
-        int(search._predict(prefix).argsort(descending=True)[100]),
+        int(predicted(tiny, prefix).argsort(descending=True)[100]),
         999,
         42,
     ]  # the prediction's 101st token at position 3

@@ -526,3 +526,37 @@ def test_a_choice_by_the_next_row_past_the_time_bound_gathers_no_evidence_and_st
     (cut,) = lminvert.invert(tiny, rows, layer, source="noise:0.2")
     (note,) = [n for n in cut.notes if "time bound" in n]
     assert f"limited {len(prompt)} of {len(prompt)} positions" in note, note  # position 0's choice counted too
+
+
+def test_a_kv_caches_prediction_read_from_its_rows_changes_no_answer(tiny, monkeypatch):
+    """rows.rankers.ROWS_PRIOR: the next-token prediction read from a KV cache's rows (read back, through the blocks
+    above once per prompt) and the recovered prefix's give the same tokens, nothing wrong claimed, and with it no
+    block above the layer runs as the prefix grows; a running prefix that does not predict grows its cache as one
+    made afresh and refuses to predict."""
+    from lminvert.invert.rows import rankers
+    from lminvert.invert.rows.running import Running
+
+    probe = tiny.probe
+    monkeypatch.setattr(rankers, "ABOVE", 1)  # tiny-llama has two blocks: block 2's cache has one above its layer
+    prompts = _prompts(tiny, 2, 7, 5)  # of one length: no padding
+    cache, _ = _cache(tiny, prompts)
+    above, ran = probe.advance_above, []
+    monkeypatch.setattr(probe, "advance_above", lambda *a: ran.append(1) or above(*a))
+    found = {}
+    for on in (False, True):
+        monkeypatch.setattr(rankers, "ROWS_PRIOR", on)
+        ran.clear()
+        found[on] = lminvert.invert(tiny, cache, 2, leak="kv")
+        _check(found[on], prompts)
+        assert bool(ran) != on  # the prefix grew through the blocks above only where the rows did not predict
+    assert [r.token_ids for r in found[True]] == [r.token_ids for r in found[False]]
+    layer, ids, candidates = probe.layer(1), prompts[0], torch.tensor([4, 8, 15, 16, 23, 42])
+    running = Running(tiny, layer, predicts=False)
+    for t, token in enumerate(ids):
+        if t % 3:  # the token among the position's candidates: its keys join the cache with no forward
+            running.candidates(torch.tensor([11, token, 3]))
+        running.add(token)
+        grown = probe.continuation(running.prefix(), candidates)
+        torch.testing.assert_close(grown, probe.continuation(probe.prefix(ids[: t + 1], layer), candidates))
+    with pytest.raises(ValueError, match="predicts nothing"):
+        running.log_probs()

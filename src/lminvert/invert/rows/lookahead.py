@@ -267,7 +267,7 @@ class Lookahead:
         ``deadline``). And the candidates this ran, and whether the next row fitted under the token (True where it was
         not tried)."""
         search = self.search
-        predicted = search._prediction(prefix, running)
+        predicted = search.predict.ranked(prefix, running)
         if after is not None and not torch.isnan(after).any() and search.lookahead and not broken:
             looked = self.by_next(prefix, predicted, after, reading, running, deadline=deadline)
             return acceptor.chosen_by_next(looked.token), looked.ran, looked.fit

@@ -31,12 +31,14 @@ class Running:
     added since: the candidates' prefix at ``layer`` (:meth:`prefix`, a view of that cache), the model's prediction
     after it (:meth:`log_probs`). The cache holds one prompt's prefix only: a prefix that is not :attr:`ids` is
     computed elsewhere. ``reuse``: a token chosen from :meth:`candidates` grows the cache from their forward (False: a
-    forward through every block, when next needed)."""
+    forward through every block, when next needed). ``predicts``: False where the search reads its prediction
+    elsewhere (:meth:`.rankers.StateReading.priors`): the cache then holds the blocks up to the layer only, a chosen
+    candidate's keys and values join it with no forward, and there is no :meth:`log_probs`."""
 
-    def __init__(self, model: LoadedModel, layer, reuse: bool = True) -> None:
-        self.model, self.layer = model, layer
+    def __init__(self, model: LoadedModel, layer, reuse: bool = True, predicts: bool = True) -> None:
+        self.model, self.layer, self.predicts = model, layer, predicts
         probe = model.probe
-        self.top = max(layer, probe.layer(probe.n_layers))
+        self.top = max(layer, probe.layer(probe.n_layers)) if predicts else layer
         # the blocks above the layer run alone on a state only where the blocks below can be skipped
         self.reuse = reuse and (layer.top_block == self.top.top_block or probe.skips_below)
         self.ids: list[int] = []
@@ -56,11 +58,12 @@ class Running:
             runs, i = offered
             assert self._full is not None and runs.keys is not None
             pick = torch.tensor([i], device=runs.states.device)
-            probe = self.model.probe
-            self._full, final = probe.advance_above(
-                self._full, [token], runs.keys.take(pick), runs.states[i : i + 1], self.layer
-            )
-            self._final = (final[0], True)
+            probe, keys = self.model.probe, runs.keys.take(pick)
+            if self.predicts:
+                self._full, final = probe.advance_above(self._full, [token], keys, runs.states[i : i + 1], self.layer)
+                self._final = (final[0], True)
+            else:
+                self._full = probe.advance_from(self._full, [token], keys)
         self.ids.append(token)
 
     def holds(self, prefix_ids: list[int]) -> bool:
@@ -110,7 +113,9 @@ class Running:
 
     def log_probs(self) -> torch.Tensor:
         """The model's log-probabilities of every next token after :attr:`ids` ``[V]`` (float32, CPU; from the last
-        token's final state; one forward where it is not known)."""
+        token's final state; one forward where it is not known; a ValueError where it does not ``predict``)."""
+        if not self.predicts:
+            raise ValueError("this running prefix holds no blocks above its layer: it predicts nothing")
         if self._scores is None:
             if self._final is None:
                 self._catch_up()

@@ -10,7 +10,7 @@ bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.firs
 the acceptor finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
 (:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers:
 position 0 from the first-position table (every token verified at once), later positions the model's own next-token
-prediction from the prefix (for a states leak, with what the row reads as: :meth:`StateReading.ranked`; a KV
+prediction from the prefix (:mod:`.prediction`; a KV cache's from its rows read back, once per prompt) (for a states leak, with what the row reads as: :meth:`StateReading.ranked`; a KV
 cache's row read back as a state first, :mod:`.back`; for a view whose rows depend on their token and position alone,
 block 1's cache, the table's rows nearest the row moved back to position 0 instead), 16 of them first, then the rest
 of the first 256, then 256 at a time. Later batches merge
@@ -56,9 +56,10 @@ from ..tolerance import FLOOR, SAFETY, norm
 from .calibration import Measured, Rows
 from .lookahead import Lookahead
 from .memo import StateMemo
+from .prediction import Prediction
 from .rankers import Ridge, Secant, StateReading
 from .replay import Replay
-from .running import Running, predicted
+from .running import Running
 from .screen import Screen, Screened
 from .sinklike import SinkLike
 from .verified import Found, Measure, Verified, measure
@@ -129,6 +130,7 @@ class RowSearch:
         self.twins = tied_twins(model)
         self.replay = Replay(capture, self.source)
         self.length = 0  # the rows of the prompt being searched
+        self.predict = Prediction(model, layer, reading, memo, reuse)
         self.ahead = Lookahead(self, capture, kept)
 
     def radii(self, shipped: torch.Tensor, t: int) -> Radii:
@@ -152,7 +154,7 @@ class RowSearch:
         # the next token a position was chosen under (by the next row), verified first at the position after it (led)
         lead, led = None, 1
         reads = self.reading.scores(shipped) if self.reading is not None else [None] * len(shipped)
-        running = Running(self.model, self.layer, self.reuse)
+        running = self.predict.start(shipped)
         if self.secant is not None:
             self.secant.begin_prompt()
         self.length = len(shipped)
@@ -217,24 +219,6 @@ class RowSearch:
             return acceptor.decide(evidence, replace(radii, fragile=True))
         return decision
 
-    def _prediction(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
-        """Every token, most likely next first (the model's own prediction from the recovered prefix,
-        :meth:`_log_probs`)."""
-        return ranked(self._log_probs(prefix, running), descending=True)
-
-    def _log_probs(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
-        """The model's log-probabilities of every next token after the recovered prefix ``[V]`` (float32, CPU; from
-        ``running``'s cache where it holds the prefix; kept in the memo)."""
-        if running is not None and running.holds(prefix):
-            compute = running.log_probs
-        else:
-            compute = functools.partial(self._predict, prefix)
-        return compute() if self.memo is None else self.memo.prediction(prefix, compute)
-
-    def _predict(self, prefix: list[int]) -> torch.Tensor:
-        """:meth:`_log_probs` after ``prefix`` from one forward of it (:func:`.running.predicted`)."""
-        return predicted(self.model, prefix)
-
     def _order(
         self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, lead: int | None,
         target: torch.Tensor,
@@ -257,8 +241,8 @@ class RowSearch:
         """Every token, by the model's prediction and, where given, the row's ``reading`` (its log-probabilities:
         :meth:`.rankers.StateReading.ranked`)."""
         if reading is None or self.reading is None:
-            return self._prediction(prefix, running)
-        return self.reading.ranked(self._log_probs(prefix, running), reading)
+            return self.predict.ranked(prefix, running)
+        return self.reading.ranked(self.predict.log_probs(prefix, running), reading)
 
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
         """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
