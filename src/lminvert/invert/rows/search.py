@@ -8,11 +8,12 @@ its verdict. Every distance is measured by the cached forward, with its rounding
 whose nearest candidates are also run alone through the view's own capture where the source may be a plain forward's
 bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.first`), and at a later position where
 the acceptor finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
-(:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers:
-position 0 from the first-position table (every token verified at once), later positions the model's own next-token
-prediction from the prefix (:mod:`.prediction`; a KV cache's from its rows read back, once per prompt) (for a states leak, with what the row reads as: :meth:`StateReading.ranked`; a KV
-cache's row read back as a state first, :mod:`.back`; for a view whose rows depend on their token and position alone,
-block 1's cache, the table's rows nearest the row moved back to position 0 instead), 16 of them first, then the rest
+(:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers: position 0
+from the first-position table (every token verified at once), later positions the model's own next-token prediction from
+the prefix (:mod:`.prediction`; a KV cache's from its rows read back, once per prompt) (for a states leak, with what the
+row reads as: :meth:`StateReading.ranked`; a KV cache's row read back as a state first, :mod:`.back`; for a view whose
+rows depend on their token and position alone, block 1's cache, the table's rows nearest the row moved back to position
+0 instead), 16 of them first, then the rest
 of the first 256, then 256 at a time. Later batches merge
 that order with the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a
 ridge fit on this position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's
