@@ -660,3 +660,27 @@ def test_the_reading_and_the_prediction_rank_every_token_once_fused_or_not(monke
     place[plain] = torch.arange(500)
     assert all(int((both == t).nonzero()) <= 2 * int(place[t]) + 1 for t in range(500))
     assert torch.equal(ranked(prior, descending=True), prior.argsort(descending=True))  # no ties among these
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 2**31 - 1), st.booleans(), st.integers(1, 6))
+def test_the_first_candidates_alone_are_the_whole_orders_first(top, seed, fuse, ties):
+    """rows.search.PARTIAL: StateReading.ranked's order cut to its first ``top`` by partial sorts is the whole order's
+    first ``top`` (scores drawn from ``ties`` distinct values per source too: ties may change places, never members
+    beyond the last tied place), fused or not."""
+    from lminvert.invert.rows import rankers
+
+    gen = torch.Generator().manual_seed(seed)
+    prior, reading = torch.randn(300, generator=gen), torch.randn(300, generator=gen)
+    if ties < 6:  # few distinct scores: many ties
+        prior, reading = prior.mul(ties).round(), reading.mul(ties).round()
+    reader = rankers.StateReading.__new__(rankers.StateReading)
+    old = rankers.FUSE
+    rankers.FUSE = fuse
+    try:
+        whole, first = reader.ranked(prior, reading), reader.ranked(prior, reading, top)
+    finally:
+        rankers.FUSE = old
+    assert len(first) == top and len(set(first.tolist())) == top
+    if ties == 6:  # no ties: the very same candidates in the same order
+        assert torch.equal(first, whole[:top])

@@ -54,6 +54,6 @@ class Prediction:
             compute = functools.partial(predicted, self.model, prefix)
         return compute() if self.memo is None else self.memo.prediction(prefix, compute)
 
-    def ranked(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
-        """Every token, most likely next first (:meth:`log_probs`)."""
-        return ranked(self.log_probs(prefix, running), descending=True)
+    def ranked(self, prefix: list[int], running: Running | None = None, top: int | None = None) -> torch.Tensor:
+        """Every token, most likely next first (:meth:`log_probs`; ``top``: the first ``top`` only)."""
+        return ranked(self.log_probs(prefix, running), descending=True, top=top)

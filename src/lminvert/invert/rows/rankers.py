@@ -203,16 +203,17 @@ class StateReading:
             logits = probe.next_token_logits(last, normed=True).float().log_softmax(-1).cpu()
         return [None, *logits]
 
-    def ranked(self, prior: torch.Tensor, reading: torch.Tensor) -> torch.Tensor:
+    def ranked(self, prior: torch.Tensor, reading: torch.Tensor, top: int | None = None) -> torch.Tensor:
         """Every token, by the model's prediction (``prior``, its log-probabilities) and a position's reading (its
         :meth:`scores`): alternately from each; where :data:`FUSE` is on, that order alternately with the two fused as a
         product of experts (weight :data:`lminvert.invert.linear.FUSED`; the engine's proposal's third source,
         :func:`lminvert.invert.proposal.fuse`), which ranks best but buries a token where one of the two is surely
         wrong (the alternation keeps a token within twice its place in the alternate order). SmolLM2, the KV caches
         of 24 held-out prompts read back (``benchmarks/heldout.py``): the true token among the first 32 at 339 of 456
-        positions with it at block 15, 313 without; at block 30, 416 against 401."""
-        by_prior = ranked(prior, descending=True)
-        both = merge(torch.stack([ranked(reading, descending=True), by_prior]))
+        positions with it at block 15, 313 without; at block 30, 416 against 401. ``top``: the first ``top`` of that
+        order only (an alternation's first ``n`` come from its sources' first ``n``: each source's partial sort)."""
+        by_prior = ranked(prior, descending=True, top=top)
+        both = merge(torch.stack([ranked(reading, descending=True, top=top), by_prior]))
         if not FUSE:
             return both
-        return merge(torch.stack([ranked(fuse(prior, reading, FUSED), descending=True), both]))
+        return merge(torch.stack([ranked(fuse(prior, reading, FUSED), descending=True, top=top), both]))

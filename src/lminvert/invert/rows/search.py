@@ -75,6 +75,8 @@ FIRST = 16  # the first batch at a position after the first (RowSearch._sizes): 
 BROKEN = 2 * BATCH
 ALONE_TABLE = True  # an alone view's later candidates' layer-0 states read from the first-position table, no prefix
 # made (RowSearch._verify; False: the cached forward over the prefix, the same states)
+PARTIAL = True  # a position's first batch from the rankers' first candidates alone, by partial sorts (the whole order,
+# RowSearch._position's base, made only where a later batch is due; False: the whole order first)
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -222,28 +224,30 @@ class RowSearch:
 
     def _order(
         self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, lead: int | None,
-        target: torch.Tensor,
+        target: torch.Tensor, top: int | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Every token, in the order a position's candidates are verified: position 0's table by id, later ones
         by their rows' distance to ``target`` in an alone view, else the rankers' (:meth:`_ranked`); ``lead`` first
-        where given."""
+        where given; ``top``: at least the first ``top`` of that order (all of it at position 0)."""
         if not prefix:
             order = torch.arange(self.model.probe.vocab_size)
         elif self.alone is not None:  # the nearest rows first: ||a - b||^2 = ||a||^2 - 2 a.b + ||b||^2
             back = self.alone(target[None].float(), len(prefix))[0]
             if self._norms is None:  # this search's table's (another search may hold another table)
                 self._norms = self.table.square().sum(1)
-            order = ranked(self._norms - 2 * (self.table @ back))
+            order = ranked(self._norms - 2 * (self.table @ back), top=top)
         else:
-            order = self._ranked(prefix, reading, running)
+            order = self._ranked(prefix, reading, running, top)
         return order if lead is None else torch.cat([torch.tensor([lead]), order[order != lead]])
 
-    def _ranked(self, prefix: list[int], reading: torch.Tensor | None, running: Running | None) -> torch.Tensor:
-        """Every token, by the model's prediction and, where given, the row's ``reading`` (its log-probabilities:
-        :meth:`.rankers.StateReading.ranked`)."""
+    def _ranked(
+        self, prefix: list[int], reading: torch.Tensor | None, running: Running | None, top: int | None = None
+    ) -> torch.Tensor:
+        """Every token (``top``: the first ``top``), by the model's prediction and, where given, the row's ``reading``
+        (its log-probabilities: :meth:`.rankers.StateReading.ranked`)."""
         if reading is None or self.reading is None:
-            return self.predict.ranked(prefix, running)
-        return self.reading.ranked(self.predict.log_probs(prefix, running), reading)
+            return self.predict.ranked(prefix, running, top)
+        return self.reading.ranked(self.predict.log_probs(prefix, running), reading, top)
 
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
         """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
@@ -336,9 +340,9 @@ class RowSearch:
         prefix = self._prefix(prefix_ids, running)
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
         ran = running.candidates if running is not None and running.holds(prefix_ids) else None
-        base = order = self._order(prefix_ids, reading, running, lead, target)
-        done = torch.zeros(vocab, dtype=torch.bool)
-        seen = Verified(target, self.source.distances)
+        order = self._order(prefix_ids, reading, running, lead, target, self.first if PARTIAL else None)
+        base = functools.cache(lambda: self._order(prefix_ids, reading, running, lead, target))
+        done, seen = torch.zeros(vocab, dtype=torch.bool), Verified(target, self.source.distances)
         learning = self.secant if t > 0 else None  # position 0 is the table's: nothing to learn there
         if learning is not None:
             learning.begin(t, target)
@@ -379,7 +383,7 @@ class RowSearch:
                 return decision, checked, measure(ids, rows, dists, decision.token)
             if checked >= RERANK * reranked:
                 order, reranked = (
-                    self._reranked(*known, target, base, None if learning is None else learning.order()),
+                    self._reranked(*known, target, base(), None if learning is None else learning.order()),
                     checked,
                 )
         raise AssertionError("unreachable: position 0 verifies the whole vocabulary, others never run out of batches")
