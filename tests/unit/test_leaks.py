@@ -560,3 +560,21 @@ def test_a_kv_caches_prediction_read_from_its_rows_changes_no_answer(tiny, monke
         torch.testing.assert_close(grown, probe.continuation(probe.prefix(ids[: t + 1], layer), candidates))
     with pytest.raises(ValueError, match="predicts nothing"):
         running.log_probs()
+
+
+def test_the_ridge_fits_order_along_its_strongest_directions_puts_the_same_tokens_first():
+    """rows.search.STRONGEST (rankers.Ridge's ``strongest``): where the ridge prediction varies along few directions
+    (a map of rank 8 into 200-number rows, a little noise), its distances measured along the strongest of them alone
+    order the vocabulary as all of them do near the top: the target's own token first either way. A proposal (every
+    candidate is verified)."""
+    from lminvert.invert.rows import rankers
+
+    gen = torch.Generator().manual_seed(4)
+    vocab = torch.randn(4096, 64, generator=gen)
+    mix = torch.randn(64, 8, generator=gen) @ torch.randn(8, 200, generator=gen)
+    ids = torch.randperm(4096, generator=gen)[:600]
+    rows = vocab[ids] @ mix + 0.01 * torch.randn(600, 200, generator=gen)
+    target = vocab[17] @ mix
+    orders = {strongest: rankers.Ridge(vocab, strongest=strongest).order(ids, rows, target) for strongest in (None, 16)}
+    assert int(orders[None][0]) == 17 and int(orders[16][0]) == 17
+    assert len(set(orders[None][:64].tolist()) & set(orders[16][:64].tolist())) >= 56

@@ -102,15 +102,16 @@ class Ridge:
     """Rows predicted from input vectors by a ridge fit on the verified candidates (dual form: fewer samples than
     dimensions), and the vocabulary ordered by how near its predicted rows lie to the target."""
 
-    def __init__(self, vocab: torch.Tensor, low: torch.Tensor | None = None) -> None:
+    def __init__(self, vocab: torch.Tensor, low: torch.Tensor | None = None, strongest: int | None = None) -> None:
         self.vocab = vocab  # [V, d] float32
         self.low = low  # the same in bfloat16 for the prediction's product, or None (float32): it only orders
+        self.strongest = strongest  # the distances measured along this many strongest directions (None: all)
 
     @classmethod
-    def of(cls, probe: LayerProbe) -> Ridge:
+    def of(cls, probe: LayerProbe, strongest: int | None = None) -> Ridge:
         """The ridge ranker of ``probe``'s vocabulary, on the CPU, its product on the probe's kept bfloat16 copy where
-        those GEMMs are native there (:meth:`LayerProbe.low_vocab`)."""
-        return cls(probe.vocab_matrix(torch.float32).cpu(), probe.low_vocab(torch.device("cpu")))
+        those GEMMs are native there (:meth:`LayerProbe.low_vocab`); ``strongest``: as :class:`Ridge` takes it."""
+        return cls(probe.vocab_matrix(torch.float32).cpu(), probe.low_vocab(torch.device("cpu")), strongest)
 
     def order(self, ids: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Every token, the nearest predicted row first. The prediction of input ``v`` is ``v W + b`` with
@@ -131,6 +132,9 @@ class Ridge:
         if len(alpha) < alpha.shape[1]:  # fewer samples than the rows' dimensions: measure in alpha's row span
             basis = torch.linalg.qr(alpha.T).Q  # [k, n]
             weights, offset = weights @ basis, offset @ basis
+        if self.strongest is not None and weights.shape[1] > self.strongest:  # where the prediction varies most
+            top = torch.linalg.eigh((weights.T @ weights).float()).eigenvectors[:, -self.strongest :].double()
+            weights, offset = weights @ top, offset @ top
         # the prediction in float32, its product in bfloat16 where native (low_vocab): it only orders candidates
         if self.low is not None:
             return ranked(((self.low @ weights.bfloat16()).float() + offset.float()).norm(dim=1))

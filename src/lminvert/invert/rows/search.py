@@ -77,6 +77,9 @@ ALONE_TABLE = True  # an alone view's later candidates' layer-0 states read from
 # made (RowSearch._verify; False: the cached forward over the prefix, the same states)
 PARTIAL = True  # a position's first batch from the rankers' first candidates alone, by partial sorts (the whole order,
 # RowSearch._position's base, made only where a later batch is due; False: the whole order first)
+# the ridge fit's distances measured along its prediction's STRONGEST directions alone (rankers.Ridge; None: all of
+# them; block 15's KV cache, 16 held-out prompts: 0.943x the median, 0.970x the mean, docs/results.md)
+STRONGEST: int | None = 128
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
 
@@ -126,7 +129,7 @@ class RowSearch:
         # a half-precision model's cached forward need not round as the observer's whole forward does, even where the
         # calibration prompts found them equal: the rounding radius never falls below one unit of its precision
         self.floor = max(FLOOR, float(torch.finfo(model.probe.dtype).eps))
-        self.ridge = Ridge.of(model.probe)
+        self.ridge = Ridge.of(model.probe, STRONGEST)
         if table is None:
             table = rows_of(first_position_table(model, layer, progress=False).float(), 0)
         self.table = table
