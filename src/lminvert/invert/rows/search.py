@@ -252,6 +252,11 @@ class RowSearch:
             return self.predict.ranked(prefix, running, top)
         return self.reading.ranked(self.predict.log_probs(prefix, running), reading, top)
 
+    def _whole(self, head: torch.Tensor, make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """A position's whole order, made by ``make`` when first asked for: ``head`` (its first candidates, as
+        :meth:`_order` gave them) where that holds every token already."""
+        return (lambda: head) if len(head) == self.model.probe.vocab_size else functools.cache(make)
+
     def _prefix(self, prefix_ids: list[int], running: Running | None) -> Callable[[], Prefix]:
         """The probe's prefix of ``prefix_ids``, made where first called: ``running``'s where it holds them, else
         made once in one forward."""
@@ -344,7 +349,7 @@ class RowSearch:
         # over the search's own prefix, the candidates run through it, so the token chosen grows it from their forward
         ran = running.candidates if running is not None and running.holds(prefix_ids) else None
         order = self._order(prefix_ids, reading, running, lead, target, self.first if PARTIAL else None)
-        base = functools.cache(lambda: self._order(prefix_ids, reading, running, lead, target))
+        base = self._whole(order, lambda: self._order(prefix_ids, reading, running, lead, target))
         done, seen = torch.zeros(vocab, dtype=torch.bool), Verified(target, self.source.distances)
         learning = self.secant if t > 0 else None  # position 0 is the table's: nothing to learn there
         if learning is not None:
