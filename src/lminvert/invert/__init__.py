@@ -25,7 +25,7 @@ from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .last import LastOptions
 from .layerfit import resolve_layer
-from .leaks import DEFENDED, block_number, invert_leak, kv_states, view_layer
+from .leaks import DEFENDED, block_number, invert_leak, kv_states, sink_retry, view_layer
 from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
@@ -90,6 +90,8 @@ def invert(
     resolved, found = _layer(model, states, layer, error_model, leak.check)
     config = _config(model, search, run, error_model, deadline)
     flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
+    if leak.noise == 0:  # a capture whose guess lies at a later sink: searched again by the next row
+        flat = sink_retry(model, states, resolved, error_model, flat, search.screen, deadline)
     return _with_notes(model, states, found, flat)
 
 

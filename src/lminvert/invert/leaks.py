@@ -4,20 +4,29 @@ rows search on its view (:mod:`.rows.route`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import LminvertError
 from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
 from ..models.kv import sliding_window
 from ..states import HiddenStates
+from .acceptor import UNCERTAIN
 from .blockfit import resolve_block
+from .engine import bound_source
 from .last import LastOptions, invert_last
 from .results import InversionResult
 from .rows.route import invert_rows
+from .search import past
 from .sources import ErrorModel
 from .views import make_view
 
 DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (the engine's bound is too loose there)
+# float states whose first uncertain position after position 0 is sink-like: that prompt searched again by the rows
+# search (a later sink chosen by the next row, the choice replayed through the capture), the result with more positions
+# sure kept (sink_retry; False: the engine's result stands)
+SINK_RETRY = True
 
 
 def invert_leak(
@@ -107,3 +116,29 @@ def view_layer(
     if spec is None:
         raise LminvertError("the rows do not say which layer they come from: pass --layer with the layer")
     return model.probe.layer(spec), states.notes
+
+
+def sink_retry(
+    model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel, results: list[InversionResult],
+    screen: bool | None = None, deadline: float | None = None,
+) -> list[InversionResult]:  # fmt: skip
+    """The engine's ``results`` for float ``states`` (a capture from elsewhere), each prompt whose first uncertain
+    position after position 0 is sink-like (the ``float`` model's bands, :meth:`.sources.ErrorModel.fragile`: there
+    the state's own row does not choose, and every later position follows the guess) searched again by the rows search,
+    whose next row chooses at such a sink and whose replay through the capture may certify the choice
+    (:mod:`.rows.lookahead`); of the two results, both the acceptor's, the one with more positions ``certified`` or
+    ``confident`` (the engine's where as many), its seconds the two searches'. Nothing before ``deadline`` passed."""
+    if not SINK_RETRY or source.name != "float" or not source.bitwise:
+        return results
+    bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
+    for rows, result in zip(states.states, results, strict=True):
+        first = next((t for t, v in enumerate(result.verdicts) if v == UNCERTAIN), 0)
+        if first == 0 or past(deadline) or not bands.fragile(rows[first].float(), first):
+            out.append(result)
+            continue
+        again = invert_rows(model, [rows], view, source, (), screen, None, deadline)[0]
+        sure = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
+        note = f"position {first} is sink-like: searched again in the rows' space, choosing it by the next row"
+        kept = again if sure[1] > sure[0] else result
+        out.append(replace(kept, seconds=result.seconds + again.seconds, notes=(*kept.notes, note)))
+    return out

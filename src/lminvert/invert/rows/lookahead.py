@@ -32,7 +32,7 @@ from ..layouts import other_attention
 from ..search import past
 from ..tolerance import calibration_prompts
 from .running import Running
-from .verified import Verified
+from .verified import Measure, Verified
 
 LOOK = 8  # tokens under which the next token is sought where a position's own row does not choose one (several fit
 # position 0's, or its row is missing): the nearest first tokens at position 0, the model's prediction elsewhere
@@ -50,6 +50,9 @@ LATER_TRIES = 2  # guesses a later sink's next token is sought under: the positi
 LATER_PROMPTS = 8  # calibration prompts with a sink at position 1 for that rule (4 claimed 1: too few to say a rate)
 FOLLOW = 4096  # candidates the next position's search under a later sink's guess may verify (SmolLM2 block 15, a
 # random-id calibration prompt: the true next token about the 1,200th; 1,024, the give-up budget, missed it)
+# a later sink-like position's choice by the next row verified again, first, and replayed first through the capture,
+# where a bit-for-bit reproduction certifies it (Lookahead.replayed; False: the next row's choice stands)
+REPLAY_CHOICE = True
 LATER_CHUNK = 2048  # two-token chains per forward where every token is verified under the next one
 
 
@@ -160,6 +163,23 @@ class Lookahead:
             evidence, count = self._next_row(prefix_ids, looked, after, reading, None if measuring else LATER)
             ran += count
         return acceptor.chosen_by_next(choice.token, evidence), ran, following.token
+
+    def replayed(
+        self, prefix_ids: list[int], row: torch.Tensor, reading, running: Running | None, decision: Decision,
+        chosen: Measure, deadline: float | None = None,
+    ) -> tuple[Decision, int, Measure]:  # fmt: skip
+        """A later position's ``decision`` by the next row (:meth:`later`), where :data:`REPLAY_CHOICE` is on and the
+        search replays (:class:`.replay.Replay`): its token verified again at the position, first, and replayed first
+        through the capture (a sink's cached distance says little of which candidates to replay); where that
+        reproduces ``row`` bit for bit, the acceptor's decision on that evidence replaces it. The decision, the
+        candidates run, the chosen token's measure (``chosen`` where it stands)."""
+        search, token = self.search, decision.token
+        if not (REPLAY_CHOICE and search.replay.applies and token is not None) or past(deadline):
+            return decision, 0, chosen
+        again, ran, measured = search._position(prefix_ids, row, len(prefix_ids), True, reading, running, lead=token)
+        if again.verdict == acceptor.CERTIFIED and again.token == token:
+            return again, ran, measured
+        return decision, ran, chosen
 
     def _next_row(
         self, prefix_ids: list[int], looked: Looked, after: torch.Tensor, reading, rule: str | None

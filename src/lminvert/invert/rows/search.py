@@ -3,25 +3,24 @@ with positions missing): SIPIT with the comparison made in the rows' space.
 
 For each position, the candidates' states are computed over the recovered prefix's KV cache
 (:meth:`lminvert.models.LayerProbe.continuation`), turned into rows by the leak (and the public map, if any), and their
-L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and
-its verdict. Every distance is measured by the cached forward, with its rounding inside the radii, but at position 0,
-whose nearest candidates are also run alone through the view's own capture where the source may be a plain forward's
-bit for bit and the table does not reproduce the row (:meth:`.replay.Replay.first`), and at a later position where
-the acceptor finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
+L2 distances to the observed row are the evidence; :func:`lminvert.invert.acceptor.decide` alone gives the token and its
+verdict. Every distance is measured by the cached forward, with its rounding inside the radii, but at position 0, whose
+nearest candidates are also run alone through the view's own capture where the source may be a plain forward's bit for
+bit and the table does not reproduce the row (:meth:`.replay.Replay.first`), and at a later position where the acceptor
+finds several fit, whose nearest are replayed through that capture shaped like the observer's forward
 (:meth:`.replay.Replay.later`: only a bit-for-bit reproduction is recorded). Candidates come from rankers: position 0
 from the first-position table (every token verified at once), later positions the model's own next-token prediction from
 the prefix (:mod:`.prediction`; a KV cache's from its rows read back, once per prompt) (for a states leak, with what the
 row reads as: :meth:`StateReading.ranked`; a KV cache's row read back as a state first, :mod:`.back`; for a view whose
 rows depend on their token and position alone, block 1's cache, the table's rows nearest the row moved back to position
-0 instead), 16 of them first, then the rest
-of the first 256, then 256 at a time. Later batches merge
-that order with the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a
-ridge fit on this position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's
-candidates double. Where several first tokens fit position 0's row (an attention sink's norm lets noise cover the gaps
-between them) or none does, the next row chooses among the nearest (``lookahead``, :mod:`.lookahead`: ``confident``
-where the next row fits under one first token alone, else a guess), and position 1 verifies the next token it was chosen
-under first; so is a later guess whose state is sink-like (a capture made elsewhere), and a missing row's token the same
-way, the prediction first (a guess: uncertain, and so is everything after it). Distances are the error model's
+0 instead), 16 of them first, then the rest of the first 256, then 256 at a time. Later batches merge that order with
+the engine's secant model of the position's map (:class:`.rankers.Secant`) and, from 256 verified, a ridge fit on this
+position's closest candidates (:class:`.rankers.Ridge`), the order remade as the position's candidates double. Where
+several first tokens fit position 0's row (an attention sink's norm lets noise cover the gaps between them) or none
+does, the next row chooses among the nearest (``lookahead``, :mod:`.lookahead`: ``confident`` where the next row fits
+under one first token alone, else a guess), and position 1 verifies the next token it was chosen under first; so is a
+later guess whose state is sink-like (a capture made elsewhere), and a missing row's token the same way, the prediction
+first (a guess: uncertain, and so is everything after it). Distances are the error model's
 (:meth:`lminvert.invert.sources.ErrorModel.distances`: L2, or L2 beyond a quantisation's box). The recovered prefix's
 cache grows a token at a time, from the chosen candidate's forward where it can (:class:`.running.Running`); later
 batches of 64 or more may be screened with bfloat16 GEMMs first (:mod:`.screen`).
@@ -196,6 +195,8 @@ class RowSearch:
                 order, own = self._order(ids, reads[t], running, decision.token, row), decision.token
                 decision, looked, lead = self.ahead.later(ids, row, order, after, following, running, deadline=deadline)
                 count, chosen, led = count + looked, chosen if decision.token == own else Measure(), t + 1
+                decision, looked, chosen = self.ahead.replayed(ids, row, reads[t], running, decision, chosen, deadline)
+                count += looked
             cut += (late and t > 0) or (due and decision.guess and past(deadline))  # limited by the bound
             assert decision.token is not None
             verdict = acceptor.final_verdict(decision, tied=decision.token in self.twins, after_guess=after_guess)
@@ -212,13 +213,15 @@ class RowSearch:
         states)."""
         return self.sinks is not None and token is not None and self.sinks.fragile(prefix, token, self.memo)
 
-    def _decided(self, evidence: Evidence, radii: Radii, prefix: list[int], seen: Verified) -> acceptor.Decision:
-        """The acceptor's decision; where several candidates fit a later position's row, after their replay through
-        the view's capture (:meth:`.replay.Replay.later`) when one reproduced the row; a confident one where its
-        state is sink-like (:mod:`.sinklike`), again with that said."""
+    def _decided(self, evidence: Evidence, radii: Radii, prefix: list[int], seen: Verified,
+                 lead: int | None = None) -> acceptor.Decision:  # fmt: skip
+        """The acceptor's decision; where several candidates fit a later position's row, or ``lead`` (another rule's
+        choice) was given and nothing is certified, after their replay through the view's capture
+        (:meth:`.replay.Replay.later`) when one reproduced the row; a confident sink-like one, again with that said."""
         decision = acceptor.decide(evidence, radii)
-        if decision.reason == acceptor.SEVERAL and self.replay.later(
-            prefix, self.length, seen, evidence.dists, evidence.ids, radii
+        led = lead if decision.final and decision.verdict != acceptor.CERTIFIED else None  # another rule's choice
+        if (led is not None or decision.reason == acceptor.SEVERAL) and self.replay.later(
+            prefix, self.length, seen, evidence.dists, evidence.ids, radii, led
         ):
             decision = acceptor.decide(evidence, radii)
         if decision.verdict == acceptor.CONFIDENT and self._sinklike(prefix, decision.token):  # asked again, so told
@@ -379,7 +382,7 @@ class RowSearch:
                 fitted=fitted, twins=self.twins, boxed=self.source.boxed,
                 expected=self.source.measured(target, t), guessed=guessed,
             )  # fmt: skip
-            decision = self._decided(evidence, radii, prefix_ids, seen)
+            decision = self._decided(evidence, radii, prefix_ids, seen, lead)
             if decision.unfitted and out is not None:  # nothing fits: the screened-out that may be nearer, in full
                 nearer = out.take(float(dists.min()) if len(dists) else math.inf)
                 if len(nearer):
