@@ -578,3 +578,92 @@ def test_the_ridge_fits_order_along_its_strongest_directions_puts_the_same_token
     orders = {strongest: rankers.Ridge(vocab, strongest=strongest).order(ids, rows, target) for strongest in (None, 16)}
     assert int(orders[None][0]) == 17 and int(orders[16][0]) == 17
     assert len(set(orders[None][:64].tolist()) & set(orders[16][:64].tolist())) >= 56
+
+
+def test_another_rules_choice_is_replayed_first_and_certified_where_it_reproduces_the_row():
+    """At a sink the cached distances say little: the true token may lie beyond the nearest ``ALONE`` that a replay
+    tries. Given as ``lead`` (the next row's choice), it is replayed first, and certified by its reproduction; without
+    it, the nearest are replayed, none reproduces, and the position stays a guess."""
+    from lminvert.invert import acceptor
+    from lminvert.invert.acceptor import Evidence, Radii
+    from lminvert.invert.rows.replay import ALONE, Replay
+    from lminvert.invert.rows.verified import Verified
+    from lminvert.invert.sources import Float
+
+    gen = torch.Generator().manual_seed(5)
+    target, prefix, length = torch.randn(16, generator=gen), [4, 5], 6
+    ids = torch.arange(10, 10 + ALONE + 4)
+    true = int(ids[-1])  # the farthest by its cached distance, all of them within the ball
+    scale = torch.linspace(0.01, 0.2, len(ids))[:, None]
+    rows = target + scale * torch.randn(len(ids), 16, generator=gen)
+    ran: list[list[int]] = []
+
+    def capture(sequence: list[int]) -> torch.Tensor:
+        ran.append(sequence)
+        out = torch.zeros(len(sequence), 16)
+        out[len(prefix)] = target if sequence[len(prefix)] == true else target + 0.05
+        return out
+
+    def decide(lead: int | None) -> acceptor.Decision:
+        seen = Verified(target, Float().distances)
+        _, _, dists = seen.add(ids, rows)
+        radii = Radii(5.0, 5.0, 0.1, 4.9, 0.0, 1e-6)
+        evidence = Evidence(ids, dists, rows, target, seen.measured, radii.cached, False, exhausted=True, checked=12)
+        assert acceptor.decide(evidence, radii).reason == acceptor.SEVERAL
+        Replay(capture, Float()).later(prefix, length, seen, dists, ids, radii, lead)
+        return acceptor.decide(evidence, radii)
+
+    plain = decide(None)
+    assert plain.verdict == "uncertain" and len(ran) == ALONE and all(s[len(prefix)] != true for s in ran)
+    ran.clear()
+    led = decide(true)
+    assert (led.token, led.verdict) == (true, "certified") and len(ran) == 1 and ran[0][len(prefix)] == true
+
+
+def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_result_kept(tiny, monkeypatch):
+    """``sink_retry``: a float capture's prompt whose first uncertain position after position 0 is sink-like is
+    searched again by the rows search, and of the two results the one with more positions sure is kept, with both
+    searches' seconds and a note; a prompt whose first uncertain position is not sink-like, lminvert's own states and
+    the switch off leave the engine's result alone."""
+    from lminvert.invert import leaks
+    from lminvert.invert.results import InversionResult
+    from lminvert.invert.sources import Exact, Float
+
+    prompt = _prompts(tiny, 1, 6, 11)[0]
+    states = lminvert.encode(tiny, [prompt], 2)
+    engine = lminvert.invert(tiny, states)[0]
+
+    def with_verdicts(verdicts: list[str], seconds: float, notes: tuple[str, ...] = ()) -> InversionResult:
+        positions = [dataclasses.replace(p, verdict=v) for p, v in zip(engine.positions, verdicts, strict=True)]
+        return dataclasses.replace(engine, positions=positions, seconds=seconds, notes=notes)
+
+    guessed = with_verdicts(["certified"] + ["uncertain"] * (len(prompt) - 1), 1.0)
+    better = with_verdicts(["certified"] * len(prompt), 2.0, ("rows",))
+    calls: list[int] = []
+
+    class Bands:
+        def fragile(self, row: torch.Tensor, t: int) -> bool:
+            return t == sink
+
+    def rows_search(*args, **kwargs) -> list[InversionResult]:
+        calls.append(1)
+        return [better]
+
+    monkeypatch.setattr(leaks, "bound_source", lambda *args: Bands())
+    monkeypatch.setattr(leaks, "invert_rows", rows_search)
+    layer = tiny.probe.layer(2)
+    sink = 1
+    kept = leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0]
+    assert kept.verdicts == better.verdicts and kept.seconds == 3.0 and len(calls) == 1
+    assert kept.notes[0] == "rows" and "position 1 is sink-like" in kept.notes[-1]
+    worse = with_verdicts(["uncertain"] * len(prompt), 2.0)
+    monkeypatch.setattr(leaks, "invert_rows", lambda *a, **k: [worse])
+    assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0].verdicts == guessed.verdicts
+    sink = 2  # the first uncertain position (1) is not sink-like: nothing searched again
+    calls.clear()
+    monkeypatch.setattr(leaks, "invert_rows", rows_search)
+    assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0] is guessed and calls == []
+    sink = 1
+    assert leaks.sink_retry(tiny, states, layer, Exact(), [guessed])[0] is guessed and calls == []
+    monkeypatch.setattr(leaks, "SINK_RETRY", False)
+    assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0] is guessed and calls == []
