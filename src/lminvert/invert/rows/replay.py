@@ -63,10 +63,10 @@ class Replay:
     def later(self, prefix: list[int], length: int, seen: Verified, dists: torch.Tensor, ids: torch.Tensor,
               radii: Radii, lead: int | None = None) -> bool:  # fmt: skip
         """At a later position (after ``prefix``) of a prompt of ``length`` rows, its nearest candidates within the
-        cached radius (``ALONE`` at most; ``lead`` first where it was verified: a token another rule chose, the next
-        row's, whose cached distance at a sink says little) run through the capture as the prefix, the token and a
-        fill to ``length``; the first that reproduces the row bit for bit is recorded in ``seen.measured`` with that
-        plain distance. Whether one was."""
+        cached radius (``ALONE`` at most; ``lead`` first where it was verified, wherever its cached row lies: a token
+        another rule chose, the next row's, whose cached distance at a sink says little) run through the capture as
+        the prefix, the token and a fill to ``length``; the first that reproduces the row bit for bit is recorded in
+        ``seen.measured`` with that plain distance. Whether one was."""
         if not self.applies or not prefix or length <= len(prefix):
             return False
         fill = length - len(prefix) - 1
@@ -74,9 +74,9 @@ class Replay:
         if lead is not None:  # the other rule's choice first
             near = list(dict.fromkeys([*(ids == lead).nonzero().flatten().tolist(), *near]))
         for i in near:
-            if float(dists[i]) > radii.cached:
-                break
             token = int(ids[i])
+            if float(dists[i]) > radii.cached and token != lead:  # the lead's cached row may lie anywhere at a sink
+                break
             distance = self._distance([*prefix, token, *[token] * fill], len(prefix), seen)
             if distance <= radii.resolution:
                 seen.measured[token] = distance
