@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,11 +21,12 @@ from ..models.loading import require_loaded
 from ..models.probe import has_hooks
 from ..models.ties import tied_twins
 from ..states import HiddenStates
+from . import leaks
 from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .last import LastOptions
 from .layerfit import resolve_layer
-from .leaks import DEFENDED, block_number, invert_leak, kv_states, sink_retry, view_layer
+from .leaks import DEFENDED, block_number, invert_leak, kv_states, sink_prompts, sink_retry, view_layer
 from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
@@ -89,8 +90,9 @@ def invert(
         return _invert_rows(model, states, layer, kind, error_model, leak.check, search.screen, offsets, last, deadline)
     resolved, found = _layer(model, states, layer, error_model, leak.check)
     config = _config(model, search, run, error_model, deadline)
-    flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor)
-    if leak.noise == 0:  # a capture whose guess lies at a later sink: searched again by the next row
+    sinks = sink_prompts(model, states, resolved, error_model) if leak.noise == 0 else []
+    flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor, sinks)
+    if sinks:  # a capture whose guess lies at a later sink: searched again, the next row choosing there
         flat = sink_retry(model, states, resolved, error_model, flat, search.screen, deadline)
     return _with_notes(model, states, found, flat)
 
@@ -199,9 +201,21 @@ def _invert_chunks(
     noise: float,
     together: int,
     executor: str | Executor | None,
+    bounded: Sequence[int] = (),
 ) -> list[InversionResult]:
     """Every prompt of ``states`` inverted, in chunks of ``together`` on ``executor``, in order; ``noise`` (relative,
-    seeded by ``config.seed + 1``) added to the states first. A progress bar counts positions if ``config.progress``."""
+    seeded by ``config.seed + 1``) added to the states first; prompts ``bounded`` each alone, within
+    :data:`.leaks.SINK_SECONDS` of its start (:func:`.leaks.sink_prompts`). A progress bar counts positions if
+    ``config.progress``."""
+    if bounded:
+        rest = [i for i in range(len(states.states)) if i not in bounded]
+        got = _invert_chunks(model, _subset(states, rest), layer, config, noise, together, executor) if rest else []
+        out = dict(zip(rest, got, strict=True))
+        for i in bounded:
+            bound = time.time() + leaks.SINK_SECONDS
+            alone = replace(config, deadline=bound if config.deadline is None else min(config.deadline, bound))
+            out[i] = _invert_chunks(model, _subset(states, [i]), layer, alone, noise, 1, executor)[0]
+        return [out[i] for i in range(len(states.states))]
     generator = torch.Generator().manual_seed(config.seed + 1)
     ties = tied_twins(model)
     clean = list(states.states)
@@ -227,6 +241,11 @@ def _invert_chunks(
     finally:
         bar.close()
     return [r for chunk_results in results for r in chunk_results]
+
+
+def _subset(states: HiddenStates, index: Sequence[int]) -> HiddenStates:
+    """Prompts ``index`` of ``states``, in that order."""
+    return states.with_meta(states=tuple(states.states[i] for i in index))
 
 
 def _with_notes(

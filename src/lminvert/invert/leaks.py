@@ -27,6 +27,7 @@ DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (t
 # search (a later sink chosen by the next row, the choice replayed through the capture), the result with more positions
 # sure kept (sink_retry; False: the engine's result stands)
 SINK_RETRY = True
+SINK_SECONDS = 30.0  # the engine's time on such a prompt before it (prompts with a sink-like row after position 0)
 
 
 def invert_leak(
@@ -116,6 +117,17 @@ def view_layer(
     if spec is None:
         raise LminvertError("the rows do not say which layer they come from: pass --layer with the layer")
     return model.probe.layer(spec), states.notes
+
+
+def sink_prompts(model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel) -> list[int]:
+    """The prompts of float ``states`` (a capture from elsewhere) with a sink-like row after position 0 (the ``float``
+    model's bands, :meth:`.sources.ErrorModel.fragile`), which :func:`sink_retry` may search again (none where
+    :data:`SINK_RETRY` is off or the source is not ``float``): the engine gets :data:`SINK_SECONDS` on each first (in
+    half precision its search of such a position may take many minutes, SmolLM2 bfloat16 layer 15, docs/results.md)."""
+    if not SINK_RETRY or source.name != "float" or not source.bitwise:
+        return []
+    bands = bound_source(model, layer, source)
+    return [i for i, rows in enumerate(states.states) if any(bands.fragile(r, t) for t, r in enumerate(rows.float()))]
 
 
 def sink_retry(
