@@ -667,3 +667,32 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     assert leaks.sink_retry(tiny, states, layer, Exact(), [guessed])[0] is guessed and calls == []
     monkeypatch.setattr(leaks, "SINK_RETRY", False)
     assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0] is guessed and calls == []
+
+
+def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_keeps_its_place(tiny, monkeypatch):
+    """Prompts :func:`lminvert.invert.leaks.sink_prompts` names are inverted by the engine each alone, within
+    ``SINK_SECONDS`` of its start, the others together with no bound; the results keep the prompts' order."""
+    import sys
+    import time
+
+    from lminvert.invert import leaks
+
+    api = sys.modules["lminvert.invert"]  # the package (lminvert.invert is the function)
+    prompts = _prompts(tiny, 3, 6, 21)
+    states = lminvert.encode(tiny, prompts, 2)
+    calls: list[tuple[int, float | None]] = []
+    chunks = api._invert_chunks
+
+    def spy(model, states, layer, config, *args, **kwargs):
+        calls.append((len(states.states), config.deadline))
+        return chunks(model, states, layer, config, *args, **kwargs)
+
+    monkeypatch.setattr(api, "_invert_chunks", spy)
+    monkeypatch.setattr(api, "sink_prompts", lambda *args: [1])
+    monkeypatch.setattr(api, "sink_retry", lambda model, states, layer, source, results, *args: results)
+    monkeypatch.setattr(leaks, "SINK_SECONDS", 100.0)
+    start = time.time()
+    got = lminvert.invert(tiny, states)
+    assert [r.token_ids for r in got] == prompts
+    assert calls[0] == (3, None) and calls[1] == (2, None) and calls[2][0] == 1
+    assert calls[2][1] is not None and start + 100 <= calls[2][1] <= time.time() + 100
