@@ -150,7 +150,9 @@ def sink_retry(
             continue
         again = invert_rows(model, [rows], view, source, (), screen, None, deadline)[0]
         sure = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
-        note = f"position {first} is sink-like: searched again in the rows' space, choosing it by the next row"
         kept = again if sure[1] > sure[0] else result
+        note = f"position {first} is sink-like: searched again in the rows' space, choosing it by the next row" + (
+            "" if kept is again else f" (there {sure[1]} positions sure, {sure[0]} in the engine's: the engine's kept)"
+        )
         out.append(replace(kept, seconds=result.seconds + again.seconds, notes=(*kept.notes, note)))
     return out
