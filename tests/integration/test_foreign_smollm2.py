@@ -13,8 +13,9 @@ LAYER = 6  # the layer the precision tests build bfloat16 tables and calibration
 
 def test_a_padded_bfloat16_batch_from_transformers_inverts_with_verdicts(monkeypatch):
     """The engine's verdicts on a padded bfloat16 capture, a sink-like position left a guess (the retry of such a prompt
-    by the rows search, ``leaks.SINK_RETRY``, is off here: the test below runs it on the real model, and its one-time
-    calibrations at this layer cost minutes on a cold cache)."""
+    by the rows search, ``leaks.SINK_RETRY``, is off here and in the test below: its one-time calibrations at this layer
+    in bfloat16 cost 5-6 minutes of a cold ``make test``; it is measured by ``benchmarks/bench_foreign.py`` and its
+    logic tested in ``tests/unit/test_leaks.py``)."""
     from lminvert.invert import leaks
 
     monkeypatch.setattr(leaks, "SINK_RETRY", False)
@@ -45,18 +46,19 @@ def _after_fragile(result) -> int:
     return len(reasons) - reasons.index(acceptor.FRAGILE) if acceptor.FRAGILE in reasons else 0
 
 
-def test_an_eager_attention_capture_of_sink_prompts_claims_nothing_wrong():
+def test_an_eager_attention_capture_of_sink_prompts_claims_nothing_wrong(monkeypatch):
     """bfloat16 states computed with transformers' eager attention (what asks for attention weights, or another
     library's attention, computes) of random-id prompts whose position 1 is an attention sink: such a state amplifies
     the kernels' rounding (relative disagreements up to 2 at layer 15, where a wrong sink token was ``confident``
     before the float bound took sink-like bands), so the sink is not chosen by its own row: nothing is claimed wrong,
-    and the sink positions say why they are not chosen by their own row (the engine's guess, or, where the rows search
-    tried again, ``leaks.SINK_RETRY``, and its result was surer, the next row's choice) or were reproduced."""
+    and the sink positions that are not reproduced say why (the engine alone: ``leaks.SINK_RETRY`` off, as above)."""
     import torch
 
+    from lminvert.invert import leaks
     from lminvert.invert.layouts import padded_states
     from lminvert.models.observed import attention
 
+    monkeypatch.setattr(leaks, "SINK_RETRY", False)
     model = lminvert.load_model("smollm2-135m", dtype="bfloat16")
     layer = model.probe.layer(LAYER)
     ids = torch.randint(0, model.probe.vocab_size, (64, 6), generator=torch.Generator().manual_seed(5))
@@ -70,7 +72,4 @@ def test_an_eager_attention_capture_of_sink_prompts_claims_nothing_wrong():
     for r, truth in zip(results, prompts, strict=True):
         for p, token in zip(r.positions, truth, strict=True):
             assert p.token_id == token or p.verdict == acceptor.UNCERTAIN, (r.verdicts, r.token_ids, truth)
-    reasons = [r.positions[1].reason for r in results]
-    chosen = "the only token under which the next row fits"  # the rows search's rule, its rate measured (acceptor)
-    assert all(r in (acceptor.FRAGILE, acceptor.SEVERAL) or r.startswith(chosen) for r in reasons), reasons
-    assert all(any("sink-like: searched again" in n for n in r.notes) for r in results)
+    assert any(r.positions[1].reason == acceptor.FRAGILE for r in results)
