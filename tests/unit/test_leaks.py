@@ -623,8 +623,11 @@ def test_another_rules_choice_is_replayed_first_and_certified_where_it_reproduce
 def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_result_kept(tiny, monkeypatch):
     """``sink_retry``: a float capture's prompt whose first uncertain position after position 0 is sink-like is
     searched again by the rows search, and of the two results the one with more positions sure is kept, with both
-    searches' seconds and a note; a prompt whose first uncertain position is not sink-like, lminvert's own states and
-    the switch off leave the engine's result alone."""
+    searches' seconds and a note, as is one whose first uncertain position the engine's time bound stopped; a prompt
+    whose first uncertain position is neither, a passed deadline, lminvert's own states and the switch off leave the
+    engine's result alone."""
+    import time
+
     from lminvert.invert import leaks
     from lminvert.invert.results import InversionResult
     from lminvert.invert.sources import Exact, Float
@@ -655,7 +658,7 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     sink = 1
     kept = leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0]
     assert kept.verdicts == better.verdicts and kept.seconds == 3.0 and len(calls) == 1
-    assert kept.notes[0] == "rows" and "position 1 is sink-like" in kept.notes[-1]
+    assert kept.notes[0] == "rows" and "position 1: sink-like" in kept.notes[-1]
     worse = with_verdicts(["uncertain"] * len(prompt), 2.0)
     monkeypatch.setattr(leaks, "invert_rows", lambda *a, **k: [worse])
     assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0].verdicts == guessed.verdicts
@@ -663,10 +666,42 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     calls.clear()
     monkeypatch.setattr(leaks, "invert_rows", rows_search)
     assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0] is guessed and calls == []
+    stopped = dataclasses.replace(guessed, positions=[dataclasses.replace(p, stopped=True) for p in guessed.positions])
+    again = leaks.sink_retry(tiny, states, layer, Float(), [stopped])[0]  # stopped by the bound, not sink-like: again
+    assert again.verdicts == better.verdicts and len(calls) == 1 and "time bound stopped" in again.notes[-1]
+    calls.clear()
+    assert leaks.sink_retry(tiny, states, layer, Float(), [stopped], deadline=time.time() - 1)[0] is stopped
+    assert calls == []  # the caller's own deadline passed: nothing searched again
     sink = 1
     assert leaks.sink_retry(tiny, states, layer, Exact(), [guessed])[0] is guessed and calls == []
     monkeypatch.setattr(leaks, "SINK_RETRY", False)
     assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0] is guessed and calls == []
+
+
+def test_only_a_half_precision_models_engine_is_bounded_on_a_prompt_with_a_sink_like_row(tiny, monkeypatch):
+    """:func:`lminvert.invert.leaks.sink_prompts` names the float capture's prompts with a sink-like row after position
+    0 for a bfloat16 or float16 model, whose engine may search such a row for minutes; none for a float32 model (whose
+    engine decides it: bounded, it stopped short, SmolLM2 layer 15, docs/results.md) or for lminvert's own states."""
+    from lminvert.invert import leaks
+    from lminvert.invert.sources import Exact, Float
+    from lminvert.models.loading import LoadedModel
+
+    prompts = _prompts(tiny, 3, 6, 21)
+    states = lminvert.encode(tiny, prompts, 2)
+    layer = tiny.probe.layer(2)
+
+    class Bands:
+        def fragile(self, row: torch.Tensor, t: int) -> bool:
+            return t == 2 and bool(row.sum() > mark)
+
+    monkeypatch.setattr(leaks, "bound_source", lambda *args: Bands())
+    mark = float(states.states[1][2].sum()) - 1e-3
+    assert leaks.sink_prompts(tiny, states, layer, Float()) == []  # float32
+    for half in ("bfloat16", "float16"):
+        monkeypatch.setattr(LoadedModel, "dtype", property(lambda self, half=half: half))
+        named = leaks.sink_prompts(tiny, states, layer, Float())
+        assert 1 in named and named == [i for i, r in enumerate(states.states) if float(r[2].sum()) > mark]
+        assert leaks.sink_prompts(tiny, states, layer, Exact()) == []
 
 
 def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_keeps_its_place(tiny, monkeypatch):

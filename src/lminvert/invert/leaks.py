@@ -27,7 +27,7 @@ DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (t
 # search (a later sink chosen by the next row, the choice replayed through the capture), the result with more positions
 # sure kept (sink_retry; False: the engine's result stands)
 SINK_RETRY = True
-SINK_SECONDS = 30.0  # the engine's time on such a prompt before it (prompts with a sink-like row after position 0)
+SINK_SECONDS = 30.0  # a half-precision model's engine time on such a prompt before it (a sink-like row after 0)
 
 
 def invert_leak(
@@ -121,10 +121,11 @@ def view_layer(
 
 def sink_prompts(model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel) -> list[int]:
     """The prompts of float ``states`` (a capture from elsewhere) with a sink-like row after position 0 (the ``float``
-    model's bands, :meth:`.sources.ErrorModel.fragile`), which :func:`sink_retry` may search again (none where
-    :data:`SINK_RETRY` is off or the source is not ``float``): the engine gets :data:`SINK_SECONDS` on each first (in
-    half precision its search of such a position may take many minutes, SmolLM2 bfloat16 layer 15, docs/results.md)."""
-    if not SINK_RETRY or source.name != "float" or not source.bitwise:
+    model's bands, :meth:`.sources.ErrorModel.fragile`), which the engine searches for :data:`SINK_SECONDS` at most
+    before :func:`sink_retry`: a half-precision model's search of such a position may take many minutes (SmolLM2
+    bfloat16, layer 15, docs/results.md), a float32 model's decides it (none named there, where :data:`SINK_RETRY` is
+    off or where the source is not ``float``)."""
+    if not SINK_RETRY or source.name != "float" or not source.bitwise or model.dtype == "float32":
         return []
     bands = bound_source(model, layer, source)
     return [i for i, rows in enumerate(states.states) if any(bands.fragile(r, t) for t, r in enumerate(rows.float()))]
@@ -136,8 +137,9 @@ def sink_retry(
 ) -> list[InversionResult]:  # fmt: skip
     """The engine's ``results`` for float ``states`` (a capture from elsewhere), each prompt whose first uncertain
     position after position 0 is sink-like (the ``float`` model's bands, :meth:`.sources.ErrorModel.fragile`: there
-    the state's own row does not choose, and every later position follows the guess) searched again by the rows search,
-    whose next row chooses at such a sink and whose replay through the capture may certify the choice
+    the state's own row does not choose, and every later position follows the guess) or stopped by the bound of
+    :func:`sink_prompts` searched again by the rows search, whose next row chooses at such a sink and whose replay
+    through the capture may certify the choice
     (:mod:`.rows.lookahead`); of the two results, both the acceptor's, the one with more positions ``certified`` or
     ``confident`` (the engine's where as many), its seconds the two searches'. Nothing before ``deadline`` passed."""
     if not SINK_RETRY or source.name != "float" or not source.bitwise:
@@ -145,13 +147,15 @@ def sink_retry(
     bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
     for rows, result in zip(states.states, results, strict=True):
         first = next((t for t, v in enumerate(result.verdicts) if v == UNCERTAIN), 0)
-        if first == 0 or past(deadline) or not bands.fragile(rows[first].float(), first):
+        stopped = first > 0 and result.positions[first].stopped  # by SINK_SECONDS: the caller's deadline not passed
+        if first == 0 or past(deadline) or not (stopped or bands.fragile(rows[first].float(), first)):
             out.append(result)
             continue
         again = invert_rows(model, [rows], view, source, (), screen, None, deadline)[0]
         sure = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
         kept = again if sure[1] > sure[0] else result
-        note = f"position {first} is sink-like: searched again in the rows' space, choosing it by the next row" + (
+        why = "the time bound stopped the engine there" if stopped else "sink-like"
+        note = f"position {first}: {why}; searched again in the rows' space, a later sink chosen by the next row" + (
             "" if kept is again else f" (there {sure[1]} positions sure, {sure[0]} in the engine's: the engine's kept)"
         )
         out.append(replace(kept, seconds=result.seconds + again.seconds, notes=(*kept.notes, note)))

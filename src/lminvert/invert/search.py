@@ -104,15 +104,14 @@ class PromptSearch:
         self.reproduced = False
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
+        self.first_cut: int | None = None  # the first of them
         self.halted = False  # stopped at a position that fits no candidate (:attr:`Settings.scouting`)
         self.scouted: list[tuple[int, int, int, float]] = []  # the scout's (candidates, forwards, token, margin)
-        self.first_cut: int | None = None  # the first of them
         self.elapsed = 0.0  # this prompt's share of the timed work
         self.ctx: PositionContext | None = None
         self.decision = acceptor.PENDING  # the acceptor's decision at the current position, once final
         self.to_confirm: list[int] = []
-        # the observer's keys and values of the last confirmation's closest sequence: later ones start from them
-        self.plain_keys: PlainKeys | None = None
+        self.plain_keys: PlainKeys | None = None  # the last confirmation's closest sequence's keys (the next's start)
 
     @property
     def length(self) -> int:
@@ -388,6 +387,7 @@ class PromptSearch:
             plain_distance=self.plain.get(token),
             confirm_tolerance=self.confirm_radius,
             speculated=token == self.given,
+            stopped=self.first_cut is not None,
             forwards=self.clock.forwards + ahead,
             **self.clock.seconds,
         )
