@@ -178,6 +178,7 @@ def test_a_time_bound_stops_the_search():
     (result,) = invert(model, noise, 1, check=False, max_seconds=1e-6)
     assert set(result.verdicts) == {"uncertain"}
     assert any("time bound stopped the search at 6 of 6 positions" in n for n in result.notes), result.notes
+    assert all(p.stopped for p in result.positions) and result.to_json()["stopped_positions"] == list(range(6))
     # the misfits come after the first stopped position: put down to the time bound, not (yet) to the states
     assert any("6 of 6 positions from position 0 on, where the time bound" in n for n in result.notes), result.notes
     assert not any("do not match this model" in n for n in result.notes), result.notes

@@ -295,6 +295,7 @@ def test_tied_tokens_are_flagged():
     other = ({1717, 4242} - {result.token_ids[1]}).pop()
     assert result.positions[1].tied_with == (other,)
     assert result.to_json()["tied_alternatives"] == {1: [other]}
+    assert not any(p.stopped for p in result.positions) and "stopped_positions" not in result.to_json()  # no bound
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-gpt2"])

@@ -156,6 +156,8 @@ class InversionResult:
         ties = {i: list(p.tied_with) for i, p in enumerate(self.positions) if p.tied_with}
         if ties:
             out["tied_alternatives"] = ties
+        if any(p.stopped for p in self.positions):  # the time bound's: their candidates may be wrong
+            out["stopped_positions"] = [i for i, p in enumerate(self.positions) if p.stopped]
         if any(p.noise_norm is not None for p in self.positions):
             out["noise"] = [
                 {
