@@ -52,7 +52,9 @@ class PositionResult:
     extension_seconds: float = 0.0  # extending the prefix's KV cache by the accepted token
     screened_out: int = 0  # candidates only screened (bfloat16 GEMMs), counted in candidates_checked
     scouted: int = 0  # candidates the scout ran here (bfloat16 GEMMs, :mod:`lminvert.invert.scout`), counted too
-    stopped: bool = False  # the time bound stopped the search here or earlier: its candidate may be wrong
+    # the time bound stopped the engine's search here or earlier: its candidate may be wrong (the rows search's bound
+    # is said in the result's notes alone)
+    stopped: bool = False
     verdict: str = "uncertain"  # certified, confident or uncertain (:mod:`lminvert.invert.acceptor`)
     reason: str = ""  # the acceptor's reason for it
 
