@@ -185,3 +185,20 @@ def test_a_time_bound_stops_the_search():
     assert max(result.candidates_checked) < model.probe.vocab_size
     with pytest.raises(LminvertError, match="max_seconds"):
         invert(model, noise, 1, max_seconds=0)
+
+
+def test_a_guess_ends_the_search_where_asked():
+    """``InvertConfig.guess_ends`` (a prompt another search takes over, :func:`lminvert.invert.leaks.sink_retry`):
+    after the prompt's first guess (here position 0: states that fit nothing, 512 candidates a position) every later
+    position gets its first batch only, marked stopped and uncertain, with a note naming the guess; without it each is
+    searched in full."""
+    from lminvert.invert.engine import InvertConfig, invert_prompts
+
+    model = lminvert.load_model("tiny-llama")
+    noise = torch.randn(4, model.probe.hidden_size, generator=torch.Generator().manual_seed(1))
+    ended = invert_prompts(model, [noise], 1, InvertConfig(max_candidates=512, guess_ends=True))[0]
+    assert set(ended.verdicts) == {"uncertain"} and [p.stopped for p in ended.positions] == [False, True, True, True]
+    assert any(n.startswith("a guess (the rows search") for n in ended.notes), ended.notes
+    full = invert_prompts(model, [noise], 1, InvertConfig(max_candidates=512))[0]
+    assert not any(p.stopped for p in full.positions) and not any("a guess" in n for n in full.notes)
+    assert min(full.candidates_checked[1:]) > max(ended.candidates_checked[1:])

@@ -205,7 +205,8 @@ def _invert_chunks(
 ) -> list[InversionResult]:
     """Every prompt of ``states`` inverted, in chunks of ``together`` on ``executor``, in order; ``noise`` (relative,
     seeded by ``config.seed + 1``) added to the states first; prompts ``bounded`` each alone, within
-    :data:`.leaks.SINK_SECONDS` of its start (:func:`.leaks.sink_prompts`). A progress bar counts positions if
+    :data:`.leaks.SINK_SECONDS` of its start and to its first guess (:func:`.leaks.sink_prompts`,
+    :data:`.leaks.GUESS_ENDS`). A progress bar counts positions if
     ``config.progress``."""
     if bounded:
         rest = [i for i in range(len(states.states)) if i not in bounded]
@@ -213,7 +214,8 @@ def _invert_chunks(
         out = dict(zip(rest, got, strict=True))
         for i in bounded:
             bound = time.time() + leaks.SINK_SECONDS
-            alone = replace(config, deadline=bound if config.deadline is None else min(config.deadline, bound))
+            deadline = bound if config.deadline is None else min(config.deadline, bound)
+            alone = replace(config, deadline=deadline, guess_ends=leaks.GUESS_ENDS)
             out[i] = _invert_chunks(model, _subset(states, [i]), layer, alone, noise, 1, executor)[0]
         return [out[i] for i in range(len(states.states))]
     generator = torch.Generator().manual_seed(config.seed + 1)

@@ -69,6 +69,9 @@ class InvertConfig:
     # wall-clock time (time.time()) after which each position stops after its first batch, keeping the closest
     # candidate (the acceptor then rules, as for any budget: such a position is at best what its evidence shows)
     deadline: float | None = None
+    # a guess ends the search: every later position gets its first batch only, as past the deadline (a prompt another
+    # search takes over where the engine guesses: :func:`.leaks.sink_retry`)
+    guess_ends: bool = False
     tolerance_scale: float = 1.0  # multiplies the measured acceptance radii
     # where the states come from: how far an observation may lie from this machine's plain forward (:mod:`.sources`)
     source: ErrorModel = field(default_factory=Exact)
@@ -220,6 +223,7 @@ def _settings(
         ties=ties or {},
         scale=config.batch_scale or batch_scale(probe.device, count),
         deadline=config.deadline,
+        guess_ends=config.guess_ends,
     )
     for policy in policies:  # what a policy keeps per model and layer (the position-1 map's norms), like the tables
         policy.prepare(model, layer, first_table=table is not None, reading=reading)
@@ -344,14 +348,16 @@ def _notes(search: PromptSearch, source: ErrorModel) -> tuple[str, ...]:
     misfit = [i for i, p in enumerate(search.positions) if p.reason == acceptor.NO_FIT]
     before, after = sum(i < first for i in misfit), sum(i >= first for i in misfit)
     notes: tuple[str, ...] = ()
+    guess = search.settings.guess_ends and not search.settings.late()
+    by = "a guess (the rows search takes the prompt over)" if guess else "the time bound"
     if search.cut:
         notes += (
-            f"the time bound stopped the search at {search.cut} of {len(search.positions)} positions: each kept the "
+            f"{by} stopped the search at {search.cut} of {len(search.positions)} positions: each kept the "
             "closest candidate of what it had verified",
         )
     if after:
         notes += (
-            f"{after} of {len(search.positions)} positions from position {first} on, where the time bound first "
+            f"{after} of {len(search.positions)} positions from position {first} on, where {by} first "
             "stopped the search, fit no candidate: a stopped position's candidate may be wrong, and the positions "
             "after it were searched after it; give more time (--max-seconds) before concluding anything of the states",
         )

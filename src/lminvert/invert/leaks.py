@@ -28,6 +28,9 @@ DEFENDED = ("noise", "quant")  # sources whose states the rows search inverts (t
 # sure kept (sink_retry; False: the engine's result stands)
 SINK_RETRY = True
 SINK_SECONDS = 30.0  # a half-precision model's engine time on such a prompt before it (a sink-like row after 0)
+# ... and its search of such a prompt ends at its first guess (every later position its first batch only: after a guess
+# every later one is uncertain, and the rows search takes the prompt over; False: the engine runs on to the bound)
+GUESS_ENDS = True
 
 
 def invert_leak(
@@ -137,8 +140,9 @@ def sink_retry(
 ) -> list[InversionResult]:  # fmt: skip
     """The engine's ``results`` for float ``states`` (a capture from elsewhere), each prompt whose first uncertain
     position after position 0 is sink-like (the ``float`` model's bands, :meth:`.sources.ErrorModel.fragile`: there
-    the state's own row does not choose, and every later position follows the guess) or stopped by the bound of
-    :func:`sink_prompts` searched again by the rows search, whose next row chooses at such a sink and whose replay
+    the state's own row does not choose, and every later position follows the guess) or whose later positions the
+    bound of :func:`sink_prompts` stopped (:data:`SINK_SECONDS`, :data:`GUESS_ENDS`; the caller's ``deadline`` not
+    passed) searched again by the rows search, whose next row chooses at such a sink and whose replay
     through the capture may certify the choice
     (:mod:`.rows.lookahead`); of the two results, both the acceptor's, the one with more positions ``certified`` or
     ``confident`` (the engine's where as many), its seconds the two searches'. Nothing before ``deadline`` passed."""
@@ -147,14 +151,14 @@ def sink_retry(
     bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
     for rows, result in zip(states.states, results, strict=True):
         first = next((t for t, v in enumerate(result.verdicts) if v == UNCERTAIN), 0)
-        stopped = first > 0 and result.positions[first].stopped  # by SINK_SECONDS: the caller's deadline not passed
+        stopped = first > 0 and any(p.stopped for p in result.positions[first:])  # by sink_prompts' bound or guess
         if first == 0 or past(deadline) or not (stopped or bands.fragile(rows[first].float(), first)):
             out.append(result)
             continue
         again = invert_rows(model, [rows], view, source, (), screen, None, deadline)[0]
         sure = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
         kept = again if sure[1] > sure[0] else result
-        why = "the time bound stopped the engine there" if stopped else "sink-like"
+        why = "sink-like" if bands.fragile(rows[first].float(), first) else "the engine stopped at or after it"
         note = f"position {first}: {why}; searched again in the rows' space, a later sink chosen by the next row" + (
             "" if kept is again else f" (there {sure[1]} positions sure, {sure[0]} in the engine's: the engine's kept)"
         )

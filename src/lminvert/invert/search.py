@@ -63,6 +63,7 @@ class Settings:
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
     deadline: float | None = None  # wall-clock time (time.time()) after which a position stops after its first batch
+    guess_ends: bool = False  # after a guess, as after the deadline (:attr:`.engine.InvertConfig.guess_ends`)
     # the scout's search (:mod:`.scout`): a confirmation reads the contenders' verified states (no plain forward), and a
     # prompt stops at its first position that fits no candidate
     scouting: bool = False
@@ -178,7 +179,8 @@ class PromptSearch:
         ctx = self.ctx
         assert ctx is not None
         ids = None
-        late = ctx.forwarded > 0 and self.settings.late()  # one batch at least, so a closest candidate exists
+        ended = self.settings.late() or (self.settings.guess_ends and self.guessed)  # the deadline passed, or a guess
+        late = ctx.forwarded > 0 and ended  # one batch at least, so a closest candidate exists
         if late and not self.exhausted:
             self.cut += 1
             self.first_cut = ctx.position if self.first_cut is None else self.first_cut
@@ -218,13 +220,9 @@ class PromptSearch:
         return inside[dists[inside].argsort()[:RECHECK]]
 
     def screened(
-        self,
-        ids: torch.Tensor,
-        states: torch.Tensor,
-        picks: torch.Tensor,
-        verified: torch.Tensor,
+        self, ids: torch.Tensor, states: torch.Tensor, picks: torch.Tensor, verified: torch.Tensor,
         keys_of: Callable[[list[int]], list[NewKeys | None]],
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A screened batch: ``ids`` with their screened states ``[B, d]``, of which ``picks`` were verified in full
         (``verified`` ``[k, d]``; ``keys_of(indices)``: the keys and values of ``picks``' entries ``indices``): those
         are recorded; the others are screened out (not proposed again, verified in full before the search gives up),
