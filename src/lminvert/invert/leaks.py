@@ -18,6 +18,7 @@ from .engine import bound_source
 from .last import LastOptions, invert_last
 from .results import InversionResult
 from .rows.route import invert_rows
+from .rows.verified import KNOWN
 from .search import past
 from .sources import ErrorModel
 from .views import make_view
@@ -31,6 +32,9 @@ SINK_SECONDS = 30.0  # a half-precision model's engine time on such a prompt bef
 # ... and its search of such a prompt ends at its first guess (every later position its first batch only: after a guess
 # every later one is uncertain, and the rows search takes the prompt over; False: the engine runs on to the bound)
 GUESS_ENDS = True
+# ... and the rows search starts at the first uncertain position, the engine's sure ones before it taken as they are
+# (rows.search.RowSearch.run's known; False: it searches the prompt from position 0)
+KNOWN_PREFIX = True
 
 
 def invert_leak(
@@ -134,6 +138,16 @@ def sink_prompts(model: LoadedModel, states: HiddenStates, layer: Layer, source:
     return [i for i, rows in enumerate(states.states) if any(bands.fragile(r, t) for t, r in enumerate(rows.float()))]
 
 
+def _continued(model: LoadedModel, engine: InversionResult, first: int, again: InversionResult) -> InversionResult:
+    """The rows search's result ``again``, started at position ``first`` after the engine's sure positions: those
+    positions are the engine's (its placeholders there replaced); nothing changed where it searched from position 0."""
+    if not again.positions or again.positions[0].reason != KNOWN:
+        return again
+    positions = [*engine.positions[:first], *again.positions[first:]]
+    ids = [p.token_id for p in positions]
+    return replace(again, token_ids=ids, text=model.decode(ids), positions=positions)
+
+
 def sink_retry(
     model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel, results: list[InversionResult],
     screen: bool | None = None, deadline: float | None = None,
@@ -145,7 +159,9 @@ def sink_retry(
     passed) searched again by the rows search, whose next row chooses at such a sink and whose replay
     through the capture may certify the choice
     (:mod:`.rows.lookahead`); of the two results, both the acceptor's, the one with more positions ``certified`` or
-    ``confident`` (the engine's where as many), its seconds the two searches'. Nothing before ``deadline`` passed."""
+    ``confident`` (the engine's where as many), its seconds the two searches'. The rows search starts at that
+    position, the engine's sure positions before it taken as they are (:data:`KNOWN_PREFIX`). Nothing before
+    ``deadline`` passed."""
     if not SINK_RETRY or source.name != "float" or not source.bitwise:
         return results
     bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
@@ -155,7 +171,9 @@ def sink_retry(
         if first == 0 or past(deadline) or not (stopped or bands.fragile(rows[first].float(), first)):
             out.append(result)
             continue
-        again = invert_rows(model, [rows], view, source, (), screen, None, deadline)[0]
+        known = result.token_ids[:first] if KNOWN_PREFIX else []
+        again = invert_rows(model, [rows], view, source, (), screen, None, deadline, known)[0]
+        again = _continued(model, result, first, again)
         sure = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
         kept = again if sure[1] > sure[0] else result
         why = "sink-like" if bands.fragile(rows[first].float(), first) else "the engine stopped at or after it"

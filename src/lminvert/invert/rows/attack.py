@@ -21,6 +21,7 @@ cache, defended states and one vector, and what ``lminvert audit`` runs on the l
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -183,11 +184,13 @@ class Attack:
         return self._sorted
 
     def run(
-        self, shipped: list[Shipped], states: HiddenStates | None = None, deadline: float | None = None
-    ) -> list[Recovered]:
+        self, shipped: list[Shipped], states: HiddenStates | None = None, deadline: float | None = None,
+        known: Sequence[int] = (),
+    ) -> list[Recovered]:  # fmt: skip
         """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
         gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``);
-        ``deadline`` (``time.time()``): the rows searches' time bound (:meth:`.search.RowSearch.run`)."""
+        ``deadline`` (``time.time()``): the rows searches' time bound; ``known``: every prompt's first tokens, sure by
+        another search (:meth:`.search.RowSearch.run`; whole rows with no public map or permutation only)."""
         first = shipped[0]
         if self.leak.name == "last":
             return self._last(shipped)
@@ -197,9 +200,11 @@ class Attack:
         ties = [None if t is None else TieSort(self.table[t]) for _, t in undone]
         if any(t is not None and t.size for t in ties):  # each prompt through its own map (a search per prompt)
             return [self._tied(r, s, t, deadline) for r, s, t in zip(rows, shipped, ties, strict=True)]
+        if known and not (whole and not first.permuted):
+            raise ValueError("known first tokens are taken for whole rows with no public map or permutation only")
         if self.leak.name == "states" and whole and states is not None and first.source is None:
             return self._engine(rows, states)
-        return self._rows(rows, first, deadline=deadline)
+        return self._rows(rows, first, deadline=deadline, known=known)
 
     def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort, deadline: float | None = None) -> Recovered:
         """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`, with the radii of
@@ -207,10 +212,12 @@ class Attack:
         return self._rows([tied(rows)], replace(shipped, public=tied), self._measure(None, False), deadline)[0]
 
     def _rows(
-        self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None, deadline: float | None = None
-    ) -> list[Recovered]:
+        self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None, deadline: float | None = None,
+        known: Sequence[int] = (),
+    ) -> list[Recovered]:  # fmt: skip
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
-        and error model; ``measured``: its radii, else measured through its map; ``deadline``: the time bound)."""
+        and error model; ``measured``: its radii, else measured through its map; ``deadline``: the time bound;
+        ``known``: every prompt's first tokens, sure by another search)."""
         public = first.public
         source = _error_model(first.source)
         table = self.table if public is None else public(self.table)
@@ -238,7 +245,7 @@ class Attack:
         )  # fmt: skip
         out = []
         for r in rows:
-            found = search.run(r, deadline)
+            found = search.run(r, deadline, known)
             measures = found.measures
             out.append(
                 Recovered(

@@ -8,6 +8,7 @@ verified, so a poor prediction costs time, never an answer.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -29,12 +30,16 @@ class Prediction:
         self._rows = torch.empty(0)  # the prompt being searched
         self._priors: list[torch.Tensor | None] | None = None  # the prediction its rows give, once asked for
 
-    def start(self, shipped: torch.Tensor) -> Running:
-        """A prompt's recovered prefix (:class:`.running.Running`, empty); where its rows ``shipped`` give the
-        prediction (:meth:`.rankers.StateReading.predicts`), one that runs no block above the layer."""
+    def start(self, shipped: torch.Tensor, known: Sequence[int] = ()) -> Running:
+        """A prompt's recovered prefix (:class:`.running.Running`, holding ``known``, its first tokens, else empty);
+        where its rows ``shipped`` give the prediction (:meth:`.rankers.StateReading.predicts`), one that runs no block
+        above the layer."""
         self._rows, self._priors = shipped, None
         rows = self.reading is not None and self.reading.predicts(shipped)
-        return Running(self.model, self.layer, self.reuse, predicts=not rows)
+        running = Running(self.model, self.layer, self.reuse, predicts=not rows)
+        for token in known:
+            running.add(token)
+        return running
 
     def log_probs(self, prefix: list[int], running: Running | None = None) -> torch.Tensor:
         """The model's log-probabilities of every next token after ``prefix`` ``[V]`` (float32, CPU): the rows' own

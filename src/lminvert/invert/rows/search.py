@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -65,19 +65,17 @@ from .sinklike import SinkLike
 from .verified import Found, Measure, Verified, measure
 
 BATCH = 256  # candidates verified per forward, at most
-FIRST = 16  # the first batch at a position after the first (RowSearch._sizes): the rankers put the true token of a row
-# that fits among their first 16 at most positions (SmolLM2, block 15's KV cache of 24 held-out prompts: 0.93x the
-# median with 16 against 32, 0.95x the mean, 1.4% fewer candidates; docs/results.md)
-# candidates offered at a position once, after a guess, the row before fitted nothing (the prefix is likely wrong, so
-# nothing will fit: the nearest of the rankers' first ones is all the search can give; SmolLM2 layer 15, drop:0.25, two
-# prompts: 512 recovered as many tokens as the acceptor's own give-up budget of 1,024, and 256 three fewer)
+# the first batch at a position after the first (RowSearch._sizes): the rankers put a fitting row's true token among
+# their first 16 at most positions (SmolLM2 block 15's KV cache, 24 prompts: 0.93x the median of 32; docs/results.md)
+FIRST = 16
+# candidates offered once at a position after a guess under which the row before fitted nothing (the prefix is likely
+# wrong: SmolLM2 layer 15, drop:0.25, two prompts: 512 recovered as many tokens as 1,024, and 256 three fewer)
 BROKEN = 2 * BATCH
-ALONE_TABLE = True  # an alone view's later candidates' layer-0 states read from the first-position table, no prefix
-# made (RowSearch._verify; False: the cached forward over the prefix, the same states)
+ALONE_TABLE = True  # an alone view's later candidates' layer-0 states from the first-position table (False: a forward)
 PARTIAL = True  # a position's first batch from the rankers' first candidates alone, by partial sorts (the whole order,
 # RowSearch._position's base, made only where a later batch is due; False: the whole order first)
-# the ridge fit's distances measured along its prediction's STRONGEST directions alone (rankers.Ridge; None: all of
-# them; block 15's KV cache, 16 held-out prompts: 0.943x the median, 0.970x the mean, docs/results.md)
+# the ridge fit's distances along its prediction's STRONGEST directions alone (rankers.Ridge; None: all; block 15's KV
+# cache, 16 held-out prompts: 0.943x the median, 0.970x the mean, docs/results.md)
 STRONGEST: int | None = 128
 RERANK = 2  # the rankers' order at a position is remade once its candidates grew this many times since it was last made
 # (1: after every batch; a search through the vocabulary spent most of its time remaking it: tiny-llama, 11.7 -> 2.2 s)
@@ -98,18 +96,17 @@ class RowSearch:
     ) -> None:  # fmt: skip
         """``table``: every token's row at position 0 ``[V, k]`` (computed from the first-position table when not
         given); ``memo``: states kept across searches at this layer (None: every candidate is run through the model);
-        ``reading``: what shipped states read as (:class:`StateReading`, a states leak only; None: the rankers' order
-        is the model's prediction alone); ``lookahead``: where several first tokens fit, the
-        next row chooses among them (False: the nearest at position 0); ``first``: the first batch of candidates at a
-        position after the first, then the rest of ``BATCH``, then ``BATCH`` per batch (``BATCH``: every batch that
-        size); ``secant``: the secant model that joins the rankers' order after a position's first batch (None:
-        the rankers' order alone until ``BATCH`` candidates are verified, then the ridge fit's beside it); ``reuse``:
-        the recovered prefix grows from the chosen candidate's forward, only the blocks above the layer running for
-        it, which gives the next prediction too (:class:`.running.Running`; False: a forward through every block);
-        ``screen``: large later batches are screened with bfloat16 GEMMs first (:mod:`.screen`; None: not);
-        ``capture`` and ``kept``: the view's own rows of a prompt and where to keep what they measure, for
-        :class:`.lookahead.Lookahead`'s rule at position 0 (None: a choice there by the next row is a guess);
-        ``alone``: where a view's rows do not depend on the tokens before them
+        ``reading``: what shipped states read as (:class:`StateReading`, a states leak only; None: the rankers' order is
+        the model's prediction alone); ``lookahead``: where several first tokens fit, the next row chooses among them
+        (False: the nearest at position 0); ``first``: the first batch of candidates at a position after the first, then
+        the rest of ``BATCH``, then ``BATCH`` per batch (``BATCH``: every batch that size); ``secant``: the secant model
+        that joins the rankers' order after a position's first batch (None: the rankers' order alone until ``BATCH``
+        candidates are verified, then the ridge fit's beside it); ``reuse``: the recovered prefix grows from the chosen
+        candidate's forward, only the blocks above the layer running for it, which gives the next prediction too
+        (:class:`.running.Running`; False: a forward through every block); ``screen``: large later batches are screened
+        with bfloat16 GEMMs first (:mod:`.screen`; None: not); ``capture`` and ``kept``: the view's own rows of a prompt
+        and where to keep what they measure, for :class:`.lookahead.Lookahead`'s rule at position 0 (None: a choice
+        there by the next row is a guess); ``alone``: where a view's rows do not depend on the tokens before them
         (:attr:`lminvert.invert.views.View.alone`), the map of rows at a position back to position 0
         (:meth:`~lminvert.invert.views.View.moved_back`): a later position's candidates are then verified in the order
         of their table rows' L2 distance to its row moved back, with no prediction and no forward through the blocks
@@ -149,21 +146,24 @@ class RowSearch:
         gap = 0.0 if self.source.boxed else self.gap * size
         return Radii(bound + rounding, bound + rounding, bound, rounding, gap, FLOOR * size)
 
-    def run(self, shipped: torch.Tensor, deadline: float | None = None) -> Found:
+    def run(self, shipped: torch.Tensor, deadline: float | None = None, known: Sequence[int] = ()) -> Found:
         """Invert one prompt's rows ``[T, k]`` (NaN rows: missing). From ``deadline`` (``time.time()``) on, a position
-        gets its first batch of candidates at most and nothing is chosen by the next row (:attr:`Found.cut`)."""
+        gets its first batch of candidates at most and nothing is chosen by the next row (:attr:`Found.cut`). ``known``:
+        its first tokens, sure by another search, taken as they are (:meth:`.verified.Found.given`)."""
         start = time.perf_counter()
-        trail, cut = Found(), 0
+        trail, cut = Found.given(known), 0
         ids = trail.token_ids
-        after_guess = fitted = broken = False
+        after_guess = broken = False
+        fitted = bool(known)
         # the next token a position was chosen under (by the next row), verified first at the position after it (led)
         lead, led = None, 1
         reads = self.reading.scores(shipped) if self.reading is not None else [None] * len(shipped)
-        running = self.predict.start(shipped)
+        running = self.predict.start(shipped, known)
         if self.secant is not None:
             self.secant.begin_prompt()
         self.length = len(shipped)
-        for t, row in enumerate(shipped.float()):
+        for t in range(len(known), len(shipped)):
+            row = shipped[t].float()
             after = shipped[t + 1].float() if t + 1 < len(shipped) else None
             following = reads[t + 1] if t + 1 < len(shipped) else None
             # after a guess under which the last row fitted nothing, the prefix is likely wrong: this position is

@@ -4,10 +4,12 @@ was (:func:`measure`: its distance, the nearest other's, half the gap between th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from .. import acceptor
 
 Distances = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n, k], target [k]) -> [n] float64
 
@@ -60,6 +62,9 @@ def measure(ids: torch.Tensor, rows: torch.Tensor, dists: torch.Tensor, token: i
     return Measure(distance, margin, gap if math.isfinite(gap) else None)
 
 
+KNOWN = "sure by another search, taken as it is"  # a position given to the rows search (RowSearch.run's known)
+
+
 @dataclass(frozen=True)
 class Found:
     """One prompt's rows search, position by position (:meth:`add`; the lists grow in place)."""
@@ -72,6 +77,15 @@ class Found:
     reasons: list[str] = field(default_factory=list)  # the acceptor's reason for each verdict
     seconds: float = 0.0
     cut: int = 0  # positions the time bound limited to their first batch of candidates
+
+    @classmethod
+    def given(cls, known: Sequence[int]) -> Found:
+        """A search whose first tokens ``known`` are another search's sure ones: their entries here are placeholders
+        (``uncertain``, no evidence, reason :data:`KNOWN`) that the caller replaces with its own."""
+        found = cls()
+        for token in known:
+            found.add(token, acceptor.UNCERTAIN, 0, Measure(), math.nan, KNOWN)
+        return found
 
     def add(self, token: int, verdict: str, checked: int, chosen: Measure, tolerance: float, reason: str) -> None:
         """The next position's token, verdict and evidence."""
