@@ -623,7 +623,8 @@ def test_another_rules_choice_is_replayed_first_and_certified_where_it_reproduce
 def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_result_kept(tiny, monkeypatch):
     """``sink_retry``: a float capture's prompt whose first uncertain position after position 0 is sink-like is
     searched again by the rows search, and of the two results the one with more positions sure is kept, with both
-    searches' seconds and a note, as is one whose first uncertain position the engine's time bound stopped; a prompt
+    searches' seconds and a note (the rows search asked to start after the engine's sure positions, which stay the
+    engine's), as is one whose first uncertain position the engine's time bound stopped; a prompt
     whose first uncertain position is neither, a passed deadline, lminvert's own states and the switch off leave the
     engine's result alone."""
     import time
@@ -674,6 +675,18 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     assert calls == []  # the caller's own deadline passed: nothing searched again
     sink = 1
     assert leaks.sink_retry(tiny, states, layer, Exact(), [guessed])[0] is guessed and calls == []
+    # the rows search started at position 1 after the engine's sure position 0: that position is the engine's
+    from lminvert.invert.rows.verified import KNOWN
+
+    placeholder = dataclasses.replace(better.positions[0], reason=KNOWN, verdict="uncertain", token_id=-1)
+    started = dataclasses.replace(better, positions=[placeholder, *better.positions[1:]])
+    asked: list[object] = []
+    monkeypatch.setattr(leaks, "invert_rows", lambda *args, **kwargs: asked.append(args[-1]) or [started])
+    spliced = leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0]
+    assert asked == [guessed.token_ids[:1]] and spliced.positions[0] is guessed.positions[0]
+    assert spliced.positions[1:] == better.positions[1:] and spliced.token_ids == guessed.token_ids[:1] + [
+        p.token_id for p in better.positions[1:]
+    ]
     monkeypatch.setattr(leaks, "SINK_RETRY", False)
     assert leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0] is guessed and calls == []
 
@@ -731,3 +744,26 @@ def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_ke
     assert [r.token_ids for r in got] == prompts
     assert calls[0] == (3, None) and calls[1] == (2, None) and calls[2][0] == 1
     assert calls[2][1] is not None and start + 100 <= calls[2][1] <= time.time() + 100
+
+
+def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing_wrong_after_a_wrong_one(tiny):
+    """``invert_rows(..., known=...)`` (:meth:`lminvert.invert.rows.search.RowSearch.run`): the known first tokens are
+    taken as they are (placeholders there: ``uncertain``, reason KNOWN, no candidate), the search goes on from the
+    next position over that prefix; after a wrong known token nothing later is claimed wrongly."""
+    from lminvert.invert.rows.route import invert_rows
+    from lminvert.invert.rows.verified import KNOWN
+    from lminvert.invert.sources import Float
+    from lminvert.invert.views import make_view
+
+    layer = tiny.probe.n_layers
+    prompt = _prompts(tiny, 1, 6, 13)[0]
+    rows = tiny.probe.states(torch.tensor(prompt), [layer])[tiny.probe.layer(layer)][0].float()
+    view = make_view("states", tiny, tiny.probe.layer(layer))
+    given = invert_rows(tiny, [rows], view, Float(), known=prompt[:2])[0]
+    assert given.token_ids == prompt and given.candidates_checked[:2] == [0, 0]
+    assert [p.reason for p in given.positions[:2]] == [KNOWN, KNOWN] and given.verdicts[:2] == ["uncertain"] * 2
+    assert all(c > 0 for c in given.candidates_checked[2:]) and "uncertain" not in given.verdicts[2:]
+    other = next(t for t in range(3, tiny.probe.vocab_size) if t != prompt[1])
+    wrong = invert_rows(tiny, [rows], view, Float(), known=[prompt[0], other])[0]
+    for token, truth, verdict in zip(wrong.token_ids[2:], prompt[2:], wrong.verdicts[2:], strict=True):
+        assert token == truth or verdict not in CLAIMED, (wrong.token_ids, prompt, wrong.verdicts)
