@@ -753,3 +753,22 @@ def test_sinks_are_positions_after_the_first_far_over_the_median_norm():
     assert sinks.sinks(states) == [1]
     assert sinks.sinks(states[:3]) == []  # two positions after the first: no median to speak of
     assert sinks.sinks(torch.ones(6, 4)) == []
+
+
+def test_the_engine_takes_known_first_tokens_and_claims_nothing_wrong_after_a_wrong_one():
+    """``InvertConfig(known=...)``: the engine starts after the known first tokens (placeholders there: uncertain,
+    reason KNOWN, no candidate) and recovers the rest over that prefix; after a wrong known token no later position is
+    claimed wrongly."""
+    from lminvert.invert.engine import InvertConfig, invert_prompts
+    from lminvert.invert.rows.verified import KNOWN
+
+    model = lminvert.load_model("tiny-llama")
+    prompt = [5, 1717, 9, 4242, 77, 1200]
+    states = encode(model, [prompt], 2).states[0]
+    (given,) = invert_prompts(model, [states], 2, InvertConfig(known=(5, 1717)))
+    assert given.token_ids == prompt and given.candidates_checked[:2] == [0, 0]
+    assert [p.reason for p in given.positions[:2]] == [KNOWN] * 2 and given.verdicts[:2] == ["uncertain"] * 2
+    assert given.verdicts[2:] == ["certified"] * 4
+    (wrong,) = invert_prompts(model, [states], 2, InvertConfig(known=(5, 1718), max_candidates=256))
+    for token, truth, verdict in zip(wrong.token_ids[2:], prompt[2:], wrong.verdicts[2:], strict=True):
+        assert token == truth or verdict == "uncertain", (wrong.token_ids, wrong.verdicts)

@@ -693,8 +693,9 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
 
 def test_only_a_half_precision_models_engine_is_bounded_on_a_prompt_with_a_sink_like_row(tiny, monkeypatch):
     """:func:`lminvert.invert.leaks.sink_prompts` names the float capture's prompts with a sink-like row after position
-    0 for a bfloat16 or float16 model, whose engine may search such a row for minutes; none for a float32 model (whose
-    engine decides it: bounded, it stopped short, SmolLM2 layer 15, docs/results.md) or for lminvert's own states."""
+    0, whatever the model's dtype (none for lminvert's own states); :func:`~lminvert.invert.leaks.bounded` keeps them
+    for a bfloat16 or float16 model, whose engine may search such a row for minutes, and none for a float32 model
+    (whose engine decides it: bounded, it stopped short, SmolLM2 layer 15, docs/results.md)."""
     from lminvert.invert import leaks
     from lminvert.invert.sources import Exact, Float
     from lminvert.models.loading import LoadedModel
@@ -709,12 +710,13 @@ def test_only_a_half_precision_models_engine_is_bounded_on_a_prompt_with_a_sink_
 
     monkeypatch.setattr(leaks, "bound_source", lambda *args: Bands())
     mark = float(states.states[1][2].sum()) - 1e-3
-    assert leaks.sink_prompts(tiny, states, layer, Float()) == []  # float32
+    named = leaks.sink_prompts(tiny, states, layer, Float())
+    assert 1 in named and named == [i for i, r in enumerate(states.states) if float(r[2].sum()) > mark]
+    assert leaks.sink_prompts(tiny, states, layer, Exact()) == []
+    assert leaks.bounded(tiny, named) == []  # float32
     for half in ("bfloat16", "float16"):
         monkeypatch.setattr(LoadedModel, "dtype", property(lambda self, half=half: half))
-        named = leaks.sink_prompts(tiny, states, layer, Float())
-        assert 1 in named and named == [i for i, r in enumerate(states.states) if float(r[2].sum()) > mark]
-        assert leaks.sink_prompts(tiny, states, layer, Exact()) == []
+        assert leaks.bounded(tiny, named) == named
 
 
 def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_keeps_its_place(tiny, monkeypatch):
@@ -737,6 +739,7 @@ def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_ke
 
     monkeypatch.setattr(api, "_invert_chunks", spy)
     monkeypatch.setattr(api, "sink_prompts", lambda *args: [1])
+    monkeypatch.setattr(leaks, "bounded", lambda model, sinks: sinks)  # as for a half-precision model
     monkeypatch.setattr(api, "sink_retry", lambda model, states, layer, source, results, *args: results)
     monkeypatch.setattr(leaks, "SINK_SECONDS", 100.0)
     start = time.time()
@@ -767,3 +770,57 @@ def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing
     wrong = invert_rows(tiny, [rows], view, Float(), known=[prompt[0], other])[0]
     for token, truth, verdict in zip(wrong.token_ids[2:], prompt[2:], wrong.verdicts[2:], strict=True):
         assert token == truth or verdict not in CLAIMED, (wrong.token_ids, prompt, wrong.verdicts)
+
+
+def test_a_sink_the_rows_search_decides_is_handed_back_to_the_engine_after_it(tiny, monkeypatch):
+    """``sink_retry`` with ``resume`` (:data:`lminvert.invert.leaks.HANDBACK`): the rows search gets the sink position
+    and the next alone, after the engine's sure positions; where it decides them, the engine goes on after them, and
+    the result is the engine's positions, then the rows search's, then the engine's again, every search's seconds
+    summed; where it does not, the engine's result is kept, with a note, and the engine is not run again."""
+    from lminvert.invert import leaks
+    from lminvert.invert.results import InversionResult
+    from lminvert.invert.rows.verified import KNOWN
+    from lminvert.invert.sources import Float
+
+    prompt = _prompts(tiny, 1, 6, 11)[0]
+    states = lminvert.encode(tiny, [prompt], 2)
+    engine = lminvert.invert(tiny, states)[0]
+
+    def made(verdicts: list[str], seconds: float, known: int = 0) -> InversionResult:
+        """The engine's result cut to ``verdicts``' length, its first ``known`` positions placeholders."""
+        positions = [
+            dataclasses.replace(p, verdict=v, reason=KNOWN if t < known else "x")
+            for t, (p, v) in enumerate(zip(engine.positions, verdicts, strict=False))
+        ]
+        ids = [p.token_id for p in positions]
+        return dataclasses.replace(engine, positions=positions, seconds=seconds, token_ids=ids)
+
+    guessed = made(["certified"] + ["uncertain"] * 5, 1.0)
+    asked: list[tuple[int, list[int]]] = []
+    resumed: list[list[int]] = []
+
+    class Bands:
+        def fragile(self, row: torch.Tensor, t: int) -> bool:
+            return t == 1
+
+    def rows_search(model, rows, view, source, notes, screen, offsets, deadline, known) -> list[InversionResult]:
+        asked.append((len(rows[0]), list(known)))
+        return [made(["uncertain"] + ["certified"] * 2 if decides else ["uncertain"] * 3, 2.0, 1)]
+
+    def resume(index: int, known: list[int]) -> InversionResult:
+        resumed.append(list(known))
+        return made(["uncertain"] * 3 + ["certified"] * 3, 4.0, 3)
+
+    monkeypatch.setattr(leaks, "bound_source", lambda *args: Bands())
+    monkeypatch.setattr(leaks, "invert_rows", rows_search)
+    layer = tiny.probe.layer(2)
+    decides = True
+    got = leaks.sink_retry(tiny, states, layer, Float(), [guessed], resume=resume)[0]
+    assert asked == [(3, prompt[:1])] and resumed == [engine.token_ids[:3]]
+    assert got.verdicts == ["certified"] * 6 and got.seconds == 7.0 and "engine again from position 3" in got.notes[-1]
+    assert got.positions[0] is guessed.positions[0] and got.token_ids == engine.token_ids
+    asked.clear(), resumed.clear()
+    decides = False
+    kept = leaks.sink_retry(tiny, states, layer, Float(), [guessed], resume=resume)[0]
+    assert kept.verdicts == guessed.verdicts and resumed == [] and "not decided there" in kept.notes[-1]
+    assert kept.seconds == 3.0 and asked == [(3, prompt[:1])]

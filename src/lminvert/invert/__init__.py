@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -91,10 +92,23 @@ def invert(
     resolved, found = _layer(model, states, layer, error_model, leak.check)
     config = _config(model, search, run, error_model, deadline)
     sinks = sink_prompts(model, states, resolved, error_model) if leak.noise == 0 else []
-    flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor, sinks)
-    if sinks:  # a capture whose guess lies at a later sink: searched again, the next row choosing there
-        flat = sink_retry(model, states, resolved, error_model, flat, search.screen, deadline)
+    bounded = leaks.bounded(model, sinks)
+    flat = _invert_chunks(model, states, resolved, config, leak.noise, run.together, run.executor, bounded)
+    if sinks:  # a capture whose guess lies at a later sink: the next row chooses there, then the engine goes on
+        resume = functools.partial(_resume, model, states, resolved, config, leak.noise, run.executor, bounded)
+        flat = sink_retry(model, states, resolved, error_model, flat, search.screen, deadline, resume)
     return _with_notes(model, states, found, flat)
+
+
+def _resume(
+    model: LoadedModel, states: HiddenStates, layer: Layer, config: InvertConfig, noise: float,
+    executor: str | Executor | None, bounded: Sequence[int], index: int, known: Sequence[int],
+) -> InversionResult:  # fmt: skip
+    """Prompt ``index`` inverted by the engine again from its first tokens ``known`` on, bounded as it was at first
+    (:attr:`.engine.InvertConfig.known`, :func:`.leaks.bounded`)."""
+    again = replace(config, known=tuple(int(t) for t in known))
+    alone = [0] if index in bounded else []
+    return _invert_chunks(model, _subset(states, [index]), layer, again, noise, 1, executor, alone)[0]
 
 
 def _given(

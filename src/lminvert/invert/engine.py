@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ from .proposal import NextTokenPrior
 from .reader import reading_for
 from .reading import Reading
 from .results import InversionResult, PositionResult
+from .rows.verified import KNOWN
 from .search import PromptSearch, Settings
 from .sources import ErrorModel, Exact
 from .speculation import Speculator, chains_reproduce
@@ -72,6 +74,9 @@ class InvertConfig:
     # a guess ends the search: every later position gets its first batch only, as past the deadline (a prompt another
     # search takes over where the engine guesses: :func:`.leaks.sink_retry`)
     guess_ends: bool = False
+    # every prompt's first tokens, sure by another search (:func:`.leaks.sink_retry`), taken as they are: their
+    # positions hold placeholders (uncertain, reason rows.verified.KNOWN, no candidate; no scout); prompts are longer
+    known: tuple[int, ...] = ()
     tolerance_scale: float = 1.0  # multiplies the measured acceptance radii
     # where the states come from: how far an observation may lie from this machine's plain forward (:mod:`.sources`)
     source: ErrorModel = field(default_factory=Exact)
@@ -177,11 +182,16 @@ def invert_prompts(
     if prior is not None and config.speculate and chains_reproduce(probe):
         for i, search in enumerate(searches):
             search.speculator = Speculator(prior.firsts(i), settings.scale)
-        if _scouts(model, layer, config, wants_prior):
+        if _scouts(model, layer, config, wants_prior) and not config.known:
             _seed(probe, layer, searches, _scout(model, layer, states, config, copy.copy(prior)))
     for i, search in enumerate(searches):
         search.policy.begin_prompt(search.targets, None if prior is None else prior.readings(i))
-    _run(probe, layer, searches, prior, prior_share, on_position)
+        for t, token in enumerate(config.known):
+            search.positions.append(PositionResult(token, math.nan, math.inf, math.nan, 0, True, reason=KNOWN))
+            search.policy.accepted(t, token)
+            if search.speculator is not None:
+                search.speculator.decided(t, token)
+    _run(probe, layer, searches, prior, prior_share, on_position, config.known)
     overhead = (time.perf_counter() - start - sum(search.elapsed for search in searches)) / len(searches)
     return [_result(model, layer, config, policies[0].name, search, overhead) for search in searches]
 
@@ -237,12 +247,13 @@ def _run(
     prior: NextTokenPrior | None,
     prior_share: float,
     on_position: OnPosition | None,
+    known: Sequence[int] = (),
 ) -> None:
-    """Every prompt's positions in lockstep: rank, verify and decide position t of the prompts still searching, grow
-    their prefixes by the decided tokens, drop the prompts that are done."""
+    """Every prompt's positions in lockstep from the first after ``known``: rank, verify and decide position t of the
+    prompts still searching, grow their prefixes by the decided tokens, drop the prompts that are done."""
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
-    prefix = probe.prefixes([[]] * len(live), layer)
-    t = 0
+    prefix = probe.prefixes([list(known)] * len(live), layer)
+    t = len(known)
     while live:
         group = [searches[i] for i in live]
         shared = time.perf_counter()

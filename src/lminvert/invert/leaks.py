@@ -4,7 +4,10 @@ rows search on its view (:mod:`.rows.route`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+
+import torch
 
 from ..errors import LminvertError
 from ..kv_captures import KVCapture
@@ -35,6 +38,10 @@ GUESS_ENDS = True
 # ... and the rows search starts at the first uncertain position, the engine's sure ones before it taken as they are
 # (rows.search.RowSearch.run's known; False: it searches the prompt from position 0)
 KNOWN_PREFIX = True
+# ... and it searches that position and the next alone, then the engine goes on after its sure ones (a rows search
+# errs at ordinary positions the engine certifies; False: the rows search searches the rest of the prompt)
+HANDBACK = True
+HANDOVERS = 4  # sinks a prompt hands to the rows search at most (HANDBACK)
 
 
 def invert_leak(
@@ -128,57 +135,92 @@ def view_layer(
 
 def sink_prompts(model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel) -> list[int]:
     """The prompts of float ``states`` (a capture from elsewhere) with a sink-like row after position 0 (the ``float``
-    model's bands, :meth:`.sources.ErrorModel.fragile`), which the engine searches for :data:`SINK_SECONDS` at most
-    before :func:`sink_retry`: a half-precision model's search of such a position may take many minutes (SmolLM2
-    bfloat16, layer 15, docs/results.md), a float32 model's decides it (none named there, where :data:`SINK_RETRY` is
-    off or where the source is not ``float``)."""
-    if not SINK_RETRY or source.name != "float" or not source.bitwise or model.dtype == "float32":
+    model's bands, :meth:`.sources.ErrorModel.fragile`), which :func:`sink_retry` may search again (none where
+    :data:`SINK_RETRY` is off or the source is not ``float``)."""
+    if not SINK_RETRY or source.name != "float" or not source.bitwise:
         return []
     bands = bound_source(model, layer, source)
     return [i for i, rows in enumerate(states.states) if any(bands.fragile(r, t) for t, r in enumerate(rows.float()))]
 
 
-def _continued(model: LoadedModel, engine: InversionResult, first: int, again: InversionResult) -> InversionResult:
-    """The rows search's result ``again``, started at position ``first`` after the engine's sure positions: those
-    positions are the engine's (its placeholders there replaced); nothing changed where it searched from position 0."""
-    if not again.positions or again.positions[0].reason != KNOWN:
-        return again
-    positions = [*engine.positions[:first], *again.positions[first:]]
+def bounded(model: LoadedModel, sinks: list[int]) -> list[int]:
+    """Of the prompts :func:`sink_prompts` named, those the engine searches for :data:`SINK_SECONDS` at most, to its
+    first guess (:data:`GUESS_ENDS`): a half-precision model's search of such a position may take many minutes (SmolLM2
+    bfloat16, layer 15, docs/results.md); a float32 model's decides it (none)."""
+    return [] if model.dtype == "float32" else list(sinks)
+
+
+Resume = Callable[[int, Sequence[int]], InversionResult]  # (prompt, its first tokens, known) -> the engine's result
+
+
+def _continued(model: LoadedModel, before: InversionResult, upto: int, after: InversionResult) -> InversionResult:
+    """``after``, a search that took ``before``'s first ``upto`` tokens as known (placeholders there, reason
+    :data:`.rows.verified.KNOWN`), with ``before``'s positions there; ``after`` itself where it searched from 0."""
+    if not after.positions or after.positions[0].reason != KNOWN:
+        return after
+    positions = [*before.positions[:upto], *after.positions[upto:]]
     ids = [p.token_id for p in positions]
-    return replace(again, token_ids=ids, text=model.decode(ids), positions=positions)
+    return replace(after, token_ids=ids, text=model.decode(ids), positions=positions)
+
+
+def _unsure(result: InversionResult) -> int:
+    """The first position of ``result`` that is ``uncertain`` (its length where none is)."""
+    return next((t for t, v in enumerate(result.verdicts) if v == UNCERTAIN), len(result.verdicts))
 
 
 def sink_retry(
     model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel, results: list[InversionResult],
-    screen: bool | None = None, deadline: float | None = None,
+    screen: bool | None = None, deadline: float | None = None, resume: Resume | None = None,
 ) -> list[InversionResult]:  # fmt: skip
     """The engine's ``results`` for float ``states`` (a capture from elsewhere), each prompt whose first uncertain
     position after position 0 is sink-like (the ``float`` model's bands, :meth:`.sources.ErrorModel.fragile`: there
     the state's own row does not choose, and every later position follows the guess) or whose later positions the
-    bound of :func:`sink_prompts` stopped (:data:`SINK_SECONDS`, :data:`GUESS_ENDS`; the caller's ``deadline`` not
-    passed) searched again by the rows search, whose next row chooses at such a sink and whose replay
-    through the capture may certify the choice
-    (:mod:`.rows.lookahead`); of the two results, both the acceptor's, the one with more positions ``certified`` or
-    ``confident`` (the engine's where as many), its seconds the two searches'. The rows search starts at that
-    position, the engine's sure positions before it taken as they are (:data:`KNOWN_PREFIX`). Nothing before
-    ``deadline`` passed."""
+    bound of :func:`bounded` stopped (:data:`SINK_SECONDS`, :data:`GUESS_ENDS`) searched again by the rows search from
+    that position on, the engine's sure positions before it taken as they are (:data:`KNOWN_PREFIX`): its next row
+    chooses at such a sink, and its replay through the capture may certify the choice (:mod:`.rows.lookahead`). With
+    ``resume`` (the engine again on prompt ``i`` from its first tokens on, :data:`HANDBACK`) the rows search takes that
+    position and the next alone and the engine goes on after its sure ones, up to :data:`HANDOVERS` times. Of the
+    results before and after each hand-over, both the acceptor's, the one with more positions ``certified`` or
+    ``confident`` (the earlier where as many), its seconds every search's. Nothing once ``deadline`` has passed."""
     if not SINK_RETRY or source.name != "float" or not source.bitwise:
         return results
     bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
-    for rows, result in zip(states.states, results, strict=True):
-        first = next((t for t, v in enumerate(result.verdicts) if v == UNCERTAIN), 0)
-        stopped = first > 0 and any(p.stopped for p in result.positions[first:])  # by sink_prompts' bound or guess
-        if first == 0 or past(deadline) or not (stopped or bands.fragile(rows[first].float(), first)):
-            out.append(result)
-            continue
-        known = result.token_ids[:first] if KNOWN_PREFIX else []
-        again = invert_rows(model, [rows], view, source, (), screen, None, deadline, known)[0]
-        again = _continued(model, result, first, again)
-        sure = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
-        kept = again if sure[1] > sure[0] else result
-        why = "sink-like" if bands.fragile(rows[first].float(), first) else "the engine stopped at or after it"
-        note = f"position {first}: {why}; searched again in the rows' space, a later sink chosen by the next row" + (
-            "" if kept is again else f" (there {sure[1]} positions sure, {sure[0]} in the engine's: the engine's kept)"
-        )
-        out.append(replace(kept, seconds=result.seconds + again.seconds, notes=(*kept.notes, note)))
+    for index, (rows, result) in enumerate(zip(states.states, results, strict=True)):
+        for _ in range(HANDOVERS if HANDBACK and resume is not None else 1):
+            result, done = _handed(model, rows, result, (bands, view, source, screen, deadline), resume, index)
+            if done:
+                break
+        out.append(result)
     return out
+
+
+def _handed(
+    model: LoadedModel, rows: torch.Tensor, result: InversionResult, how: tuple, resume: Resume | None, index: int
+) -> tuple[InversionResult, bool]:
+    """One hand-over of :func:`sink_retry` (``how``: the bands, the states view, the source, screening, the deadline):
+    the result kept, and whether to stop (nothing searched again, or no surer)."""
+    bands, view, source, screen, deadline = how
+    first = _unsure(result)
+    if first in (0, len(rows)) or past(deadline):
+        return result, True
+    sink = bands.fragile(rows[first].float(), first)
+    if not (sink or any(p.stopped for p in result.positions[first:])):
+        return result, True
+    back = HANDBACK and resume is not None and first + 2 < len(rows)
+    known = result.token_ids[:first] if KNOWN_PREFIX or back else []
+    shown = rows[: first + 2] if back else rows  # handed back: this position and the next alone
+    again = invert_rows(model, [shown], view, source, (), screen, None, deadline, known)[0]
+    seconds, again = result.seconds + again.seconds, _continued(model, result, first, again)
+    sure, why = _unsure(again), "sink-like" if sink else "the engine stopped at or after it"
+    note = f"position {first}: {why}; searched again in the rows' space, a later sink chosen by the next row"
+    if back and first < sure and not past(deadline):  # the rows search decided it: the engine goes on after it
+        tail = resume(index, again.token_ids[:sure])
+        seconds, again = seconds + tail.seconds, _continued(model, again, sure, tail)
+        note += f", the engine again from position {sure}"
+    if len(again.positions) < len(rows):  # handed back, not decided: nothing to keep
+        return replace(result, seconds=seconds, notes=(*result.notes, f"{note}: not decided there")), True
+    counts = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
+    if counts[1] <= counts[0]:
+        note += f" (there {counts[1]} positions sure, {counts[0]} before: the earlier kept)"
+        return replace(result, seconds=seconds, notes=(*result.notes, note)), True
+    return replace(again, seconds=seconds, notes=(*again.notes, note)), False
