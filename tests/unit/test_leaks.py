@@ -681,7 +681,7 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     placeholder = dataclasses.replace(better.positions[0], reason=KNOWN, verdict="uncertain", token_id=-1)
     started = dataclasses.replace(better, positions=[placeholder, *better.positions[1:]])
     asked: list[object] = []
-    monkeypatch.setattr(leaks, "invert_rows", lambda *args, **kwargs: asked.append(args[-1]) or [started])
+    monkeypatch.setattr(leaks, "invert_rows", lambda *args, **kwargs: asked.append(args[-2]) or [started])
     spliced = leaks.sink_retry(tiny, states, layer, Float(), [guessed])[0]
     assert asked == [guessed.token_ids[:1]] and spliced.positions[0] is guessed.positions[0]
     assert spliced.positions[1:] == better.positions[1:] and spliced.token_ids == guessed.token_ids[:1] + [
@@ -752,7 +752,7 @@ def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_ke
 def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing_wrong_after_a_wrong_one(tiny):
     """``invert_rows(..., known=...)`` (:meth:`lminvert.invert.rows.search.RowSearch.run`): the known first tokens are
     taken as they are (placeholders there: ``uncertain``, reason KNOWN, no candidate), the search goes on from the
-    next position over that prefix; after a wrong known token nothing later is claimed wrongly."""
+    next position over that prefix (to ``until`` where given); after a wrong known token nothing later is claimed wrongly."""
     from lminvert.invert.rows.route import invert_rows
     from lminvert.invert.rows.verified import KNOWN
     from lminvert.invert.sources import Float
@@ -766,6 +766,8 @@ def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing
     assert given.token_ids == prompt and given.candidates_checked[:2] == [0, 0]
     assert [p.reason for p in given.positions[:2]] == [KNOWN, KNOWN] and given.verdicts[:2] == ["uncertain"] * 2
     assert all(c > 0 for c in given.candidates_checked[2:]) and "uncertain" not in given.verdicts[2:]
+    short = invert_rows(tiny, [rows], view, Float(), known=prompt[:2], until=4)[0]  # positions 2 and 3 alone
+    assert short.token_ids == prompt[:4] and short.verdicts[2:] == given.verdicts[2:4]
     other = next(t for t in range(3, tiny.probe.vocab_size) if t != prompt[1])
     wrong = invert_rows(tiny, [rows], view, Float(), known=[prompt[0], other])[0]
     for token, truth, verdict in zip(wrong.token_ids[2:], prompt[2:], wrong.verdicts[2:], strict=True):
@@ -803,8 +805,8 @@ def test_a_sink_the_rows_search_decides_is_handed_back_to_the_engine_after_it(ti
         def fragile(self, row: torch.Tensor, t: int) -> bool:
             return t == 1
 
-    def rows_search(model, rows, view, source, notes, screen, offsets, deadline, known) -> list[InversionResult]:
-        asked.append((len(rows[0]), list(known)))
+    def rows_search(model, rows, view, source, notes, screen, offsets, deadline, known, until) -> list[InversionResult]:
+        asked.append((until, list(known)))
         return [made(["uncertain"] + ["certified"] * 2 if decides else ["uncertain"] * 3, 2.0, 1)]
 
     def resume(index: int, known: list[int]) -> InversionResult:

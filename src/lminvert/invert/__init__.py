@@ -74,10 +74,9 @@ def invert(
     (``kind="last"``: a bare ``[d]`` or ``[N, d]`` array's rows, a states file's last rows) is searched for whole
     prompts of up to ``max_length`` tokens, ``max_seconds`` each (:mod:`lminvert.invert.last`). ``noise``: added here.
 
-    Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of
-    ``source``; no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call:
-    once it has passed, every position stops after its first batch of candidates and keeps the closest one
-    verified, and the results' notes count such positions.
+    Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of ``source``;
+    no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call: once it has
+    passed, every position stops after its first batch and keeps the closest candidate verified (the notes say so).
     """
     leak, search, run = grouped(leak, search, run, **options)
     deadline = None if search.max_seconds is None else time.time() + search.max_seconds

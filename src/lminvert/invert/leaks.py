@@ -208,8 +208,8 @@ def _handed(
         return result, True
     back = HANDBACK and resume is not None and first + 2 < len(rows)
     known = result.token_ids[:first] if KNOWN_PREFIX or back else []
-    shown = rows[: first + 2] if back else rows  # handed back: this position and the next alone
-    again = invert_rows(model, [shown], view, source, (), screen, None, deadline, known)[0]
+    until = first + 2 if back else None  # handed back: this position and the next alone
+    again = invert_rows(model, [rows], view, source, (), screen, None, deadline, known, until)[0]
     seconds, again = result.seconds + again.seconds, _continued(model, result, first, again)
     sure, why = _unsure(again), "sink-like" if sink else "the engine stopped at or after it"
     note = f"position {first}: {why}; searched again in the rows' space, a later sink chosen by the next row"

@@ -185,12 +185,13 @@ class Attack:
 
     def run(
         self, shipped: list[Shipped], states: HiddenStates | None = None, deadline: float | None = None,
-        known: Sequence[int] = (),
+        known: Sequence[int] = (), until: int | None = None,
     ) -> list[Recovered]:  # fmt: skip
         """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
         gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``);
-        ``deadline`` (``time.time()``): the rows searches' time bound; ``known``: every prompt's first tokens, sure by
-        another search (:meth:`.search.RowSearch.run`; whole rows with no public map or permutation only)."""
+        ``deadline`` (``time.time()``): the rows searches' time bound; ``known`` and ``until``: every prompt's first
+        tokens, sure by another search, and the end of the positions searched (:meth:`.search.RowSearch.run`; whole
+        rows with no public map or permutation only)."""
         first = shipped[0]
         if self.leak.name == "last":
             return self._last(shipped)
@@ -200,11 +201,11 @@ class Attack:
         ties = [None if t is None else TieSort(self.table[t]) for _, t in undone]
         if any(t is not None and t.size for t in ties):  # each prompt through its own map (a search per prompt)
             return [self._tied(r, s, t, deadline) for r, s, t in zip(rows, shipped, ties, strict=True)]
-        if known and not (whole and not first.permuted):
-            raise ValueError("known first tokens are taken for whole rows with no public map or permutation only")
+        if (known or until is not None) and not (whole and not first.permuted):
+            raise ValueError("known first tokens and an end are taken for whole rows with no map or permutation only")
         if self.leak.name == "states" and whole and states is not None and first.source is None:
             return self._engine(rows, states)
-        return self._rows(rows, first, deadline=deadline, known=known)
+        return self._rows(rows, first, deadline=deadline, span=(known, until))
 
     def _tied(self, rows: torch.Tensor, shipped: Shipped, tied: TieSort, deadline: float | None = None) -> Recovered:
         """One prompt whose permutation was undone up to ties: searched through :class:`TieSort`, with the radii of
@@ -213,11 +214,11 @@ class Attack:
 
     def _rows(
         self, rows: list[torch.Tensor], first: Shipped, measured: Measured | None = None, deadline: float | None = None,
-        known: Sequence[int] = (),
+        span: tuple[Sequence[int], int | None] = ((), None),
     ) -> list[Recovered]:  # fmt: skip
         """:class:`.search.RowSearch` over every prompt's rows (``first``: a prompt's :class:`Shipped`, for its map
         and error model; ``measured``: its radii, else measured through its map; ``deadline``: the time bound;
-        ``known``: every prompt's first tokens, sure by another search)."""
+        ``span``: every prompt's first tokens known and the end of the positions searched, as :meth:`run`'s)."""
         public = first.public
         source = _error_model(first.source)
         table = self.table if public is None else public(self.table)
@@ -245,7 +246,7 @@ class Attack:
         )  # fmt: skip
         out = []
         for r in rows:
-            found = search.run(r, deadline, known)
+            found = search.run(r, deadline, *span)
             measures = found.measures
             out.append(
                 Recovered(

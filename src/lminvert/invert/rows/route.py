@@ -34,16 +34,18 @@ def invert_rows(
     offsets: list[int] | None = None,
     deadline: float | None = None,
     known: Sequence[int] = (),
+    until: int | None = None,
 ) -> list[InversionResult]:
     """Every prompt's rows ``[T, k]`` (``view``'s, under ``source``) inverted by :class:`.attack.Attack`; ``notes``:
     what every result carries first (how the rows were read); ``screen``: as :func:`lminvert.invert`'s; ``offsets``:
     a KV cache's left padding per prompt (:func:`aligned`); ``deadline`` (``time.time()``): from then on each
     position stops after its first batch of candidates; ``known``: every prompt's first tokens, sure by another
-    search, whose positions hold placeholders (:meth:`.search.RowSearch.run`)."""
+    search, whose positions hold placeholders; ``until``: the positions before it searched alone, the results that
+    long (:meth:`.search.RowSearch.run`)."""
     attack = Attack(view, screen=screen)
     offsets = offsets or [0] * len(rows)
     moved = [aligned(attack, r.float().cpu(), o) for r, o in zip(rows, offsets, strict=True)]
-    found = attack.run([Observed(r, source) for r, _ in moved], deadline=deadline, known=known)
+    found = attack.run([Observed(r, source) for r, _ in moved], deadline=deadline, known=known, until=until)
     below = view.states_layer.name
     route = f"searched in the space of {DESCRIBED[view.name].format(layer=view.layer.name, below=below)}"
     return [

@@ -1,5 +1,5 @@
-"""Inversion of rows that are a known function of each position's state (a KV cache, a public projection, states
-with positions missing): SIPIT with the comparison made in the rows' space.
+"""Inversion of rows that are a known function of each position's state (a KV cache, a public projection, states with
+positions missing): SIPIT with the comparison made in the rows' space.
 
 For each position, the candidates' states are computed over the recovered prefix's KV cache
 (:meth:`lminvert.models.LayerProbe.continuation`), turned into rows by the leak (and the public map, if any), and their
@@ -25,13 +25,10 @@ first (a guess: uncertain, and so is everything after it). Distances are the err
 cache grows a token at a time, from the chosen candidate's forward where it can (:class:`.running.Running`); later
 batches of 64 or more may be screened with bfloat16 GEMMs first (:mod:`.screen`).
 
-A :class:`StateMemo` shared by the searches of one leak and layer keeps every verified candidate's state by its
-prefix, so another defence's search verifies a candidate one of them already ran without a forward.
-
-Radii are measured, not assumed (:class:`.calibration.Calibration`: how far the cached forward's rows lie from a plain
-forward's, the deployment's own rows from the plain forward's, and the smallest gap from a true row to a random
-candidate's, the attention sink's included, as the engine measures it for states); the source's error model adds the
-defence's bound, computed on the shipped row. Beyond a quantisation's box no ball is decisive.
+A :class:`StateMemo` shared by one leak and layer's searches keeps every verified candidate's state by its prefix. Radii
+are measured (:class:`.calibration.Calibration`: the cached forward's rows against a plain forward's, the deployment's
+own rows against the plain forward's, the smallest gap from a true row to a random candidate's, sinks included); the
+source's error model adds the defence's bound on the shipped row. Beyond a quantisation's box no ball is decisive.
 """
 
 from __future__ import annotations
@@ -146,24 +143,23 @@ class RowSearch:
         gap = 0.0 if self.source.boxed else self.gap * size
         return Radii(bound + rounding, bound + rounding, bound, rounding, gap, FLOOR * size)
 
-    def run(self, shipped: torch.Tensor, deadline: float | None = None, known: Sequence[int] = ()) -> Found:
-        """Invert one prompt's rows ``[T, k]`` (NaN rows: missing). From ``deadline`` (``time.time()``) on, a position
-        gets its first batch of candidates at most and nothing is chosen by the next row (:attr:`Found.cut`). ``known``:
-        its first tokens, sure by another search, taken as they are (:meth:`.verified.Found.given`)."""
-        start = time.perf_counter()
+    def run(
+        self, shipped: torch.Tensor, deadline: float | None = None, known: Sequence[int] = (), until: int | None = None
+    ) -> Found:
+        """Invert one prompt's rows ``[T, k]`` (NaN rows: missing); from ``deadline`` (``time.time()``) on, a position
+        gets its first batch of candidates at most and nothing is chosen by the next row (:attr:`Found.cut`); ``known``
+        first tokens taken as they are (:meth:`.verified.Found.given`); only the positions before ``until`` searched."""
+        start, self.length = time.perf_counter(), len(shipped)
         trail, cut = Found.given(known), 0
         ids = trail.token_ids
-        after_guess = broken = False
-        fitted = bool(known)
+        after_guess, broken, fitted = False, False, bool(known)
         # the next token a position was chosen under (by the next row), verified first at the position after it (led)
         lead, led = None, 1
         reads = self.reading.scores(shipped) if self.reading is not None else [None] * len(shipped)
         running = self.predict.start(shipped, known)
         if self.secant is not None:
             self.secant.begin_prompt()
-        self.length = len(shipped)
-        for t in range(len(known), len(shipped)):
-            row = shipped[t].float()
+        for t, row in enumerate(shipped[len(known) : until].float(), start=len(known)):
             after = shipped[t + 1].float() if t + 1 < len(shipped) else None
             following = reads[t + 1] if t + 1 < len(shipped) else None
             # after a guess under which the last row fitted nothing, the prefix is likely wrong: this position is
