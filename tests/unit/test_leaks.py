@@ -752,7 +752,8 @@ def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_ke
 def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing_wrong_after_a_wrong_one(tiny):
     """``invert_rows(..., known=...)`` (:meth:`lminvert.invert.rows.search.RowSearch.run`): the known first tokens are
     taken as they are (placeholders there: ``uncertain``, reason KNOWN, no candidate), the search goes on from the
-    next position over that prefix (to ``until`` where given); after a wrong known token nothing later is claimed wrongly."""
+    next position over that prefix (to ``until`` where given); after a wrong known token nothing later is claimed
+    wrongly."""
     from lminvert.invert.rows.route import invert_rows
     from lminvert.invert.rows.verified import KNOWN
     from lminvert.invert.sources import Float
