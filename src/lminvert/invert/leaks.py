@@ -186,26 +186,28 @@ def sink_retry(
         return results
     bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
     for index, (rows, result) in enumerate(zip(states.states, results, strict=True)):
+        said: list[str] = []  # each hand-over's note, kept across them
         for _ in range(HANDOVERS if HANDBACK and resume is not None else 1):
-            result, done = _handed(model, rows, result, (bands, view, source, screen, deadline), resume, index)
+            result, note, done = _handed(model, rows, result, (bands, view, source, screen, deadline), resume, index)
+            said += [note] if note else []
             if done:
                 break
-        out.append(result)
+        out.append(replace(result, notes=(*result.notes, *said)) if said else result)
     return out
 
 
 def _handed(
     model: LoadedModel, rows: torch.Tensor, result: InversionResult, how: tuple, resume: Resume | None, index: int
-) -> tuple[InversionResult, bool]:
+) -> tuple[InversionResult, str | None, bool]:
     """One hand-over of :func:`sink_retry` (``how``: the bands, the states view, the source, screening, the deadline):
-    the result kept, and whether to stop (nothing searched again, or no surer)."""
+    the result kept, a note on it (None: nothing searched again) and whether to stop there."""
     bands, view, source, screen, deadline = how
     first = _unsure(result)
     if first in (0, len(rows)) or past(deadline):
-        return result, True
+        return result, None, True
     sink = bands.fragile(rows[first].float(), first)
     if not (sink or any(p.stopped for p in result.positions[first:])):
-        return result, True
+        return result, None, True
     back = HANDBACK and resume is not None and first + 2 < len(rows)
     known = result.token_ids[:first] if KNOWN_PREFIX or back else []
     until = first + 2 if back else None  # handed back: this position and the next alone
@@ -217,10 +219,10 @@ def _handed(
         tail = resume(index, again.token_ids[:sure])
         seconds, again = seconds + tail.seconds, _continued(model, again, sure, tail)
         note += f", the engine again from position {sure}"
-    if len(again.positions) < len(rows):  # handed back, not decided: nothing to keep
-        return replace(result, seconds=seconds, notes=(*result.notes, f"{note}: not decided there")), True
+    if len(again.positions) < len(rows):  # handed back, not decided (or out of time): nothing to keep
+        return replace(result, seconds=seconds), f"{note}: not decided there, or the time bound passed", True
     counts = [sum(v != UNCERTAIN for v in r.verdicts) for r in (result, again)]
     if counts[1] <= counts[0]:
         note += f" (there {counts[1]} positions sure, {counts[0]} before: the earlier kept)"
-        return replace(result, seconds=seconds, notes=(*result.notes, note)), True
-    return replace(again, seconds=seconds, notes=(*again.notes, note)), False
+        return replace(result, seconds=seconds), note, True
+    return replace(again, seconds=seconds), note, False
