@@ -186,6 +186,7 @@ def invert_prompts(
             _seed(probe, layer, searches, _scout(model, layer, states, config, copy.copy(prior)))
     for i, search in enumerate(searches):
         search.policy.begin_prompt(search.targets, None if prior is None else prior.readings(i))
+        search.fitted = bool(config.known)  # sure positions: the states fit this model (the acceptor's budget)
         for t, token in enumerate(config.known):
             search.positions.append(PositionResult(token, math.nan, math.inf, math.nan, 0, True, reason=KNOWN))
             search.policy.accepted(t, token)
