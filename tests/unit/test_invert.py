@@ -760,7 +760,7 @@ def test_the_engine_takes_known_first_tokens_and_claims_nothing_wrong_after_a_wr
     reason KNOWN, no candidate) and recovers the rest over that prefix; after a wrong known token no later position is
     claimed wrongly."""
     from lminvert.invert.engine import InvertConfig, invert_prompts
-    from lminvert.invert.rows.verified import KNOWN
+    from lminvert.invert.results import KNOWN
 
     model = lminvert.load_model("tiny-llama")
     prompt = [5, 1717, 9, 4242, 77, 1200]

@@ -676,7 +676,7 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     sink = 1
     assert leaks.sink_retry(tiny, states, layer, Exact(), [guessed])[0] is guessed and calls == []
     # the rows search started at position 1 after the engine's sure position 0: that position is the engine's
-    from lminvert.invert.rows.verified import KNOWN
+    from lminvert.invert.results import KNOWN
 
     placeholder = dataclasses.replace(better.positions[0], reason=KNOWN, verdict="uncertain", token_id=-1)
     started = dataclasses.replace(better, positions=[placeholder, *better.positions[1:]])
@@ -754,8 +754,8 @@ def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing
     taken as they are (placeholders there: ``uncertain``, reason KNOWN, no candidate), the search goes on from the
     next position over that prefix (to ``until`` where given); after a wrong known token nothing later is claimed
     wrongly."""
+    from lminvert.invert.results import KNOWN
     from lminvert.invert.rows.route import invert_rows
-    from lminvert.invert.rows.verified import KNOWN
     from lminvert.invert.sources import Float
     from lminvert.invert.views import make_view
 
@@ -781,8 +781,7 @@ def test_a_sink_the_rows_search_decides_is_handed_back_to_the_engine_after_it(ti
     the result is the engine's positions, then the rows search's, then the engine's again, every search's seconds
     summed; where it does not, the engine's result is kept, with a note, and the engine is not run again."""
     from lminvert.invert import leaks
-    from lminvert.invert.results import InversionResult
-    from lminvert.invert.rows.verified import KNOWN
+    from lminvert.invert.results import KNOWN, InversionResult
     from lminvert.invert.sources import Float
 
     prompt = _prompts(tiny, 1, 6, 11)[0]

@@ -39,8 +39,7 @@ from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
 from .reader import reading_for
 from .reading import Reading
-from .results import InversionResult, PositionResult
-from .rows.verified import KNOWN
+from .results import KNOWN, InversionResult, PositionResult
 from .search import PromptSearch, Settings
 from .sources import ErrorModel, Exact
 from .speculation import Speculator, chains_reproduce
@@ -75,7 +74,7 @@ class InvertConfig:
     # search takes over where the engine guesses: :func:`.leaks.sink_retry`)
     guess_ends: bool = False
     # every prompt's first tokens, sure by another search (:func:`.leaks.sink_retry`), taken as they are: their
-    # positions hold placeholders (uncertain, reason rows.verified.KNOWN, no candidate; no scout); prompts are longer
+    # positions hold placeholders (uncertain, reason results.KNOWN, no candidate; no scout); prompts are longer
     known: tuple[int, ...] = ()
     tolerance_scale: float = 1.0  # multiplies the measured acceptance radii
     # where the states come from: how far an observation may lie from this machine's plain forward (:mod:`.sources`)

@@ -19,9 +19,8 @@ from .acceptor import UNCERTAIN
 from .blockfit import resolve_block
 from .engine import bound_source
 from .last import LastOptions, invert_last
-from .results import InversionResult
+from .results import KNOWN, InversionResult
 from .rows.route import invert_rows
-from .rows.verified import KNOWN
 from .search import past
 from .sources import ErrorModel
 from .views import make_view
@@ -133,11 +132,16 @@ def view_layer(
     return model.probe.layer(spec), states.notes
 
 
+def _retries(source: ErrorModel) -> bool:
+    """Whether a capture under ``source`` may be searched again (:data:`SINK_RETRY`, a ``float`` source's states)."""
+    return SINK_RETRY and source.name == "float" and source.bitwise
+
+
 def sink_prompts(model: LoadedModel, states: HiddenStates, layer: Layer, source: ErrorModel) -> list[int]:
     """The prompts of float ``states`` (a capture from elsewhere) with a sink-like row after position 0 (the ``float``
     model's bands, :meth:`.sources.ErrorModel.fragile`), which :func:`sink_retry` may search again (none where
     :data:`SINK_RETRY` is off or the source is not ``float``)."""
-    if not SINK_RETRY or source.name != "float" or not source.bitwise:
+    if not _retries(source):
         return []
     bands = bound_source(model, layer, source)
     return [i for i, rows in enumerate(states.states) if any(bands.fragile(r, t) for t, r in enumerate(rows.float()))]
@@ -155,7 +159,7 @@ Resume = Callable[[int, Sequence[int]], InversionResult]  # (prompt, its first t
 
 def _continued(model: LoadedModel, before: InversionResult, upto: int, after: InversionResult) -> InversionResult:
     """``after``, a search that took ``before``'s first ``upto`` tokens as known (placeholders there, reason
-    :data:`.rows.verified.KNOWN`), with ``before``'s positions there; ``after`` itself where it searched from 0."""
+    :data:`.results.KNOWN`), with ``before``'s positions there; ``after`` itself where it searched from 0."""
     if not after.positions or after.positions[0].reason != KNOWN:
         return after
     positions = [*before.positions[:upto], *after.positions[upto:]]
@@ -182,7 +186,7 @@ def sink_retry(
     position and the next alone and the engine goes on after its sure ones, up to :data:`HANDOVERS` times. Of the
     results before and after each hand-over, both the acceptor's, the one with more positions ``certified`` or
     ``confident`` (the earlier where as many), its seconds every search's. Nothing once ``deadline`` has passed."""
-    if not SINK_RETRY or source.name != "float" or not source.bitwise:
+    if not _retries(source):
         return results
     bands, view, out = bound_source(model, layer, source), make_view("states", model, layer), []
     for index, (rows, result) in enumerate(zip(states.states, results, strict=True)):

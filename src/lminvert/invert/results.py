@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass
 
 from .acceptor import VERDICTS
 
+# the reason of a position another search decided, taken as it is: a placeholder (uncertain, no evidence) that the
+# caller replaces with that search's own (InvertConfig.known, RowSearch.run's known; leaks.sink_retry)
+KNOWN = "sure by another search, taken as it is"
+
 
 @dataclass(frozen=True)
 class PositionResult:

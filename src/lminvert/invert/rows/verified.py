@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import acceptor
+from ..results import KNOWN
 
 Distances = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n, k], target [k]) -> [n] float64
 
@@ -60,9 +61,6 @@ def measure(ids: torch.Tensor, rows: torch.Tensor, dists: torch.Tensor, token: i
     margin = float(torch.cat([dists[:i], dists[i + 1 :]]).min())
     gap = float((others - rows[i]).norm(dim=1).min()) / 2
     return Measure(distance, margin, gap if math.isfinite(gap) else None)
-
-
-KNOWN = "sure by another search, taken as it is"  # a position given to the rows search (RowSearch.run's known)
 
 
 @dataclass(frozen=True)
