@@ -105,6 +105,50 @@ def test_plain_forwards_start_from_kept_keys_with_the_same_bits(dtype, monkeypat
     assert later.start == 0 and torch.equal(later.states[0], whole)
 
 
+# a random-id prompt whose position 1 is an attention sink at layer 30 (its state's norm over 3 times the median after
+# position 0: :data:`lminvert.invert.sinks.SHAPE_RATIO`)
+SINK_PROMPT = [
+    26441, 37707, 44852, 47874, 44192, 11155, 6293, 17811, 23691, 48598, 1013, 16459, 4097, 19090, 5400, 10652, 24587,
+    40232, 33612,
+]  # fmt: skip
+
+
+def test_a_sinks_cached_forward_at_the_observers_shape_reproduces_its_state(monkeypatch):
+    """A cached forward of the true token at a sink (one query over the prefix's keys, as transformers runs it) rounds
+    the sink's attention otherwise than the observer's forward of the whole prompt (SmolLM2 layer 30 in bfloat16, this
+    project's CPU: 69% of the state's norm off), so the true token came among the last of thousands of contenders
+    re-measured. At the observer's shape (what the engine runs at sink-like positions, :func:`.sinks.shaped`) the
+    cached state is the observer's bit for bit; at a position that is not sink-like, for states computed elsewhere, in
+    float32, or with the switch off, the cached forward runs as before."""
+    from lminvert.invert import sinks
+    from lminvert.invert.sources import Exact, Float
+    from lminvert.models import observed
+    from lminvert.models.hf_internals import attn_implementation
+
+    model = lminvert.load_model("smollm2-135m", dtype="bfloat16")
+    probe, layer = model.probe, model.probe.layer(30)
+    (states,) = probe.states(torch.tensor([SINK_PROMPT]), [layer])[layer]
+    assert sinks.sinks(states, sinks.SHAPE_RATIO) == [1]
+    prefix = probe.prefixes([SINK_PROMPT[:1]], layer)
+    token = torch.tensor([SINK_PROMPT[1]])
+    unshaped = probe.continuation(prefix, token)[0]
+    with sinks.shaped(probe, [states], 1, Exact()):
+        assert attn_implementation(probe.model.config) == observed.SHAPED_ATTENTION
+        at_shape = probe.continuation(prefix, token)[0]
+    assert torch.equal(at_shape, states[1])
+    assert (unshaped - states[1]).float().norm() >= (at_shape - states[1]).float().norm()
+    # not sink-like there; states computed elsewhere (the observer's shape unknown); the switch off
+    for where, source, switch in ((2, Exact(), True), (1, Float(), True), (1, Exact(), False)):
+        monkeypatch.setattr(observed, "SHAPED", switch)
+        with sinks.shaped(probe, [states], where, source):
+            assert attn_implementation(probe.model.config) == "sdpa"
+            assert torch.equal(probe.continuation(prefix, token)[0], unshaped)
+    monkeypatch.setattr(observed, "SHAPED", True)
+    full = lminvert.load_model("smollm2-135m").probe  # float32: its GEMMs round by the number of rows
+    with sinks.shaped(full, [states.float()], 1, Exact()):
+        assert attn_implementation(full.model.config) == "sdpa"
+
+
 def test_confirmations_filled_with_first_guesses_save_forwards_never_change_the_answer(monkeypatch):
     """Where the ball is wider than the smallest gap between tokens' states, every position is confirmed by a plain
     forward of the observed length (bfloat16 at most layers from 3 on; here layer 6, the radii widened past the gap if

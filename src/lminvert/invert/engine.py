@@ -41,6 +41,7 @@ from .reader import reading_for
 from .reading import Reading
 from .results import KNOWN, InversionResult, PositionResult
 from .search import PromptSearch, Settings
+from .sinks import shaped
 from .sources import ErrorModel, Exact
 from .speculation import Speculator, chains_reproduce
 from .tables import first_table_for
@@ -252,7 +253,7 @@ def _run(
     """Every prompt's positions in lockstep from the first after ``known``: rank, verify and decide position t of the
     prompts still searching, grow their prefixes by the decided tokens, drop the prompts that are done."""
     live = list(range(len(searches)))  # prompts still being inverted = the rows of `prefix`
-    prefix = probe.prefixes([list(known)] * len(live), layer)
+    prefix, source = probe.prefixes([list(known)] * len(live), layer), searches[0].settings.source
     t = len(known)
     while live:
         group = [searches[i] for i in live]
@@ -262,14 +263,14 @@ def _run(
         for row, search in enumerate(group):
             search.begin(t, probe, prefix, row, None if orders is None else orders[row])
             search.clock.add("ranking", shared + (prior_share if t == 0 else 0.0))
-        with _math(probe, group[0].settings, t):
+        with _math(probe, group[0].settings, t), shaped(probe, [s.targets for s in group], t, source):
             search_position(probe, prefix, layer, group)
         tokens = [search.decide() for search in group]
         keep = [row for row, search in enumerate(group) if search.length > t + 1 and not search.halted]
         if keep:
             shared = time.perf_counter()
             prefix = probe.select(prefix, keep)
-            with _math(probe, group[0].settings, t + 1):
+            with _math(probe, group[0].settings, t + 1), shaped(probe, [group[r].targets for r in keep], t, source):
                 prefix, forward = _advance(probe, prefix, [tokens[row] for row in keep], [group[row] for row in keep])
             shared = (time.perf_counter() - shared) / len(keep)
             for row in keep:

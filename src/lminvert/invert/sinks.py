@@ -20,11 +20,15 @@ orders candidates: each one is verified and the acceptor decides, so it changes 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import torch
 
-from ..models import Layer, LoadedModel
+from ..models import Layer, LoadedModel, observed
 from .rankers import Ranker, Ranking
 from .reading import Reading
+from .sources import ErrorModel
 from .tables import FirstTable, first_table_for
 
 SINK_LEAD = True  # put a sink's nearest first-position rows first (False: the rankers' order alone)
@@ -35,6 +39,10 @@ MEDIAN_OF = 3
 # layer's kept or lifted-to table: it led at 18 of 51 at layer 15 and was right at 17; 19 of 36 at 30, right at 15;
 # 77 of 111 at 8, right at 75; 34 of 50 at 22, right at 18)
 MARGIN = 1.05
+# a position's cached forwards run at the observer's shape (:func:`shaped`) where its state's norm is over this many
+# times the median of the prompt's positions after the first (SmolLM2 in bfloat16, 104 prompts of 20 tokens: sinks
+# 30-152x at layer 15 and 3.2-9.3x at layer 30, the other positions at most 1.7x and 2.5x; layer 6's largest 8-13x)
+SHAPE_RATIO = 3.0
 SHARED = 8  # the table's leading directions left out of the comparison (see SinkRanker._ranking)
 SAMPLE = 8192  # table rows they are found from
 
@@ -97,10 +105,25 @@ def shared_directions(table: FirstTable) -> tuple[torch.Tensor, torch.Tensor]:
     return memo[key]
 
 
-def sinks(states: torch.Tensor) -> list[int]:
-    """The positions after the first of a prompt's states ``[T, d]`` whose norm is over :data:`RATIO` times the median
+def sinks(states: torch.Tensor, ratio: float = RATIO) -> list[int]:
+    """The positions after the first of a prompt's states ``[T, d]`` whose norm is over ``ratio`` times the median
     of those positions' norms (none where there are fewer than :data:`MEDIAN_OF`)."""
     if len(states) <= MEDIAN_OF:
         return []
     norms = states[1:].float().norm(dim=1)
-    return [1 + int(i) for i in (norms > RATIO * norms.median()).nonzero().flatten()]
+    return [1 + int(i) for i in (norms > ratio * norms.median()).nonzero().flatten()]
+
+
+def shaped(probe, prompts: Sequence[torch.Tensor], t: int, source: ErrorModel) -> contextlib.AbstractContextManager:
+    """Where position ``t`` is sink-like in one of ``prompts`` (their observed states ``[T, d]``, one length; the norm
+    over :data:`SHAPE_RATIO` times the median after position 0: :func:`sinks`) and ``source`` says the observer's
+    forward is the prompt's own (:attr:`.sources.ErrorModel.reproducible`: its shape is known), the cached forwards of
+    the prompts' search there and of their prefixes' growth by the tokens decided there run at the observer's shape
+    (:func:`lminvert.models.observed.shaped`: a half-precision model on a CPU): a sink's state from a cached forward of
+    another shape lies far from the observed one (SmolLM2 layer 30 in bfloat16: 69% of the norm), so the true token
+    came among the last of the contenders re-measured. Speed only. Not everywhere: unpacked, shaped forwards cost more
+    (SmolLM2 bfloat16 layer 15, 12 held-out prompts with no sink: 1.14x the median, docs/results.md)."""
+    lengths = {len(states) for states in prompts}
+    if not source.reproducible or len(lengths) != 1 or not any(t in sinks(states, SHAPE_RATIO) for states in prompts):
+        return contextlib.nullcontext()
+    return observed.shaped(probe, lengths.pop())
