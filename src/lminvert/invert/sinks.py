@@ -122,7 +122,9 @@ def shaped(probe, prompts: Sequence[torch.Tensor], t: int, source: ErrorModel) -
     (:func:`lminvert.models.observed.shaped`: a half-precision model on a CPU): a sink's state from a cached forward of
     another shape lies far from the observed one (SmolLM2 layer 30 in bfloat16: 69% of the norm), so the true token
     came among the last of the contenders re-measured. Speed only. Not everywhere: unpacked, shaped forwards cost more
-    (SmolLM2 bfloat16 layer 15, 12 held-out prompts with no sink: 1.14x the median, docs/results.md)."""
+    (a first version that also zero-filled the queries, shaped at every position: 1.14x the median on 12 held-out
+    prompts, SmolLM2 bfloat16 layer 15), and where the unshaped state was near they change the rankers' order
+    (docs/results.md: one sink prompt of five at layer 15 took 30.1 s against 6.5 s)."""
     lengths = {len(states) for states in prompts}
     if not source.reproducible or len(lengths) != 1 or not any(t in sinks(states, SHAPE_RATIO) for states in prompts):
         return contextlib.nullcontext()

@@ -72,8 +72,8 @@ def _shaped_attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa as the observer ran it, for the rows a cached forward computes: ``query`` ``[B, H, n, D]`` holds positions
     ``s..s+n-1``, ``key``/``value`` ``[B, Hkv, s+n, D]`` positions ``0..s+n-1``, zero-filled to the observed length
     ``_LENGTH`` and masked beyond each row's own position, the heads grouped as the observer's unmasked call groups them
-    (one query row of a sink: the observer's bits at the sinks measured, docs/results.md; cheaper than
-    :func:`_observed_attention`, whose zero-filled queries cost a cached forward at layer 30 1.8x)."""
+    (a sink's row: the observer's bits at layer 30, docs/results.md; cheaper than :func:`_observed_attention`'s
+    zero-filled queries, which took about 1.6x the time per candidate on a layer-30 sink prompt)."""
     count, total = query.shape[2], key.shape[2]
     length = max(_LENGTH.get(), total)
     if length > total:
@@ -233,12 +233,13 @@ def shaped(probe, length: int | None):
     """Within: ``probe``'s cached forwards (continuations, chains, a prefix's growth) run their attention at the shape
     of an observed sequence of ``length`` positions, as the plain forward from kept keys above does, where that forward
     may take its shortcut (a CPU in half precision, sdpa, ``length`` within every sliding window); elsewhere, or with
-    ``length`` None or :data:`SHAPED` off, nothing changes. Such a forward's attention rounds as the observer's did, so
-    a candidate's state lies nearer the observed one (bit for bit at most positions once the prefix's keys were computed
-    so too; at an attention sink the unshaped one was 69% of the norm off, SmolLM2 layer 30 in bfloat16) and the true
-    token comes first among the contenders re-measured by a plain forward. Speed only: the radii are measured on the
-    unshaped forward (never inside this), which this one does not exceed, and every verdict is the acceptor's.
-    Continuations are not packed within (:func:`.packing.attention_to_pack` packs under sdpa only)."""
+    ``length`` None or :data:`SHAPED` off, nothing changes. Such a forward's attention rounds nearer the observer's, so
+    a sink's candidates' states lie nearer the observed ones (SmolLM2 bfloat16, the true token at a sink: bit for bit
+    at layer 30, where the unshaped state was 69% of the norm off; 1.9% off at a layer-15 sink, against 59.7%) and the
+    true token is no longer among the last contenders re-measured by a plain forward. Speed only: the radii are
+    measured on unshaped forwards (never inside this), the plain forwards that re-measure are unchanged, and every
+    verdict is the acceptor's. Continuations are not packed within (:func:`.packing.attention_to_pack` packs under
+    sdpa only)."""
     forward = probe._observed
     if not SHAPED or length is None or forward.works is False or not forward._allowed():
         yield
