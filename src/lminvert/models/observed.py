@@ -52,19 +52,21 @@ SHAPED_ATTENTION = "lminvert_shaped"  # ... while a cached forward runs at the o
 _LENGTH: contextvars.ContextVar[int] = contextvars.ContextVar("observed_length")
 
 
+def _placed(x: torch.Tensor, at: int, length: int) -> torch.Tensor:
+    """``x`` ``[B, H, n, D]`` at positions ``at..at+n-1`` of a zero-filled ``[B, H, length, D]``."""
+    full = x.new_zeros(*x.shape[:2], length, x.shape[3])
+    full[:, :, at : at + x.shape[2]] = x
+    return full
+
+
 def _observed_attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa at the observer's shape: ``query`` ``[B, H, n, D]`` holds positions ``s..s+n-1`` and ``key``/``value``
     ``[B, Hkv, s+n, D]`` positions ``0..s+n-1`` of a sequence observed at length ``_LENGTH``."""
     count, total = query.shape[2], key.shape[2]
     length = max(_LENGTH.get(), total)
     start = total - count
-
-    def placed(x: torch.Tensor, at: int) -> torch.Tensor:
-        full = x.new_zeros(*x.shape[:2], length, x.shape[3])
-        full[:, :, at : at + x.shape[2]] = x
-        return full
-
-    out, _ = sdpa_attention_forward(module, placed(query, start), placed(key, 0), placed(value, 0), None, **kwargs)
+    query, key, value = _placed(query, start, length), _placed(key, 0, length), _placed(value, 0, length)
+    out, _ = sdpa_attention_forward(module, query, key, value, None, **kwargs)
     return out[:, start:total], None
 
 
@@ -77,8 +79,7 @@ def _shaped_attention(module, query, key, value, attention_mask, **kwargs):
     count, total = query.shape[2], key.shape[2]
     length = max(_LENGTH.get(), total)
     if length > total:
-        fill = key.new_zeros(*key.shape[:2], length - total, key.shape[3])
-        key, value = torch.cat([key, fill], dim=2), torch.cat([value, fill], dim=2)
+        key, value = _placed(key, 0, length), _placed(value, 0, length)
     rows = torch.arange(total - count, total, device=query.device)[:, None]
     mask = (torch.arange(length, device=query.device)[None] <= rows)[None, None]
     grouped = query.shape[1] != key.shape[1]
