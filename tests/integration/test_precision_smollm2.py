@@ -118,10 +118,11 @@ def test_a_sinks_cached_forward_at_the_observers_shape_reproduces_its_state(monk
     the sink's attention otherwise than the observer's forward of the whole prompt (SmolLM2 layer 30 in bfloat16, this
     project's CPU: 69% of the state's norm off), so the true token came among the last of thousands of contenders
     re-measured. At the observer's shape (what the engine runs at sink-like positions, :func:`.sinks.shaped`) the
-    cached state is the observer's bit for bit; at a position that is not sink-like, for states computed elsewhere, in
-    float32, or with the switch off, the cached forward runs as before."""
+    cached state is the observer's bit for bit; states from elsewhere that a plain forward may reproduce (``float``) are
+    shaped alike (at their rows' length); at a position that is not sink-like, for noisy states, in float32, or with a
+    switch off, the cached forward runs as before."""
     from lminvert.invert import sinks
-    from lminvert.invert.sources import Exact, Float
+    from lminvert.invert.sources import Exact, Float, Noise
     from lminvert.models import observed
     from lminvert.models.hf_internals import attn_implementation
 
@@ -137,9 +138,17 @@ def test_a_sinks_cached_forward_at_the_observers_shape_reproduces_its_state(monk
         at_shape = probe.continuation(prefix, token)[0]
     assert torch.equal(at_shape, states[1])
     assert (unshaped - states[1]).float().norm() >= (at_shape - states[1]).float().norm()
-    # not sink-like there; states computed elsewhere (the observer's shape unknown); the switch off
-    for where, source, switch in ((2, Exact(), True), (1, Float(), True), (1, Exact(), False)):
+    with sinks.shaped(probe, [states], 1, Float()):
+        assert torch.equal(probe.continuation(prefix, token)[0], at_shape)
+    # not sink-like there; noisy states (no plain forward reproduces them); either switch off
+    for where, source, switch, elsewhere in (
+        (2, Exact(), True, True),
+        (1, Noise(sigma=0.01), True, True),
+        (1, Exact(), False, True),
+        (1, Float(), True, False),
+    ):
         monkeypatch.setattr(observed, "SHAPED", switch)
+        monkeypatch.setattr(sinks, "SHAPE_ELSEWHERE", elsewhere)
         with sinks.shaped(probe, [states], where, source):
             assert attn_implementation(probe.model.config) == "sdpa"
             assert torch.equal(probe.continuation(prefix, token)[0], unshaped)

@@ -63,6 +63,9 @@ GIVE_UP = 1024
 # the same while two fit within each other's margin: a later candidate rarely separates them (position 0's sink under
 # 0.1-1% noise holds several first tokens)
 RIVALS = 256
+# ... SEARCH_ON where an earlier position was reproduced bit for bit (a ``float`` capture computed as lminvert computes:
+# a sink's true token came 2,815th, SmolLM2 bfloat16 layer 30; docs/results.md); False: RIVALS alone
+REPRODUCED_RIVALS = True
 # the same where every candidate that fits lies beyond the error model's own measurement (:attr:`Evidence.expected`)
 # and no earlier position was a guess: the true token is likely not verified yet (docs/results.md: it came 5,077th)
 FAR = 16384
@@ -178,7 +181,8 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
         return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
-    if rivals and not (evidence.exhausted or _spent(evidence, RIVALS)):
+    budget = SEARCH_ON if REPRODUCED_RIVALS and evidence.reproduced else RIVALS
+    if rivals and not (evidence.exhausted or _spent(evidence, budget)):
         return PENDING  # a candidate not verified yet may be decisively closer
     decision = Decision(best, UNCERTAIN, guess=True, reason=SEVERAL) if rivals else _verdict(evidence, radii, best)
     beyond = _beyond(evidence, radii, plain[best]) if decision.guess else []
@@ -209,10 +213,8 @@ def _paced(evidence: Evidence, backlog: bool) -> bool:
 def _backlog(evidence: Evidence, radii: Radii) -> bool:
     """The search is at its end: the candidates are spent, or ``SEARCH_ON`` were checked and no rivals keep it going
     (where two are, it goes on to the end anyway: :func:`_separated`); waiting contenders: :func:`_wide` rounds."""
-    if evidence.exhausted:
-        return True
-    if evidence.checked < SEARCH_ON:
-        return False
+    if evidence.exhausted or evidence.checked < SEARCH_ON:
+        return evidence.exhausted
     plain = evidence.plain
     return not (plain and _rivals(evidence, radii, min(plain, key=plain.__getitem__))[2])
 
@@ -374,17 +376,9 @@ def chosen_by_next(token: int, evidence: NextRow | None = None) -> Decision:
     and the rule claimed no calibration prompt wrongly (it was measured, and claimed some). Else a guess, ``uncertain``,
     and so is every later position (the next token was found given another first token)."""
     sure = (CERTIFIED, CONFIDENT)
-    if (
-        evidence is not None
-        and evidence.choice.token == token
-        and evidence.choice.verdict in sure
-        and evidence.following.verdict in sure
-        and evidence.covered
-        and not evidence.rival_fits
-        and evidence.calibration is not None
-        and evidence.calibration[0] > 0
-        and evidence.calibration[1] == 0
-    ):
+    fits = evidence is not None and evidence.choice.token == token and evidence.covered and not evidence.rival_fits
+    fits = fits and evidence.choice.verdict in sure and evidence.following.verdict in sure
+    if fits and evidence.calibration is not None and evidence.calibration[0] > 0 and evidence.calibration[1] == 0:
         n = evidence.calibration[0]
         reason = f"the only token under which the next row fits (rule right on {n} of {n} calibration prompts)"
         return Decision(token, CONFIDENT, reason=reason)

@@ -43,6 +43,10 @@ MARGIN = 1.05
 # times the median of the prompt's positions after the first (SmolLM2 in bfloat16, 104 prompts of 20 tokens: sinks
 # 30-152x at layer 15 and 3.2-9.3x at layer 30, the other positions at most 1.7x and 2.5x; layer 6's largest 8-13x)
 SHAPE_RATIO = 3.0
+# states from elsewhere that a plain forward may give bit for bit (``float``) shaped too, at the rows' own length
+# (SmolLM2 bfloat16 layer 30, a capture from a right-padded batch, sink at position 1: 55.5 against 237.4 s with
+# acceptor.REPRODUCED_RIVALS on; docs/results.md); False: lminvert's own states alone
+SHAPE_ELSEWHERE = True
 SHARED = 8  # the table's leading directions left out of the comparison (see SinkRanker._ranking)
 SAMPLE = 8192  # table rows they are found from
 
@@ -117,8 +121,10 @@ def sinks(states: torch.Tensor, ratio: float = RATIO) -> list[int]:
 def shaped(probe, prompts: Sequence[torch.Tensor], t: int, source: ErrorModel) -> contextlib.AbstractContextManager:
     """Where position ``t`` is sink-like in one of ``prompts`` (their observed states ``[T, d]``, one length; the norm
     over :data:`SHAPE_RATIO` times the median after position 0: :func:`sinks`) and ``source`` says the observer's
-    forward is the prompt's own (:attr:`.sources.ErrorModel.reproducible`: its shape is known), the cached forwards of
-    the prompts' search there and of their prefixes' growth by the tokens decided there run at the observer's shape
+    forward is the prompt's own (:attr:`.sources.ErrorModel.reproducible`: its shape is known) or may be
+    (:data:`SHAPE_ELSEWHERE`: states from elsewhere that a plain forward may give bit for bit,
+    :attr:`.sources.ErrorModel.bitwise`, at the rows' own length, the likeliest shape), the cached forwards of
+    the prompts' search there and of their prefixes' growth by the tokens decided there run at that shape
     (:func:`lminvert.models.observed.shaped`: a half-precision model on a CPU): a sink's state from a cached forward of
     another shape lies far from the observed one (SmolLM2 layer 30 in bfloat16: 69% of the norm), so the true token
     came among the last of the contenders re-measured. Speed only. Not everywhere: unpacked, shaped forwards cost more
@@ -126,6 +132,7 @@ def shaped(probe, prompts: Sequence[torch.Tensor], t: int, source: ErrorModel) -
     prompts, SmolLM2 bfloat16 layer 15), and where the unshaped state was near they change the rankers' order
     (docs/results.md: one sink prompt of five at layer 15 took 30.1 s against 6.5 s)."""
     lengths = {len(states) for states in prompts}
-    if not source.reproducible or len(lengths) != 1 or not any(t in sinks(states, SHAPE_RATIO) for states in prompts):
+    known = source.reproducible or (SHAPE_ELSEWHERE and source.bitwise)  # the observer's shape, or the likeliest
+    if not known or len(lengths) != 1 or not any(t in sinks(states, SHAPE_RATIO) for states in prompts):
         return contextlib.nullcontext()
     return observed.shaped(probe, lengths.pop())
