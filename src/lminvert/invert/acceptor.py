@@ -63,7 +63,7 @@ GIVE_UP = 1024
 # the same while two fit within each other's margin: a later candidate rarely separates them (position 0's sink under
 # 0.1-1% noise holds several first tokens)
 RIVALS = 256
-# ... SEARCH_ON where an earlier position was reproduced bit for bit (a ``float`` capture computed as lminvert computes:
+# ... SEARCH_ON where the position before was reproduced bit for bit (a ``float`` capture computed as lminvert computes:
 # a sink's true token came 2,815th, SmolLM2 bfloat16 layer 30; docs/results.md); False: RIVALS alone
 REPRODUCED_RIVALS = True
 # the same where every candidate that fits lies beyond the error model's own measurement (:attr:`Evidence.expected`)
@@ -181,7 +181,7 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
         return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
-    budget = SEARCH_ON if REPRODUCED_RIVALS and evidence.reproduced else RIVALS
+    budget = SEARCH_ON if REPRODUCED_RIVALS and evidence.reproduced_last else RIVALS
     if rivals and not (evidence.exhausted or _spent(evidence, budget)):
         return PENDING  # a candidate not verified yet may be decisively closer
     decision = Decision(best, UNCERTAIN, guess=True, reason=SEVERAL) if rivals else _verdict(evidence, radii, best)
