@@ -304,25 +304,22 @@ def test_rivals_that_fit_only_through_the_slack_keep_the_search_going_for_a_near
 
 def test_rivals_of_a_capture_whose_observer_was_reproduced_keep_the_search_going_for_a_reproduction(monkeypatch):
     """Two candidates fit a float capture's loose bound within each other's margin: RIVALS candidates end the search
-    with a guess, unless the last earlier position re-measured was reproduced bit for bit (the capture was computed as
+    with a guess, unless an earlier position of the prompt was reproduced bit for bit (the capture was computed as
     lminvert computes it): then the search goes on up to SEARCH_ON, and a candidate that reproduces this position is
-    certified; past SEARCH_ON it is the same guess. An earlier reproduction alone (a later position re-measured did not
-    reproduce), or the switch off: RIVALS as before."""
+    certified; past SEARCH_ON it is the same guess. Switch off: RIVALS as before."""
     radii = _radii(cached=40.0, plain=40.0, source=39.0, rounding=1.0, gap=5.0)
     rivals = [30.0, 31.0] + [100.0] * (acceptor.RIVALS - 2)
     plain = {0: 30.0, 1: 31.0}
     kw = {"reproducible": False, "expected": 35.0, "confirmed": True}
-    last = {**kw, "reproduced": True, "reproducing": True}
     guess = _run(_evidence(rivals, plain, **kw), radii)
     assert (guess.token, guess.verdict, guess.reason) == (0, UNCERTAIN, acceptor.SEVERAL)
-    assert _run(_evidence(rivals, plain, **last), radii) == acceptor.PENDING
-    spent = _run(_evidence(rivals, plain, checked=acceptor.SEARCH_ON, **last), radii)
+    assert _run(_evidence(rivals, plain, reproduced=True, **kw), radii) == acceptor.PENDING
+    spent = _run(_evidence(rivals, plain, reproduced=True, checked=acceptor.SEARCH_ON, **kw), radii)
     assert (spent.verdict, spent.reason) == (UNCERTAIN, acceptor.SEVERAL)
-    arrived = _run(_evidence([*rivals, 0.0], {**plain, len(rivals): 0.0}, **last), radii)
+    arrived = _run(_evidence([*rivals, 0.0], {**plain, len(rivals): 0.0}, reproduced=True, **kw), radii)
     assert (arrived.token, arrived.verdict) == (len(rivals), CERTIFIED)
-    assert _run(_evidence(rivals, plain, reproduced=True, **kw), radii).reason == acceptor.SEVERAL
     monkeypatch.setattr(acceptor, "REPRODUCED_RIVALS", False)
-    assert _run(_evidence(rivals, plain, **last), radii).reason == acceptor.SEVERAL
+    assert _run(_evidence(rivals, plain, reproduced=True, **kw), radii).reason == acceptor.SEVERAL
 
 
 def test_only_a_float_source_states_the_distance_its_bound_was_measured_at():

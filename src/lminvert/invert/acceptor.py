@@ -63,8 +63,8 @@ GIVE_UP = 1024
 # the same while two fit within each other's margin: a later candidate rarely separates them (position 0's sink under
 # 0.1-1% noise holds several first tokens)
 RIVALS = 256
-# ... SEARCH_ON where the last earlier position re-measured was reproduced bit for bit (a ``float`` capture computed as
-# lminvert computes: a sink's true token came 2,815th in the exact search, SmolLM2 bfloat16 layer 30); False: RIVALS
+# ... SEARCH_ON where an earlier position was reproduced bit for bit (the states fit this model's computation: a capture
+# from elsewhere, SmolLM2 bfloat16 layer 30, whose sink's true token came 2,815th in the exact search); False: RIVALS
 REPRODUCED_RIVALS = True
 # the same where every candidate that fits lies beyond the error model's own measurement (:attr:`Evidence.expected`)
 # and no earlier position was a guess: the true token is likely not verified yet (docs/results.md: it came 5,077th)
@@ -181,7 +181,7 @@ def _separated(evidence: Evidence, radii: Radii, found: list[tuple[int, float]])
         return Decision(confirm=tuple(unsure[:MAX_CONFIRM]))
     if not evidence.reproducible and not evidence.exhausted and not _populated(evidence):
         return PENDING  # separated from what? the ranking's top candidates first
-    budget = SEARCH_ON if REPRODUCED_RIVALS and evidence.reproducing else RIVALS
+    budget = SEARCH_ON if REPRODUCED_RIVALS and evidence.reproduced else RIVALS
     if rivals and not (evidence.exhausted or _spent(evidence, budget)):
         return PENDING  # a candidate not verified yet may be decisively closer
     decision = Decision(best, UNCERTAIN, guess=True, reason=SEVERAL) if rivals else _verdict(evidence, radii, best)

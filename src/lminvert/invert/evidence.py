@@ -39,7 +39,6 @@ class Evidence:
     # ``acceptor.GIVE_UP``
     fitted: bool = False
     reproduced: bool = False  # an earlier position of the prompt was reproduced bit for bit
-    reproducing: bool = False  # ... and the last earlier position whose token was re-measured by a plain forward
     twins: dict[int, tuple[int, ...]] = field(default_factory=dict)  # tokens with identical input vectors
     # distances are measured beyond a box the error model allows coordinate by coordinate (a quantisation's): a
     # distance of 0 reproduces nothing, it only says the row fits

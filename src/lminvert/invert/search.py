@@ -100,9 +100,9 @@ class PromptSearch:
         # a position decided by a guess (several tokens fit, or none): every later position is found given that guess,
         # so it is reported uncertain too (:func:`.acceptor.final_verdict`)
         self.guessed = False
-        # a position of this prompt was confirmed by a bit-exact reproduction (the observer's shapes and kernels are
-        # reproduced here); the last one re-measured was: evidence for the acceptor (:class:`.acceptor.Evidence`)
-        self.reproduced = self.reproducing = False
+        # a position of this prompt was confirmed by a bit-exact reproduction: the observer's shapes and kernels are
+        # reproduced here (evidence for the acceptor, :attr:`.acceptor.Evidence.reproduced`)
+        self.reproduced = False
         self.fitted = False  # a position of this prompt was certified or confident: the states fit this model
         self.cut = 0  # positions whose search the deadline stopped (:attr:`Settings.deadline`)
         self.first_cut: int | None = None  # the first of them
@@ -318,7 +318,6 @@ class PromptSearch:
             ranked=ctx.rounds >= 1 or ctx.checked >= self.settings.vocab,
             fitted=self.fitted,
             reproduced=self.reproduced,
-            reproducing=self.reproducing,
             twins=self.settings.ties,
             expected=self.expected,
             guessed=self.guessed,
@@ -394,7 +393,6 @@ class PromptSearch:
         self.guessed = self.guessed or self.decision.guess
         self.fitted = self.fitted or verdict != acceptor.UNCERTAIN
         self.reproduced = self.reproduced or self.plain.get(token) == 0.0
-        self.reproducing = self.reproducing if token not in self.plain else self.plain[token] == 0.0
         self.elapsed += self.clock.total
         self.ctx, self.keys = None, {}
         return result
