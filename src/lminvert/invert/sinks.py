@@ -44,8 +44,8 @@ MARGIN = 1.05
 # 30-152x at layer 15 and 3.2-9.3x at layer 30, the other positions at most 1.7x and 2.5x; layer 6's largest 8-13x)
 SHAPE_RATIO = 3.0
 # states from elsewhere that a plain forward may give bit for bit (``float``) shaped too, at the rows' own length
-# (SmolLM2 bfloat16 layer 30, a capture from a right-padded batch, sink at position 1: 55.5 against 237.4 s with
-# acceptor.REPRODUCED_RIVALS on; docs/results.md); False: lminvert's own states alone
+# (SmolLM2 bfloat16 layer 30, a capture from a right-padded batch, sink at position 1: 53.0 against 288.2 s, with
+# acceptor.REPRODUCED_RIVALS, one process; docs/results.md); False: lminvert's own states alone
 SHAPE_ELSEWHERE = True
 SHARED = 8  # the table's leading directions left out of the comparison (see SinkRanker._ranking)
 SAMPLE = 8192  # table rows they are found from
