@@ -64,7 +64,7 @@ GIVE_UP = 1024
 # 0.1-1% noise holds several first tokens)
 RIVALS = 256
 # ... SEARCH_ON where an earlier position was reproduced bit for bit (the states fit this model's computation: a capture
-# from elsewhere, SmolLM2 bfloat16 layer 30, whose sink's true token came 2,815th in the exact search); False: RIVALS
+# from elsewhere, SmolLM2 bfloat16 layer 30: the exact search of its sink took 2,815 candidates); False: RIVALS alone
 REPRODUCED_RIVALS = True
 # the same where every candidate that fits lies beyond the error model's own measurement (:attr:`Evidence.expected`)
 # and no earlier position was a guess: the true token is likely not verified yet (docs/results.md: it came 5,077th)
