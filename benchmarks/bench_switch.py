@@ -75,6 +75,8 @@ def main() -> int:
         prompts = [list(p.ids) for p in _prompts(model, 7, args.length, args.seed)]
         captures = padded_states(model.probe, model.probe.layer(args.layer), prompts, args.padded)
         keep = range(len(prompts)) if args.only is None else [int(i) for i in args.only.split(",")]
+        if any(not 0 <= i < len(prompts) for i in keep):
+            parser.error(f"--only takes indices 0-{len(prompts) - 1} of the sample, not {args.only!r}")
         prompts, captures = [prompts[i] for i in keep], [captures[i] for i in keep]
     else:
         texts = list(FRESH if args.set == "fresh" else dict.fromkeys((*HELD_OUT, *DEEP, *FRESH)))[: args.prompts]
