@@ -74,7 +74,8 @@ def main() -> int:
     if args.padded:
         prompts = [list(p.ids) for p in _prompts(model, 7, args.length, args.seed)]
         captures = padded_states(model.probe, model.probe.layer(args.layer), prompts, args.padded)
-        keep = range(len(prompts)) if args.only is None else [int(i) for i in args.only.split(",")]
+        only = (args.only or "").split(",")
+        keep = range(len(prompts)) if args.only is None else [int(i) if i.isdigit() else -1 for i in only]
         if any(not 0 <= i < len(prompts) for i in keep):
             parser.error(f"--only takes indices 0-{len(prompts) - 1} of the sample, not {args.only!r}")
         prompts, captures = [prompts[i] for i in keep], [captures[i] for i in keep]
