@@ -87,8 +87,10 @@ def main() -> int:
     def run(ids: list[int], on: bool) -> tuple[lminvert.InversionResult, float]:
         for module, name, values in switches:
             setattr(module, name, values[on])
-        if ids in prompts and captures:
-            leak = HiddenStates.from_array([captures[prompts.index(ids)]])
+        if captures:  # a prompt of the sample, or the first one's first tokens (their rows are their own capture)
+            leak = HiddenStates.from_array(
+                [captures[0][: len(ids)] if ids not in prompts else captures[prompts.index(ids)]]
+            )
         elif args.leak == "kv" or args.source:
             leak = HiddenStates.from_array(_capture(model, ids, args.leak, args.layer, args.source, 0))
         else:
