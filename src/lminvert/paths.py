@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # first run's silent minutes (a layer's or a defence's calibrations, a first-position table) are explained
 ONCE = logging.getLogger("lminvert.once")
 SLOW = 5.0  # seconds: a build at least this long is reported on ONCE
+NOTICE = 30.0  # seconds: a build still running this long is announced on ONCE while it runs (some take many minutes)
 WAIT = 3600.0  # seconds a process waits for another building the same cache entry, then builds it itself
 _held = threading.local()  # this thread holds a build lock (nested builds take none)
 
@@ -57,6 +58,14 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def _announce(what: str) -> None:
+    ONCE.info(
+        "one-time: building %s, running for %.0f s so far (it can take minutes; kept in the cache, not built again)",
+        what,
+        NOTICE,
+    )
+
+
 @contextlib.contextmanager
 def building(path: str | Path, wait: float = WAIT, what: str | None = None) -> Iterator[bool]:
     """One process at a time builds the cache entry kept at ``path`` (an exclusive lock on ``.<name>.lock`` beside
@@ -64,7 +73,8 @@ def building(path: str | Path, wait: float = WAIT, what: str | None = None) -> I
     likely wrote the entry: read it again before building. A thread already inside such a build takes no lock for
     the entries its build asks for (a process holds one at most, so two processes never wait on each other); after
     ``wait`` seconds it builds anyway (the file is written atomically either way). A build of ``SLOW`` seconds or more
-    that did not wait is reported on ``ONCE``, as ``what`` (default: the entry's file name)."""
+    that did not wait is reported on ``ONCE``, as ``what`` (default: the entry's file name); one still running after
+    ``NOTICE`` seconds is announced there while it runs (a first run's minutes of silence explained as they pass)."""
     if getattr(_held, "lock", False):
         yield False
         return
@@ -83,12 +93,16 @@ def building(path: str | Path, wait: float = WAIT, what: str | None = None) -> I
             log.warning("another process has been building %s for %.0f s: building it here too", path.name, wait)
     _held.lock = True
     start = time.perf_counter()
+    notice = threading.Timer(NOTICE, _announce, (what or path.name,))
+    notice.daemon = True
+    notice.start()
     try:
         yield waited
         took = time.perf_counter() - start
         if took >= SLOW and not waited:
             ONCE.info("one-time: %s took %.0f s, kept in the cache for later runs", what or path.name, took)
     finally:
+        notice.cancel()
         _held.lock = False
         if lock.is_locked:
             lock.release()

@@ -177,6 +177,34 @@ def test_radii_another_process_is_measuring_are_waited_for_and_read(isolated_cac
     assert tolerance.calibrate(model, layer).gap == 0.5
 
 
+def test_a_build_still_running_after_the_notice_is_announced_while_it_runs(isolated_cache, caplog, monkeypatch):
+    """A build still running ``paths.NOTICE`` seconds after it started is announced on ``lminvert.once`` before it
+    ends (a first run's minutes of silence explained); a build that ends sooner is not."""
+    from lminvert import paths
+
+    model = lminvert.load_model("tiny-llama")
+    layer = model.probe.layer(1)
+    monkeypatch.setattr(paths, "NOTICE", 0.2)
+    monkeypatch.setattr(paths, "SLOW", 3600.0)
+    seen: list[list[str]] = []
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "lminvert.once"]
+
+    def slow() -> torch.Tensor:
+        time.sleep(0.6)
+        seen.append(said())  # what was said while the build was still running
+        return torch.ones(2)
+
+    with caplog.at_level(logging.INFO, logger="lminvert.once"):
+        cached(model, layer, "quick", lambda: torch.ones(2))
+        time.sleep(0.4)
+        assert said() == []  # ended before the notice: nothing said, and the timer was cancelled
+        cached(model, layer, "slow", slow)
+    assert len(seen[0]) == 1 and "building" in seen[0][0] and "layer1-slow" in seen[0][0], seen
+    assert len(said()) == 1
+
+
 def test_a_slow_one_time_build_is_reported_once_and_the_cli_shows_it(isolated_cache, caplog, monkeypatch):
     """A build of ``paths.SLOW`` seconds or more is reported on the ``lminvert.once`` logger (which the command-line
     tool shows without --verbose), once for the outer build only; a quick one is not."""
