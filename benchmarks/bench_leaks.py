@@ -12,6 +12,7 @@ confident that are wrong (must be 0), median and slowest seconds per prompt. Thi
 
     python benchmarks/bench_leaks.py                       # the default cells, 6 prompts of 20 tokens
     python benchmarks/bench_leaks.py --cells kv:15:float32 --prompts 2
+    python benchmarks/bench_leaks.py --set fresh --prompts 8 --cells states:30:float32:noise:0.01
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import torch
 
 import lminvert
-from heldout import HELD_OUT
+from heldout import FRESH, HELD_OUT
 from lminvert.invert.sources import Quant
 from lminvert.invert.tolerance import add_noise
 from lminvert.states import HiddenStates
@@ -45,6 +46,9 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set", choices=("held_out", "fresh"), default="held_out", help="the texts: heldout.HELD_OUT or FRESH"
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -58,7 +62,10 @@ def main() -> int:
         if dtype not in models:
             models[dtype] = lminvert.load_model(args.model, dtype=dtype, device=args.device)
         model = models[dtype]
-        prompts = [list(model.tokenize(t, args.length)) for t in HELD_OUT[: args.prompts]]
+        texts = HELD_OUT if args.set == "held_out" else FRESH
+        if args.prompts > len(texts):
+            parser.error(f"--prompts {args.prompts}: --set {args.set} holds {len(texts)} texts")
+        prompts = [list(model.tokenize(t, args.length)) for t in texts[: args.prompts]]
         row = _cell(model, leak, int(layer), source, prompts, args.seed)
         row["cell"] = cell
         report.append(row)
