@@ -62,6 +62,8 @@ def main() -> int:
         if dtype not in models:
             models[dtype] = lminvert.load_model(args.model, dtype=dtype, device=args.device)
         model = models[dtype]
+        if leak == "states" and int(layer) >= model.probe.n_layers:  # transformers' last entry is after the final norm
+            parser.error(f"{cell}: hidden_states[{layer}] is the final norm's output; cells take layers below it")
         texts = HELD_OUT if args.set == "held_out" else FRESH
         if args.prompts > len(texts):
             parser.error(f"--prompts {args.prompts}: --set {args.set} holds {len(texts)} texts")
