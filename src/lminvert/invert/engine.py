@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..models import Layer, LayerProbe, LayerSpec, LoadedModel, NewKeys, Prefix
-from . import acceptor, scout
+from . import scout
 from .context import batch_scale
 from .fusion import fitted_weight
 from .layouts import foreign_calibration
+from .misfits import misfit_notes
 from .policies import POLICIES, Policy, SweepPolicy
 from .proposal import NextTokenPrior
 from .reader import reading_for
@@ -348,38 +349,8 @@ def _result(
         dtype=model.dtype,
         device=str(model.probe.device),
         source=config.source.label,
-        notes=_notes(search, config.source),
+        notes=misfit_notes(search, config.source),
     )
-
-
-def _notes(search: PromptSearch, source: ErrorModel) -> tuple[str, ...]:
-    """What the prompt's result says about its states as a whole. Positions that fit no candidate from the first one
-    the time bound stopped on are put down to it (a stopped position keeps a candidate that may be wrong, and every
-    later one is searched after it), not to the states."""
-    first = len(search.positions) if search.first_cut is None else search.first_cut
-    misfit = [i for i, p in enumerate(search.positions) if p.reason == acceptor.NO_FIT]
-    before, after = sum(i < first for i in misfit), sum(i >= first for i in misfit)
-    notes: tuple[str, ...] = ()
-    guess = search.settings.guess_ends and not search.settings.late()
-    by = "a guess (the rows search takes the prompt over)" if guess else "the time bound"
-    if search.cut:
-        notes += (
-            f"{by} stopped the search at {search.cut} of {len(search.positions)} positions: each kept the "
-            "closest candidate of what it had verified",
-        )
-    if after:
-        notes += (
-            f"{after} of {len(search.positions)} positions from position {first} on, where {by} first "
-            "stopped the search, fit no candidate: a stopped position's candidate may be wrong, and the positions "
-            "after it were searched after it; give more time (--max-seconds) before concluding anything of the states",
-        )
-    if before:
-        notes += (
-            f"{before} of {len(search.positions)} positions: no candidate fits the error model '{source.label}': "
-            "these states do not match this model's computation at this layer (another model, layer or dtype, a "
-            "fine-tuned copy, or an error larger than the model allows: try --source noise:LEVEL)",
-        )
-    return notes
 
 
 def _advance(probe: LayerProbe, prefix: Prefix, tokens: list[int], searches: list[PromptSearch]) -> tuple[Prefix, bool]:
