@@ -826,3 +826,27 @@ def test_a_sink_the_rows_search_decides_is_handed_back_to_the_engine_after_it(ti
     kept = leaks.sink_retry(tiny, states, layer, Float(), [guessed], resume=resume)[0]
     assert kept.verdicts == guessed.verdicts and resumed == [] and "not decided there" in kept.notes[-1]
     assert kept.seconds == 3.0 and asked == [(3, prompt[:1])]
+
+
+def test_the_cli_hints_at_a_reading_network_for_defended_states_as_for_plain_ones(isolated_cache, tmp_path):
+    """Where no reading network is cached for the layer, ``lminvert invert`` says how one is trained, after the
+    engine's search of plain states and after the rows search of defended ones alike (both read the states); not for
+    a KV cache, whose rows are read through a map of their own."""
+    tiny = lminvert.load_model("tiny-llama")
+    ids = tiny.tokenize("The hint names the layer")
+    states = tiny.probe.states(torch.tensor([ids]), [1])[tiny.probe.layer(1)][0].float()
+    hint = "hint: no reading network is cached for layer 1"
+    for name, rows, source in [
+        ("plain.pt", states, []),
+        ("noisy.pt", add_noise(states, 0.01, torch.Generator().manual_seed(0)), ["--source", "noise:0.01"]),
+    ]:
+        torch.save(rows, tmp_path / name)
+        done = run_cli("invert", str(tmp_path / name), "--model", "tiny-llama", "--layer", "1", *source)
+        assert done.returncode == 0 and hint in done.stderr, (name, done.stderr)
+        # nothing prepared in this cache: the preparation's quick network is named first, then a network of the layer
+        assert "`lminvert models --prepare tiny-llama` makes a quick one once" in done.stderr, done.stderr
+        assert "--reader 1` trains one for this layer" in done.stderr, done.stderr
+    cache, _ = _cache(tiny, [ids])
+    torch.save(cache, tmp_path / "cache.pt")
+    done = run_cli("invert", str(tmp_path / "cache.pt"), "--model", "tiny-llama", "--layer", "2")
+    assert done.returncode == 0 and "hint:" not in done.stderr, done.stderr

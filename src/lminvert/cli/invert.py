@@ -11,6 +11,7 @@ from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
 from ..invert import METHODS, POLICIES, Leak, Run, Search, grouped, invert
 from ..invert.last import ROUTE as LAST_ROUTE
+from ..invert.rows.route import POLICY as ROWS_POLICY
 from ..invert.views import VIEWS
 from ..kv_captures import is_kv_file, read_kv
 from ..paths import atomic_file, check_output_file
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(docs)
         return 0
     _summary(results)
-    _reader_hint(model, name, results[0])
+    _reader_hint(model, name, results[0], leak.kind)
     return 0
 
 
@@ -264,20 +265,31 @@ def _summary(results) -> None:
             print(f"    note: {note}")
 
 
-def _reader_hint(model, name: str, result) -> None:
-    """Where the policy that ran reads states with the linear map (no network cached), say how a reading network is
-    trained (it is never trained implicitly: minutes of a CPU). Layer and policy are the ones the engine used."""
-    policy = POLICIES.get(result.policy)
-    if policy is None or not policy().uses_reading:  # brute force, --certify (a sweep), or a policy reading nothing
-        return
-    from ..invert.reader import load_reader
+def _reader_hint(model, name: str, result, leak: str = "states") -> None:
+    """Where the search that ran reads states with the linear map (no network cached), say how a reading network is
+    trained (it is never trained implicitly: minutes of a CPU): the engine's policy where it reads, and the rows
+    search of a states leak (defended states: it reads them too). Layer and policy are the ones the search used."""
+    if result.policy == ROWS_POLICY:
+        if leak != "states":  # a KV cache's rows are read back through a map of their own, or ranked by the table
+            return
+    else:
+        policy = POLICIES.get(result.policy)
+        if policy is None or not policy().uses_reading:  # brute force, --certify (a sweep), or a policy reading nothing
+            return
+    from ..invert.reader import lent_from, load_reader
 
     layer = model.probe.layer(result.layer)
     if load_reader(model, layer) is None:
+        prepare = (  # not prepared yet: the preparation's quick network may serve this layer
+            f"`lminvert models --prepare {name}` makes a quick one once and lends it to the layers it reads better "
+            "than their maps (about 4 minutes for SmolLM2 on a 2-core CPU); "
+            if lent_from(model, layer) is None
+            else ""
+        )
         print(
-            f"hint: no reading network is cached for layer {layer.name} of this model; `lminvert models --prepare "
-            f"{name} --reader {layer.name}` trains one in "
-            "minutes, for every dtype, and makes inversion at this layer faster",
+            f"hint: no reading network is cached for layer {layer.name} of this model; {prepare}`lminvert models "
+            f"--prepare {name} --reader {layer.name}` trains one for this layer in minutes, for every dtype, and makes "
+            "inversion at this layer faster",
             file=sys.stderr,
         )
 
