@@ -51,22 +51,23 @@ def main() -> int:
     )
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
+    texts = HELD_OUT if args.set == "held_out" else FRESH
+    if args.prompts > len(texts):  # refused before any model is loaded
+        parser.error(f"--prompts {args.prompts}: --set {args.set} holds {len(texts)} texts")
     torch.manual_seed(args.seed)
     models: dict[str, lminvert.LoadedModel] = {}
+    cells = [cell.split(":") for cell in args.cells.split(",")]
+    for cell, (leak, layer, dtype, *_) in zip(args.cells.split(","), cells, strict=True):  # every cell before any runs
+        if dtype not in models:
+            models[dtype] = lminvert.load_model(args.model, dtype=dtype, device=args.device)
+        if leak == "states" and int(layer) >= models[dtype].probe.n_layers:  # transformers' last is after the norm
+            parser.error(f"{cell}: hidden_states[{layer}] is the final norm's output; cells take layers below it")
     report = []
     head = f"{'cell':34} {'tokens':>9} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7}"
     print(f"{head} {'x states':>8}")
-    for cell in args.cells.split(","):
-        leak, layer, dtype, *rest = cell.split(":")
+    for cell, (leak, layer, dtype, *rest) in zip(args.cells.split(","), cells, strict=True):
         source = ":".join(rest) or None
-        if dtype not in models:
-            models[dtype] = lminvert.load_model(args.model, dtype=dtype, device=args.device)
         model = models[dtype]
-        if leak == "states" and int(layer) >= model.probe.n_layers:  # transformers' last entry is after the final norm
-            parser.error(f"{cell}: hidden_states[{layer}] is the final norm's output; cells take layers below it")
-        texts = HELD_OUT if args.set == "held_out" else FRESH
-        if args.prompts > len(texts):
-            parser.error(f"--prompts {args.prompts}: --set {args.set} holds {len(texts)} texts")
         prompts = [list(model.tokenize(t, args.length)) for t in texts[: args.prompts]]
         row = _cell(model, leak, int(layer), source, prompts, args.seed)
         row["cell"] = cell
