@@ -181,4 +181,7 @@ class HiddenStates:
             items = tuple(array[i] for i in range(array.shape[0]))
         else:
             items = tuple(array)
+            kinds = {t.dtype for t in items if isinstance(t, torch.Tensor)}
+            if len(kinds) == 1 and kinds <= {torch.bfloat16, torch.float16}:  # as one half-precision array says
+                meta.setdefault("dtype", str(kinds.pop()).replace("torch.", ""))
         return cls(states=items, **meta)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from lminvert.invert import invert
 from lminvert.invert.layerfit import fit_layers
 from lminvert.states import HiddenStates
 
+from ..conftest import run_cli
 from ..libraries import nnsight_states, transformer_lens_cache
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -202,3 +205,64 @@ def test_a_guess_ends_the_search_where_asked():
     full = invert_prompts(model, [noise], 1, InvertConfig(max_candidates=512))[0]
     assert not any(p.stopped for p in full.positions) and not any("a guess" in n for n in full.notes)
     assert min(full.candidates_checked[1:]) > max(ended.candidates_checked[1:])
+
+
+def test_a_half_precision_capture_says_its_dtype_and_a_cast_is_named_where_it_reads_badly(isolated_cache, tmp_path):
+    """A ``[1, T, d]`` bfloat16 tensor saved by a bfloat16 model is read as bfloat16 (as a ``[T, d]`` array is): the
+    model runs in it and every token comes back claimed, no hint; a float32 model is refused in one line naming
+    ``--dtype``. A float32 model's states cast to bfloat16 to be saved, where half or more positions come back
+    uncertain, get the hint that names ``--dtype float32 --source quant:bf16``."""
+    half = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    ids = half.tokenize("A capture saved in half precision")
+    with torch.no_grad():
+        hidden = half.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[1]
+    torch.save(hidden, tmp_path / "half.pt")
+    assert HiddenStates.load(tmp_path / "half.pt").dtype == "bfloat16"
+    with pytest.raises(LminvertError, match="--dtype bfloat16"):
+        invert(lminvert.load_model("tiny-llama"), HiddenStates.load(tmp_path / "half.pt"), 1)
+    done = run_cli("invert", str(tmp_path / "half.pt"), "--model", "tiny-llama", "--layer", "1", "--json")
+    (doc,) = json.loads(done.stdout)
+    assert done.returncode == 0 and doc["token_ids"] == ids, done.stderr
+    assert "uncertain" not in doc["verdicts"] and doc["dtype"] == "bfloat16", doc["verdicts"]
+    done = run_cli("invert", str(tmp_path / "half.pt"), "--model", "tiny-llama", "--layer", "1")
+    assert done.returncode == 0 and "--source quant:bf16" not in done.stderr, done.stderr
+
+    full = lminvert.load_model("tiny-llama")
+    cast = full.probe.states(torch.tensor([ids]), [1])[full.probe.layer(1)][0].bfloat16()
+    torch.save(cast, tmp_path / "cast.pt")
+    done = run_cli("invert", str(tmp_path / "cast.pt"), "--model", "tiny-llama", "--layer", "1", "--json")
+    (doc,) = json.loads(done.stdout)
+    uncertain = doc["verdicts"].count("uncertain")
+    claimed = [t for t, v in zip(doc["token_ids"], doc["verdicts"], strict=True) if v != "uncertain"]
+    assert claimed == [t for t, v in zip(ids, doc["verdicts"], strict=True) if v != "uncertain"]  # never wrong, sure
+    done = run_cli("invert", str(tmp_path / "cast.pt"), "--model", "tiny-llama", "--layer", "1")
+    hinted = "try --dtype float32 --source quant:bf16" in done.stderr
+    assert done.returncode == 0 and hinted == (2 * uncertain >= len(ids)), (uncertain, done.stderr)
+    named = run_cli("invert", str(tmp_path / "cast.pt"), "--model", "tiny-llama", "--layer", "1", "--dtype",
+                    "float32", "--source", "quant:bf16", "--json")  # fmt: skip
+    (doc,) = json.loads(named.stdout)
+    assert named.returncode == 0 and doc["token_ids"] == ids, named.stderr
+
+
+def test_the_cast_hint_names_the_half_format_where_half_or_more_positions_are_uncertain(capsys):
+    """``lminvert invert``'s hint for half-precision rows read as that precision's model: shown where a prompt has
+    half or more positions uncertain under the ``float`` source, naming the cast's ``quant:`` kind; not otherwise."""
+    from types import SimpleNamespace
+
+    from lminvert.cli.invert import _cast_hint
+
+    model = SimpleNamespace(dtype="float16")
+
+    def result(uncertain: int, source: str = "float"):
+        return SimpleNamespace(source=source, token_ids=[1] * 6, uncertain_positions=list(range(uncertain)))
+
+    for dtype, results, shown in [
+        ("float16", [result(2), result(3)], True),
+        ("float16", [result(2)], False),
+        ("float16", [result(6, "noise:0.01")], False),
+        ("bfloat16", [result(6)], False),  # the model runs in another dtype than the file's
+        (None, [result(6)], False),
+    ]:
+        _cast_hint(model, dtype, results)
+        err = capsys.readouterr().err
+        assert ("3 of 6 positions are uncertain" in err and "--source quant:fp16" in err) == shown, (dtype, err)

@@ -14,6 +14,7 @@ from ..invert.last import ROUTE as LAST_ROUTE
 from ..invert.rows.route import POLICY as ROWS_POLICY
 from ..invert.views import VIEWS
 from ..kv_captures import is_kv_file, read_kv
+from ..models.compat import CASTS
 from ..paths import atomic_file, check_output_file
 from ..runs import run_metadata
 from ..states import HiddenStates
@@ -224,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _summary(results)
     _reader_hint(model, name, results[0], leak.kind)
+    _cast_hint(model, states.dtype, results)
     return 0
 
 
@@ -292,6 +294,29 @@ def _reader_hint(model, name: str, result, leak: str = "states") -> None:
             "inversion at this layer faster",
             file=sys.stderr,
         )
+
+
+def _cast_hint(model, dtype: str | None, results) -> None:
+    """Where half-precision rows read as computed in that precision (``float`` source, the model in the file's dtype)
+    leave half or more of a prompt's positions uncertain, say the other reading a user may mean: a float32 model's
+    rows cast to half precision to be saved (``--dtype float32 --source quant:bf16|fp16``), whose rounding the
+    ``float`` source of a half model does not describe."""
+    cast = CASTS.get(dtype or "")
+    if cast is None or model.dtype != dtype:
+        return
+    worst = max(
+        (r for r in results if r.source == "float" and r.token_ids),
+        key=lambda r: len(r.uncertain_positions) / len(r.token_ids),
+        default=None,
+    )
+    if worst is None or 2 * len(worst.uncertain_positions) < len(worst.token_ids):
+        return
+    print(
+        f"hint: {len(worst.uncertain_positions)} of {len(worst.token_ids)} positions are uncertain read as a {dtype} "
+        f"model's states; if a float32 model computed them and they were saved in {dtype}, try --dtype float32 "
+        f"--source quant:{cast}",
+        file=sys.stderr,
+    )
 
 
 def kv_block_number(index: str, library: str) -> int:
