@@ -55,6 +55,17 @@ class HiddenStates:
         if len({s.shape[1] for s in self.states}) != 1:
             raise LminvertError("all prompts' states must have the same hidden size")
 
+    def half_values(self) -> str | None:
+        """The half dtype (``bfloat16``, else ``float16``) of which every value of these wider-than-half states, of no
+        recorded dtype, is a number, or None: a half model's states saved in float32 or float64 (as numpy, which has no
+        bfloat16, must save them). A float32 computation's values are such numbers with odds of about 2^-16 each."""
+        if self.dtype is not None or any(s.dtype not in (torch.float32, torch.float64) for s in self.states):
+            return None
+        for half in (torch.bfloat16, torch.float16):  # every bfloat16 number in float16's range is a float16 one
+            if all(bool((s == s.to(half).to(s.dtype)).all()) for s in self.states):
+                return str(half).replace("torch.", "")
+        return None
+
     @property
     def hidden_size(self) -> int:
         return int(self.states[0].shape[1])

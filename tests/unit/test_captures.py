@@ -266,3 +266,30 @@ def test_the_cast_hint_names_the_half_format_where_half_or_more_positions_are_un
         _cast_hint(model, dtype, results)
         err = capsys.readouterr().err
         assert ("3 of 6 positions are uncertain" in err and "--source quant:fp16" in err) == shown, (dtype, err)
+
+
+def test_a_half_models_states_saved_wider_are_read_as_that_models(isolated_cache, tmp_path):
+    """A bfloat16 model's states saved as float32 (``.npy``: numpy has no bfloat16) or float64 are every one a
+    bfloat16 number: ``invert`` without ``--dtype`` loads the model in bfloat16, says so in a note, and every token
+    comes back claimed; float16's likewise; a float32 computation's are not such numbers; ``--dtype`` overrides."""
+    ids = None
+    for dtype in ("bfloat16", "float16"):
+        half = lminvert.load_model("tiny-llama", dtype=dtype)
+        ids = half.tokenize("A half model's states saved in float32")
+        hidden = half.probe.states(torch.tensor([ids]), [1])[half.probe.layer(1)][0]
+        np.save(tmp_path / f"{dtype}.npy", hidden.float().numpy())
+        assert HiddenStates.from_array(hidden.double()).half_values() == dtype
+        done = run_cli("invert", str(tmp_path / f"{dtype}.npy"), "--model", "tiny-llama", "--layer", "1", "--json")
+        (doc,) = json.loads(done.stdout)
+        assert done.returncode == 0 and doc["token_ids"] == ids and doc["dtype"] == dtype, done.stderr
+        assert "uncertain" not in doc["verdicts"], doc["verdicts"]
+        assert any(f"every value is a {dtype} number" in note for note in doc["notes"]), doc["notes"]
+    full = lminvert.load_model("tiny-llama")
+    hidden = full.probe.states(torch.tensor([ids]), [1])[full.probe.layer(1)][0].float()
+    assert HiddenStates.from_array(hidden).half_values() is None
+    assert HiddenStates.from_array(hidden.bfloat16().float(), dtype="float32").half_values() is None  # recorded
+    forced = run_cli("invert", str(tmp_path / "bfloat16.npy"), "--model", "tiny-llama", "--layer", "1", "--dtype",
+                     "float32", "--json")  # fmt: skip
+    (doc,) = json.loads(forced.stdout)
+    assert forced.returncode == 0 and doc["dtype"] == "float32", forced.stderr
+    assert not any("every value is" in note for note in doc["notes"]), doc["notes"]

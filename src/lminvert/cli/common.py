@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from ..collisions.runner import SearchSettings
@@ -12,6 +13,7 @@ from ..collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 from ..errors import LminvertError
 from ..executors import executor_spec
 from ..models import load_model
+from ..models.compat import CASTS
 from ..models.loading import DEVICES, DTYPES, LoadedModel
 from ..models.registry import DEFAULT_MODEL
 from ..states import HiddenStates
@@ -48,9 +50,18 @@ def add_states_args(parser: argparse.ArgumentParser, model_help: str, dtype_help
     add_model_args(parser, default=None, dtype=None, model_help=model_help, dtype_help=dtype_help)
 
 
-def model_for_states(args: argparse.Namespace, name: str, states: HiddenStates) -> LoadedModel:
-    """The model that reads ``states``: ``name``, in --dtype, else the dtype the states record, else float32."""
-    return model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None))
+def model_for_states(args: argparse.Namespace, name: str, states: HiddenStates) -> tuple[LoadedModel, HiddenStates]:
+    """The model that reads ``states``: ``name``, in --dtype, else the dtype the states record, else the half dtype
+    of which every value is a number (:meth:`HiddenStates.half_values`: the states then record it, with a note),
+    else float32; and the states."""
+    half = None if args.dtype else states.half_values()
+    if half is not None:
+        note = (
+            f"every value is a {half} number: read as a {half} model's states saved in a wider dtype (--dtype "
+            f"float32 --source quant:{CASTS[half]} for a float32 model's states cast to {half})"
+        )
+        states = replace(states, dtype=half, notes=(*states.notes, note))
+    return model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None)), states
 
 
 def model_from_args(args: argparse.Namespace, name: str | None = None, dtype: str | None = None) -> LoadedModel:

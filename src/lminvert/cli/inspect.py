@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     }
     name = args.model or states.model
     if name:
-        model = model_for_states(args, name, states)
+        model, states = model_for_states(args, name, states)
+        doc["notes"] = list(states.notes)
         check_compatible(states, model, None)
         doc |= _against(model, states)
         layer = doc["layer"]["best"] if doc["layer"]["fits"] and doc["layer"]["decisive"] else "L"

@@ -243,7 +243,7 @@ def _read(args: argparse.Namespace, leak: str):
         name = args.model or states.model
         if not name:
             raise LminvertError(f"{Path(args.states).name} does not record its model: pass --model (and --layer)")
-        model = model_for_states(args, name, states)
+        model, states = model_for_states(args, name, states)
         layer = None if args.layer is None else library_layer(args.layer, args.source_library, model.probe.n_layers)
     return model, name, states, layer
 
