@@ -28,6 +28,18 @@ from .paths import atomic_file
 FORMAT = "lminvert.states/1"
 
 
+def half_numbers(tensors: Sequence[torch.Tensor]) -> str | None:
+    """The half dtype (``bfloat16``, else ``float16``) of which every value of these float32 or float64 tensors is a
+    number, or None: a half model's states (or a KV cache's rows) saved in a wider dtype (as numpy, which has no
+    bfloat16, must save them). A float32 computation's values are such numbers with odds of about 2^-16 each."""
+    if any(t.dtype not in (torch.float32, torch.float64) for t in tensors):
+        return None
+    for half in (torch.bfloat16, torch.float16):  # every bfloat16 number in float16's range is a float16 one
+        if all(bool((t == t.to(half).to(t.dtype)).all()) for t in tensors):
+            return str(half).replace("torch.", "")
+    return None
+
+
 @dataclass(frozen=True)
 class HiddenStates:
     """Per-position states of N prompts at one layer of one model."""
@@ -56,15 +68,8 @@ class HiddenStates:
             raise LminvertError("all prompts' states must have the same hidden size")
 
     def half_values(self) -> str | None:
-        """The half dtype (``bfloat16``, else ``float16``) of which every value of these wider-than-half states, of no
-        recorded dtype, is a number, or None: a half model's states saved in float32 or float64 (as numpy, which has no
-        bfloat16, must save them). A float32 computation's values are such numbers with odds of about 2^-16 each."""
-        if self.dtype is not None or any(s.dtype not in (torch.float32, torch.float64) for s in self.states):
-            return None
-        for half in (torch.bfloat16, torch.float16):  # every bfloat16 number in float16's range is a float16 one
-            if all(bool((s == s.to(half).to(s.dtype)).all()) for s in self.states):
-                return str(half).replace("torch.", "")
-        return None
+        """:func:`half_numbers` of these states where they record no dtype, else None."""
+        return half_numbers(self.states) if self.dtype is None else None
 
     @property
     def hidden_size(self) -> int:

@@ -293,3 +293,23 @@ def test_a_half_models_states_saved_wider_are_read_as_that_models(isolated_cache
     (doc,) = json.loads(forced.stdout)
     assert forced.returncode == 0 and doc["dtype"] == "float32", forced.stderr
     assert not any("every value is" in note for note in doc["notes"]), doc["notes"]
+
+
+def test_a_half_models_kv_cache_saved_wider_is_read_as_that_models(isolated_cache, tmp_path):
+    """A bfloat16 model's KV cache saved as float32 (keys, values) pairs: ``invert --leak kv`` without ``--dtype``
+    reads its rows as the bfloat16 numbers they are (a note says so) and every token comes back claimed; ``--dtype
+    float32`` reads them as a float32 model's."""
+    half = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    ids = half.tokenize("A half model's cache saved in float32")
+    with torch.no_grad():
+        cache = half.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    torch.save([(layer.keys.float(), layer.values.float()) for layer in cache.layers], tmp_path / "cache.pt")
+    done = run_cli("invert", str(tmp_path / "cache.pt"), "--model", "tiny-llama", "--layer", "2", "--json")
+    (doc,) = json.loads(done.stdout)
+    assert done.returncode == 0 and doc["token_ids"] == ids and doc["dtype"] == "bfloat16", done.stderr
+    assert "uncertain" not in doc["verdicts"], doc["verdicts"]
+    assert any("every value is a bfloat16 number" in note for note in doc["notes"]), doc["notes"]
+    forced = run_cli("invert", str(tmp_path / "cache.pt"), "--model", "tiny-llama", "--layer", "2", "--dtype",
+                     "float32", "--json")  # fmt: skip
+    (doc,) = json.loads(forced.stdout)
+    assert forced.returncode == 0 and doc["dtype"] == "float32", forced.stderr

@@ -56,12 +56,17 @@ def model_for_states(args: argparse.Namespace, name: str, states: HiddenStates) 
     else float32; and the states."""
     half = None if args.dtype else states.half_values()
     if half is not None:
-        note = (
-            f"every value is a {half} number: read as a {half} model's states saved in a wider dtype (--dtype "
-            f"float32 --source quant:{CASTS[half]} for a float32 model's states cast to {half})"
-        )
-        states = replace(states, dtype=half, notes=(*states.notes, note))
+        states = replace(states, dtype=half, notes=(*states.notes, widened_note(half)))
     return model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None)), states
+
+
+def widened_note(half: str, what: str = "states") -> str:
+    """The note on rows read as a ``half`` model's, though saved in a wider dtype
+    (:func:`lminvert.states.half_numbers`)."""
+    return (
+        f"every value is a {half} number: read as a {half} model's {what} saved in a wider dtype (--dtype float32 "
+        f"--source quant:{CASTS[half]} for a float32 model's {what} cast to {half})"
+    )
 
 
 def model_from_args(args: argparse.Namespace, name: str | None = None, dtype: str | None = None) -> LoadedModel:

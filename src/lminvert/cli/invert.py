@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
@@ -17,7 +20,7 @@ from ..kv_captures import is_kv_file, read_kv
 from ..models.compat import CASTS
 from ..paths import atomic_file, check_output_file
 from ..runs import run_metadata
-from ..states import HiddenStates
+from ..states import HiddenStates, half_numbers
 from .common import (
     add_command,
     add_ray_arg,
@@ -26,6 +29,7 @@ from .common import (
     model_for_states,
     model_from_args,
     print_json,
+    widened_note,
 )
 
 EXAMPLES = """examples:
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _summary(results)
     _reader_hint(model, name, results[0], leak.kind)
-    _cast_hint(model, states.dtype, results)
+    _cast_hint(model, states.dtype, results, "KV cache" if leak.kind == "kv" else "states")
     return 0
 
 
@@ -237,6 +241,10 @@ def _read(args: argparse.Namespace, leak: str):
         if not args.model:
             raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
         name, layer = args.model, None
+        half = None if args.dtype else half_numbers(states.rows)
+        if half is not None:  # a half model's rows saved wider: read as the half numbers they are, losslessly
+            rows = tuple(r.to(getattr(torch, half)) for r in states.rows)
+            states = replace(states, rows=rows, notes=(*states.notes, widened_note(half, "KV cache")))
         model = model_from_args(args, name, dtype=args.dtype or states.dtype)
     else:
         states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
@@ -296,7 +304,7 @@ def _reader_hint(model, name: str, result, leak: str = "states") -> None:
         )
 
 
-def _cast_hint(model, dtype: str | None, results) -> None:
+def _cast_hint(model, dtype: str | None, results, what: str = "states") -> None:
     """Where half-precision rows read as computed in that precision (``float`` source, the model in the file's dtype)
     leave half or more of a prompt's positions uncertain, say the other reading a user may mean: a float32 model's
     rows cast to half precision to be saved (``--dtype float32 --source quant:bf16|fp16``), whose rounding the
@@ -313,7 +321,7 @@ def _cast_hint(model, dtype: str | None, results) -> None:
         return
     print(
         f"hint: {len(worst.uncertain_positions)} of {len(worst.token_ids)} positions are uncertain read as a {dtype} "
-        f"model's states; if a float32 model computed them and they were saved in {dtype}, try --dtype float32 "
+        f"model's {what}; if a float32 model computed them and they were saved in {dtype}, try --dtype float32 "
         f"--source quant:{cast}",
         file=sys.stderr,
     )
