@@ -313,3 +313,21 @@ def test_a_half_models_kv_cache_saved_wider_is_read_as_that_models(isolated_cach
                      "float32", "--json")  # fmt: skip
     (doc,) = json.loads(forced.stdout)
     assert forced.returncode == 0 and doc["dtype"] == "float32", forced.stderr
+
+
+def test_invert_warns_before_searching_where_a_float32_model_reads_half_numbers(isolated_cache, caplog):
+    """``lminvert.invert`` with a float32 model and states whose every value is a bfloat16 number (a half model's,
+    saved wider) warns before the search, naming ``dtype='bfloat16'`` and ``quant:bf16``; a float32 computation's
+    states, or a defended source, get no such warning."""
+    half = lminvert.load_model("tiny-llama", dtype="bfloat16")
+    full = lminvert.load_model("tiny-llama")
+    ids = half.tokenize("Half numbers in a float32 array")
+    wide = half.probe.states(torch.tensor([ids]), [1])[half.probe.layer(1)][0].float()
+    own = full.probe.states(torch.tensor([ids]), [1])[full.probe.layer(1)][0].float()
+    for states, source, warned in [(wide, "float", True), (own, "float", False), (wide, "quant:bf16", False)]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lminvert.invert"):
+            invert(full, states, 1, source=source, max_seconds=5)
+        said = [r.getMessage() for r in caplog.records if "is a bfloat16 number" in r.getMessage()]
+        assert bool(said) == warned, (source, warned, said)
+        assert not said or ("dtype='bfloat16'" in said[0] and "quant:bf16" in said[0])

@@ -17,7 +17,7 @@ from ..errors import LminvertError
 from ..executors import Executor, ModelSetup, get_executor
 from ..kv_captures import KVCapture, read_kv
 from ..models import Layer, LayerSpec, LoadedModel
-from ..models.compat import check_compatible
+from ..models.compat import CASTS, check_compatible
 from ..models.loading import require_loaded
 from ..models.probe import has_hooks
 from ..models.ties import tied_twins
@@ -84,6 +84,8 @@ def invert(
     model = require_loaded(model, "invert")
     _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
+    if kind == "states":
+        _warn_half_values(model, states, error_model)
     if kind != "states" or (leak.noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's
         check_rows_options(leak, search, run, defended=error_model.label if kind == "states" else None)  # known now
         last = _last_options(leak, search)
@@ -97,6 +99,20 @@ def invert(
         resume = functools.partial(_resume, model, states, resolved, config, leak.noise, run.executor, bounded)
         flat = sink_retry(model, states, resolved, error_model, flat, search.screen, deadline, resume)
     return _with_notes(model, states, found, flat)
+
+
+def _warn_half_values(model: LoadedModel, states: HiddenStates, error_model: ErrorModel) -> None:
+    """Warn, before the search, where a float32 model is to read states whose every value is a half-precision number
+    (:meth:`HiddenStates.half_values`: a half model's states saved wider, as numpy saves them) as a float32
+    computation's (``exact``, ``float``): no candidate is likely to fit. (``lminvert invert`` loads the half model
+    instead, with a note.)"""
+    half = states.half_values() if model.dtype == "float32" and error_model.name in ("exact", "float") else None
+    if half is not None:
+        log.warning(
+            "every value of these states is a %s number: a %s model's states saved in a wider dtype? load the model "
+            "with dtype='%s' (or, for a float32 model's states cast to %s, pass source='quant:%s')",
+            half, half, half, half, CASTS[half],
+        )  # fmt: skip
 
 
 def _resume(
