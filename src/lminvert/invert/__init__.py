@@ -50,10 +50,10 @@ def invert(
     """Recover the token ids of every prompt in ``states`` (one result per prompt, in order): :class:`HiddenStates`, a
     tensor or numpy array ``[d]``, ``[T, d]`` or ``[N, T, d]``, a list of ``[T, d]`` tensors, or a :class:`KVCapture`.
 
-    ``model`` comes from :func:`lminvert.load_model`, in the dtype the states were computed in (checked against
-    the file); everything runs on the model's device. ``layer`` (``--layer``; a KV cache's block) defaults to what
-    the states file says (and must agree with it); for states that do not record it (a bare array) it is found from
-    the states (:mod:`lminvert.invert.layerfit`), and the result's notes say so.
+    ``model`` comes from :func:`lminvert.load_model`, in the dtype the states were computed in (checked against the
+    file; warned of where a float32 model meets half-precision numbers); it runs on its device. ``layer`` (a KV
+    cache's block) defaults to what the states file says (and must agree with it), else is found from the states
+    (:mod:`lminvert.invert.layerfit`), and the result's notes say so.
 
     The options come in the three groups of ``lminvert invert --help``, named as its options
     (:mod:`lminvert.invert.options`): ``leak`` (:class:`Leak`: ``kind``, ``source``, ``noise``, ``check``; or just the
@@ -69,10 +69,9 @@ def invert(
     then values, ``[T, 2 * kv_heads * head_dim]`` per prompt, as :func:`lminvert.kv_captures.read_kv` reads a saved
     cache; block ``b`` is transformers' ``cache.layers[b - 1]``; a :class:`lminvert.KVCapture` is one) and states whose
     ``source`` is ``noise:S`` or ``quant:B`` are searched in the rows' own space with the leak's error model
-    (:mod:`lminvert.invert.rows`: the first token and ambiguous positions chosen by the next rows), which takes
-    ``max_seconds`` and no other of the engine's options (a one-line error names what it refuses). One vector
-    (``kind="last"``: a bare ``[d]`` or ``[N, d]`` array's rows, a states file's last rows) is searched for whole
-    prompts of up to ``max_length`` tokens, ``max_seconds`` each (:mod:`lminvert.invert.last`). ``noise``: added here.
+    (:mod:`lminvert.invert.rows`: the first token and ambiguous positions chosen by the next rows; ``max_seconds``
+    only of the engine's options). One vector (``kind="last"``: a bare ``[d]`` or ``[N, d]`` array's rows, a states
+    file's last rows) is searched for whole prompts of up to ``max_length`` tokens, ``max_seconds`` each.
 
     Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of ``source``;
     no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call: once it has
@@ -84,8 +83,7 @@ def invert(
     model = require_loaded(model, "invert")
     _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
-    if kind == "states":
-        _warn_half_values(model, states, error_model)
+    _warn_half_values(model, states, error_model, kind)
     if kind != "states" or (leak.noise == 0 and error_model.name in DEFENDED):  # noise added here: the engine's
         check_rows_options(leak, search, run, defended=error_model.label if kind == "states" else None)  # known now
         last = _last_options(leak, search)
@@ -101,12 +99,13 @@ def invert(
     return _with_notes(model, states, found, flat)
 
 
-def _warn_half_values(model: LoadedModel, states: HiddenStates, error_model: ErrorModel) -> None:
-    """Warn, before the search, where a float32 model is to read states whose every value is a half-precision number
+def _warn_half_values(model: LoadedModel, states: HiddenStates, error_model: ErrorModel, kind: str) -> None:
+    """Warn, before the search, where a float32 model is to read states (``kind``) whose every value is a half number
     (:meth:`HiddenStates.half_values`: a half model's states saved wider, as numpy saves them) as a float32
     computation's (``exact``, ``float``): no candidate is likely to fit. (``lminvert invert`` loads the half model
     instead, with a note.)"""
-    half = states.half_values() if model.dtype == "float32" and error_model.name in ("exact", "float") else None
+    read = kind == "states" and model.dtype == "float32" and error_model.name in ("exact", "float")
+    half = states.half_values() if read else None
     if half is not None:
         log.warning(
             "every value of these states is a %s number: a %s model's states saved in a wider dtype? load the model "
