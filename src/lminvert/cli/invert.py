@@ -17,7 +17,6 @@ from ..invert.last import ROUTE as LAST_ROUTE
 from ..invert.rows.route import POLICY as ROWS_POLICY
 from ..invert.views import VIEWS
 from ..kv_captures import is_kv_file, read_kv
-from ..models.compat import CASTS
 from ..paths import atomic_file, check_output_file
 from ..runs import run_metadata
 from ..states import HiddenStates, half_numbers
@@ -31,6 +30,7 @@ from .common import (
     print_json,
     widened_note,
 )
+from .recast import cast_hint, reread
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.out)
     model, name, states, layer = _read(args, leak.kind)
     results = invert(model, states, layer, leak=leak, search=search, run=runs)
+    model, results = reread(args, model, name, states, leak, search, runs, results)
     # per-token text and tolerances make the JSON self-describing for `lminvert report`; the run's versions, machine
     # (CPU features, threads) and the model's numeric path, so the result can be reproduced
     run = run_metadata(model.describe(), args.seed)
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _summary(results)
     _reader_hint(model, name, results[0], leak.kind)
-    _cast_hint(model, states.dtype, results, "KV cache" if leak.kind == "kv" else "states")
+    cast_hint(model, states.dtype, results, "KV cache" if leak.kind == "kv" else "states")
     return 0
 
 
@@ -302,29 +303,6 @@ def _reader_hint(model, name: str, result, leak: str = "states") -> None:
             "inversion at this layer faster",
             file=sys.stderr,
         )
-
-
-def _cast_hint(model, dtype: str | None, results, what: str = "states") -> None:
-    """Where half-precision rows read as computed in that precision (``float`` source, the model in the file's dtype)
-    leave half or more of a prompt's positions uncertain, say the other reading a user may mean: a float32 model's
-    rows cast to half precision to be saved (``--dtype float32 --source quant:bf16|fp16``), whose rounding the
-    ``float`` source of a half model does not describe."""
-    cast = CASTS.get(dtype or "")
-    if cast is None or model.dtype != dtype:
-        return
-    worst = max(
-        (r for r in results if r.source == "float" and r.token_ids),
-        key=lambda r: len(r.uncertain_positions) / len(r.token_ids),
-        default=None,
-    )
-    if worst is None or 2 * len(worst.uncertain_positions) < len(worst.token_ids):
-        return
-    print(
-        f"hint: {len(worst.uncertain_positions)} of {len(worst.token_ids)} positions are uncertain read as a {dtype} "
-        f"model's {what}; if a float32 model computed them and they were saved in {dtype}, try --dtype float32 "
-        f"--source quant:{cast}",
-        file=sys.stderr,
-    )
 
 
 def kv_block_number(index: str, library: str) -> int:

@@ -1,0 +1,35 @@
+"""Whether half-precision rows are a float32 computation rounded to half precision for storage, not a half model's.
+
+The two leaks hold the same dtype and need different reading: a half model's states (``--source float`` with the
+half model) or a float32 model's states cast (``--source quant:bf16|fp16`` with the float32 model). Position 0's state
+depends on its token alone, so a float32 model's state of that token alone, rounded to the rows' dtype, reproduces a
+cast row nearly coordinate for coordinate, and a half model's row in about a third of them (SmolLM2, six held-out
+prompts at layers 1 and 15: 99.7-100% of the coordinates of float32 rows cast, captured alone or in a left-padded
+batch, against 12-37% of a bfloat16 model's rows). This says which error model reads the rows; the acceptor still
+decides every token under it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import Layer, LoadedModel
+from .tables import first_position_table
+
+AGREE = 0.9  # the share of position 0's coordinates reproduced bit for bit that says "cast" (>= 0.997 vs <= 0.37)
+
+
+def cast_agreement(full: LoadedModel, row: torch.Tensor, layer: Layer, dtype: torch.dtype) -> float:
+    """The largest share, over every token, of the coordinates of ``row`` (a prompt's position-0 row of ``dtype``
+    numbers, held in that dtype or a wider one) equal to ``full``'s (a float32 model's) state of the token alone at
+    ``layer`` rounded to ``dtype``: its first-position table, built once where it is not kept (the float32 search of
+    cast rows starts from it too). Every token, not the nearest: at an attention sink the half table's nearest 8 missed
+    the token whose rounded state matched 99.7% of the row (SmolLM2, layer 15)."""
+    table = first_position_table(full, layer, progress=False)
+    return float((table.to(dtype) == row.to(table.device).to(dtype)).float().mean(1).max())
+
+
+def is_cast(full: LoadedModel, rows: list[torch.Tensor], layer: Layer, dtype: torch.dtype) -> bool:
+    """Whether every prompt's position-0 row (``rows``) is ``full``'s float32 computation of a token rounded to
+    ``dtype``: :func:`cast_agreement` at least :data:`AGREE` for each."""
+    return bool(rows) and all(cast_agreement(full, row, layer, dtype) >= AGREE for row in rows)
