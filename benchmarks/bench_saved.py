@@ -8,7 +8,8 @@ Forms (``--forms``), for held-out prompts of ``--length`` tokens at layer (block
 * ``fp16-npy``: a float16 model's, as float32 ``.npy``;
 * ``cast-bf16``: a float32 model's states cast to bfloat16 to be saved (another leak: what the tool says about it);
 * ``cast-bf16-named``: the same with ``--dtype float32 --source quant:bf16``;
-* ``kv-bf16-f32``: a bfloat16 model's KV cache saved as float32 (keys, values) pairs, ``--leak kv``.
+* ``kv-bf16-f32``: a bfloat16 model's KV cache saved as float32 (keys, values) pairs, ``--leak kv``;
+* ``kv-cast-bf16``: a float32 model's KV cache cast to bfloat16 pairs to be saved, ``--leak kv``.
 
 Printed per form: the dtype the command ran in, tokens right, positions claimed (``certified`` / ``confident``), claimed
 tokens that are wrong (must be 0), how many prompts got the cast hint, and the median and slowest seconds the command
@@ -36,20 +37,22 @@ import lminvert
 from heldout import FRESH, HELD_OUT
 from lminvert.cli import main as cli
 
-FORMS = ("bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "kv-bf16-f32")
+FORMS = ("bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "kv-bf16-f32", "kv-cast-bf16")
 CLAIMED = ("certified", "confident")
 HINT = "--source quant:"
 
 
 def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> list[str]:
     """Save ``ids``' leak in ``form`` at ``path``; the command's extra arguments."""
-    dtype = {"fp16-npy": "float16", "cast-bf16": "float32", "cast-bf16-named": "float32"}.get(form, "bfloat16")
+    casts = ("cast-bf16", "cast-bf16-named", "kv-cast-bf16")
+    dtype = "float16" if form == "fp16-npy" else "float32" if form in casts else "bfloat16"
     model = models.setdefault(dtype, lminvert.load_model("smollm2-135m", dtype=dtype))
     with torch.no_grad():
         out = model.model(input_ids=torch.tensor([ids]), use_cache=True, output_hidden_states=True)
     hidden = out.hidden_states[layer]
-    if form == "kv-bf16-f32":
-        torch.save([(entry.keys.float(), entry.values.float()) for entry in out.past_key_values.layers], path)
+    if form.startswith("kv-"):
+        saved = torch.bfloat16 if form == "kv-cast-bf16" else torch.float32
+        torch.save([(entry.keys.to(saved), entry.values.to(saved)) for entry in out.past_key_values.layers], path)
         return ["--leak", "kv"]
     if form == "bf16-pt":
         torch.save(hidden, path)

@@ -361,3 +361,37 @@ def test_a_float32_models_states_cast_to_bfloat16_are_read_again_as_the_cast(tmp
     done = run_cli("invert", str(tmp_path / "noisy.pt"), "--model", "tiny-gemma3", "--layer", "2")
     assert done.returncode == 0 and "bfloat16 on cpu" in done.stdout, done.stdout
     assert "try --dtype float32 --source quant:bf16" in done.stderr, done.stderr
+
+
+def test_a_kv_cache_cast_to_bfloat16_is_told_by_position_0_and_read_again(tmp_path):
+    """tiny-llama's block-2 KV cache computed in float32 and saved as bfloat16 pairs: its position-0 row is the float32
+    table's row through the view, rounded (a bfloat16 model's is not); given a first reading that left it mostly
+    ``uncertain``, ``reread`` reads the cache again with the float32 model as ``quant:bf16``: every token, a note."""
+    from types import SimpleNamespace
+
+    from lminvert.cli.recast import reread
+    from lminvert.invert import grouped
+    from lminvert.invert.casts import is_cast
+    from lminvert.invert.views import make_view
+    from lminvert.kv_captures import read_kv
+
+    full, half = lminvert.load_model("tiny-llama"), lminvert.load_model("tiny-llama", dtype="bfloat16")
+    ids = full.tokenize("A cache saved in half precision")
+    for model, name in [(full, "cast.pt"), (half, "half.pt")]:
+        with torch.no_grad():
+            cache = model.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+        torch.save([(layer.keys.bfloat16(), layer.values.bfloat16()) for layer in cache.layers], tmp_path / name)
+    block = full.probe.layer(2)
+    view = make_view("kv", full, block)
+    cast, own = read_kv(tmp_path / "cast.pt", block=2), read_kv(tmp_path / "half.pt", block=2)
+    assert is_cast(full, [cast.rows[0][0]], block, torch.bfloat16, view, [0])
+    assert not is_cast(full, [own.rows[0][0]], block, torch.bfloat16, view, [0])
+    first = SimpleNamespace(source="float", token_ids=ids, uncertain_positions=list(range(len(ids))), layer="2",
+                            seconds=1.0)  # fmt: skip
+    args = SimpleNamespace(dtype=None, source=None, model="tiny-llama", device="cpu")
+    leak, search, run = grouped("kv", None, None)
+    model, results = reread(args, half, "tiny-llama", cast, leak, search, run, [first])
+    (result,) = results
+    assert model.dtype == "float32" and result.source == "quant:bf16" and result.token_ids == ids
+    assert "uncertain" not in result.verdicts and "read again as a float32 model's KV cache" in result.notes[-1]
+    assert result.seconds > first.seconds

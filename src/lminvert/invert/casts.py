@@ -15,21 +15,34 @@ import torch
 
 from ..models import Layer, LoadedModel
 from .tables import first_position_table
+from .views import View
 
 AGREE = 0.9  # the share of position 0's coordinates reproduced bit for bit that says "cast" (>= 0.997 vs <= 0.37)
 
 
-def cast_agreement(full: LoadedModel, row: torch.Tensor, layer: Layer, dtype: torch.dtype) -> float:
-    """The largest share, over every token, of the coordinates of ``row`` (a prompt's position-0 row of ``dtype``
-    numbers, held in that dtype or a wider one) equal to ``full``'s (a float32 model's) state of the token alone at
-    ``layer`` rounded to ``dtype``: its first-position table, built once where it is not kept (the float32 search of
-    cast rows starts from it too). Every token, not the nearest: at an attention sink the half table's nearest 8 missed
+def cast_agreement(table: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest share, over ``table``'s rows (every token's float32 row at position 0), of the coordinates of
+    ``row`` (a prompt's position-0 row of ``dtype`` numbers, held in that dtype or a wider one) equal to that table
+    row rounded to ``dtype``. Every token, not the nearest: at an attention sink the bfloat16 table's nearest 8 missed
     the token whose rounded state matched 99.7% of the row (SmolLM2, layer 15)."""
-    table = first_position_table(full, layer, progress=False)
     return float((table.to(dtype) == row.to(table.device).to(dtype)).float().mean(1).max())
 
 
-def is_cast(full: LoadedModel, rows: list[torch.Tensor], layer: Layer, dtype: torch.dtype) -> bool:
+def is_cast(
+    full: LoadedModel, rows: list[torch.Tensor], layer: Layer, dtype: torch.dtype, view: View | None = None,
+    positions: list[int] | None = None,
+) -> bool:  # fmt: skip
     """Whether every prompt's position-0 row (``rows``) is ``full``'s float32 computation of a token rounded to
-    ``dtype``: :func:`cast_agreement` at least :data:`AGREE` for each."""
-    return bool(rows) and all(cast_agreement(full, row, layer, dtype) >= AGREE for row in rows)
+    ``dtype``: :func:`cast_agreement` at least :data:`AGREE` for each, over the float32 first-position table at
+    ``layer`` (built once where it is not kept; the float32 search of cast rows starts from it too), or, for a
+    ``view``'s rows (a KV cache's), that table's rows through the view at each prompt's ``positions`` (its first
+    row's position in the saved sequence: left padding rotates its keys there; 0 where not given)."""
+    states = first_position_table(full, layer if view is None else view.states_layer, progress=False)
+    tables: dict[int, torch.Tensor] = {}
+    for i, row in enumerate(rows):
+        at = positions[i] if positions else 0
+        if at not in tables:
+            tables[at] = states if view is None else view.rows_of(states, at)
+        if cast_agreement(tables[at], row, dtype) < AGREE:
+            return False
+    return bool(rows)
