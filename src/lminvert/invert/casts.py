@@ -20,12 +20,12 @@ from .views import View
 AGREE = 0.9  # the share of position 0's coordinates reproduced bit for bit that says "cast" (>= 0.997 vs <= 0.37)
 
 
-def cast_agreement(table: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest share, over ``table``'s rows (every token's float32 row at position 0), of the coordinates of
-    ``row`` (a prompt's position-0 row of ``dtype`` numbers, held in that dtype or a wider one) equal to that table
-    row rounded to ``dtype``. Every token, not the nearest: at an attention sink the bfloat16 table's nearest 8 missed
-    the token whose rounded state matched 99.7% of the row (SmolLM2, layer 15)."""
-    return float((table.to(dtype) == row.to(table.device).to(dtype)).float().mean(1).max())
+def cast_agreement(rounded: torch.Tensor, row: torch.Tensor) -> float:
+    """The largest share, over ``rounded``'s rows (every token's float32 row at position 0, rounded to a half dtype),
+    of the coordinates of ``row`` (a prompt's position-0 row of that dtype's numbers, held in it or a wider one) equal
+    to that table row. Every token, not the nearest: at an attention sink the bfloat16 table's nearest 8 missed the
+    token whose rounded state matched 99.7% of the row (SmolLM2, layer 15)."""
+    return float((rounded == row.to(rounded.device).to(rounded.dtype)).float().mean(1).max())
 
 
 def is_cast(
@@ -41,8 +41,8 @@ def is_cast(
     tables: dict[int, torch.Tensor] = {}
     for i, row in enumerate(rows):
         at = positions[i] if positions else 0
-        if at not in tables:
-            tables[at] = states if view is None else view.rows_of(states, at)
-        if cast_agreement(tables[at], row, dtype) < AGREE:
+        if at not in tables:  # rounded once per position, whatever the number of prompts there
+            tables[at] = (states if view is None else view.rows_of(states, at)).to(dtype)
+        if cast_agreement(tables[at], row) < AGREE:
             return False
     return bool(rows)
