@@ -311,6 +311,12 @@ def test_a_half_models_kv_cache_saved_wider_is_read_as_that_models(tmp_path):
                      "float32", "--json")  # fmt: skip
     (doc,) = json.loads(forced.stdout)
     assert forced.returncode == 0 and doc["dtype"] == "float32", forced.stderr
+    for dtype, told in ((None, True), ("float32", False)):  # inspect reads the file as invert does
+        extra = ["--dtype", dtype] if dtype else []
+        seen = run_cli("inspect", str(tmp_path / "cache.pt"), "--model", "tiny-llama", "--layer", "2", "--json", *extra)
+        doc = json.loads(seen.stdout)
+        assert seen.returncode == 0 and doc["fits_model"] and doc["dtype"] == (dtype or "bfloat16"), seen.stderr
+        assert any("every value is a bfloat16 number" in note for note in doc["notes"]) == told, doc["notes"]
 
 
 def test_invert_warns_before_searching_where_a_float32_model_reads_half_numbers(caplog):

@@ -8,6 +8,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from ..collisions.runner import SearchSettings
 from ..collisions.search import DEFAULT_TILE_COLS, DEFAULT_TILE_ROWS
 from ..errors import LminvertError
@@ -16,7 +18,7 @@ from ..models import load_model
 from ..models.compat import CASTS
 from ..models.loading import DEVICES, DTYPES, LoadedModel
 from ..models.registry import DEFAULT_MODEL
-from ..states import HiddenStates
+from ..states import HiddenStates, half_numbers
 
 
 def add_model_args(
@@ -58,6 +60,17 @@ def model_for_states(args: argparse.Namespace, name: str, states: HiddenStates) 
     if half is not None:
         states = replace(states, dtype=half, notes=(*states.notes, widened_note(half)))
     return model_from_args(args, name, dtype=args.dtype or (states.dtype if states.dtype in DTYPES else None)), states
+
+
+def model_for_kv(args: argparse.Namespace, capture):
+    """The model that reads a KV ``capture`` (:class:`lminvert.kv_captures.KVCapture`): ``args.model`` in --dtype,
+    else the dtype of which every row value is a half number (the rows then cast to it, losslessly, with a note:
+    :func:`lminvert.states.half_numbers`), else the capture's dtype, else float32; and the capture."""
+    half = None if args.dtype else half_numbers(capture.rows)
+    if half is not None:  # a half model's rows saved wider: read as the half numbers they are
+        rows = tuple(r.to(getattr(torch, half)) for r in capture.rows)
+        capture = replace(capture, rows=rows, notes=(*capture.notes, widened_note(half, "KV cache")))
+    return model_from_args(args, args.model, dtype=args.dtype or capture.dtype), capture
 
 
 def widened_note(half: str, what: str = "states") -> str:

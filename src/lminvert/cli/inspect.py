@@ -14,7 +14,7 @@ from ..kv_captures import is_kv_file, read_kv
 from ..models.compat import check_compatible
 from ..models.kv import kv_block
 from ..states import HiddenStates
-from .common import add_command, add_states_args, model_for_states, model_from_args, print_json
+from .common import add_command, add_states_args, model_for_kv, model_for_states, print_json
 
 EXAMPLES = """examples:
   lminvert inspect leak.safetensors                       # a file from `lminvert encode`: what it records
@@ -133,7 +133,8 @@ def _kv(args: argparse.Namespace) -> int:
         "array_dtype": str(capture.rows[0].dtype).replace("torch.", ""), "notes": list(capture.notes),
     }  # fmt: skip
     if args.model:
-        model = model_from_args(args, args.model, dtype=args.dtype or capture.dtype)
+        model, capture = model_for_kv(args, capture)
+        doc["notes"], doc["dtype"] = list(capture.notes), str(model.probe.dtype).replace("torch.", "")
         _found_block(model, capture, doc)
         if doc["block"] is not None:
             width = kv_block(model, doc["block"]).width

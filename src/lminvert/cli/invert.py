@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 from ..captures import LIBRARIES, library_layer
 from ..errors import LminvertError
@@ -19,16 +16,15 @@ from ..invert.views import VIEWS
 from ..kv_captures import is_kv_file, read_kv
 from ..paths import atomic_file, check_output_file
 from ..runs import run_metadata
-from ..states import HiddenStates, half_numbers
+from ..states import HiddenStates
 from .common import (
     add_command,
     add_ray_arg,
     add_states_args,
     executor_from_args,
+    model_for_kv,
     model_for_states,
-    model_from_args,
     print_json,
-    widened_note,
 )
 from .recast import cast_hint, reread
 
@@ -242,11 +238,7 @@ def _read(args: argparse.Namespace, leak: str):
         if not args.model:
             raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
         name, layer = args.model, None
-        half = None if args.dtype else half_numbers(states.rows)
-        if half is not None:  # a half model's rows saved wider: read as the half numbers they are, losslessly
-            rows = tuple(r.to(getattr(torch, half)) for r in states.rows)
-            states = replace(states, rows=rows, notes=(*states.notes, widened_note(half, "KV cache")))
-        model = model_from_args(args, name, dtype=args.dtype or states.dtype)
+        model, states = model_for_kv(args, states)
     else:
         states = HiddenStates.load(args.states, key=args.key, mask=args.mask)
         name = args.model or states.model
