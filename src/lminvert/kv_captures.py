@@ -44,6 +44,7 @@ from .kv_files import (
     _load,
     _torch_load,
     _unsafe_globals,
+    windowed,
 )
 
 CACHE_ENTRY = "past_key_values"
@@ -280,20 +281,35 @@ def _choose(path: Path, found: _Found, block: int | None) -> tuple[int | None, A
     entries = found.entries
     if None in entries:  # one block's tensors: the caller's block is the one they came from
         return None, entries[None]
-    numbers = sorted(entries)
+    numbers, short = sorted(entries), windowed(entries)
     span = f"{numbers[0]}..{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else str(numbers)
+    whole = [n for n in numbers if n not in short]  # a sliding-window layer's block keeps the prompt's end alone
     if block is None:
         if len(numbers) > 1:
+            which = "the lowest" if not short else f"the lowest that holds every position ({_windows(short)})"
             found.notes.append(
-                f"{path.name} holds {len(numbers)} blocks ({span}): block {numbers[0]}, the lowest, was read, as "
+                f"{path.name} holds {len(numbers)} blocks ({span}): block {whole[0]}, {which}, was read, as "
                 f"the earliest inverts fastest (pass --layer B for another; {LAYER_HINT})"
             )
-        return numbers[0], entries[numbers[0]]
+        return whole[0], entries[whole[0]]
     if block not in entries:
         raise LminvertError(
             f"{path.name} holds blocks {span}, not block {block}: pass --layer B among them ({LAYER_HINT})"
         )
+    if block in short:
+        raise LminvertError(
+            f"block {block} of {path.name} holds the last {short[block][0]} of the {short[block][1]} positions other "
+            f"blocks hold (a sliding-window layer): pick one that holds them all with --layer B ({whole[:8]})"
+        )
     return block, entries[block]
+
+
+def _windows(short: dict[int, tuple[int, int]]) -> str:
+    """The note's words on the blocks that keep only the prompt's end."""
+    listed = sorted(short)
+    (held, most), named = short[listed[0]], ", ".join(map(str, listed[:6])) + (", ..." if len(listed) > 6 else "")
+    which = f"blocks {named} hold" if len(listed) > 1 else f"block {named} holds"
+    return f"{which} only the last {held} of {most} positions: sliding windows"
 
 
 def _tensors(number: int | None, entry: Any) -> tuple[Any, Any]:

@@ -143,3 +143,19 @@ def _check_groups(path: Path, groups: dict[int | None, dict[str, list[str]]]) ->
                 f"{path.name}: entry '{name}' holds {word[role]} with no matching {other} at {where}: save both, "
                 "named alike (e.g. k_3 and v_3)"
             )
+
+
+def _held(entry: Any) -> int | None:
+    """How many positions a block's entry (a ``(keys, values)`` pair or a cache layer) stores, where it says."""
+    keys = entry[0] if isinstance(entry, (list, tuple)) else getattr(entry, "keys", None)
+    return int(keys.shape[-2]) if isinstance(keys, torch.Tensor) and keys.dim() >= 2 else None
+
+
+def windowed(entries: dict[Any, Any]) -> dict[int, tuple[int, int]]:
+    """The numbered blocks that store fewer positions than the most any block stores: ``block -> (held, most)``.
+    In one forward's cache every block stores every position but a sliding-window layer's, which keeps only its last
+    ``window - 1`` (transformers' ``DynamicSlidingWindowLayer``): such a block's rows are the end of the prompt, not
+    its first positions, and cannot be read as a prompt."""
+    held = {n: h for n, e in entries.items() if n is not None and (h := _held(e)) is not None}
+    most = max(held.values(), default=0)
+    return {n: (h, most) for n, h in held.items() if h < most}

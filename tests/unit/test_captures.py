@@ -401,3 +401,34 @@ def test_a_kv_cache_cast_to_bfloat16_is_told_by_position_0_and_read_again(tmp_pa
     assert model.dtype == "float32" and result.source == "quant:bf16" and result.token_ids == ids
     assert "uncertain" not in result.verdicts and "read again as a float32 model's KV cache" in result.notes[-1]
     assert result.seconds > first.seconds
+
+
+def test_a_sliding_window_layers_cache_saved_as_pairs_is_told(tmp_path):
+    """transformers' sliding-window layers keep a prompt's last ``window - 1`` positions: in a list of (keys, values)
+    pairs the blocks that hold fewer positions than the others are not read as a prompt (the lowest block that holds
+    every position is, with a note; naming a short one is refused in one line), and where every block is such a layer
+    and holds all it keeps (tiny-mistral's 4-token window), inspect's note says the rows may be a longer prompt's
+    end, as invert's does."""
+    from lminvert.kv_captures import read_kv
+
+    gemma = lminvert.load_model("tiny-gemma3")  # block 1 slides (a window of 512), block 2 attends over everything
+    ids = torch.randint(10, 200, (600,)).tolist()
+    with torch.no_grad():
+        cache = gemma.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    assert [k.shape[-2] for k, _ in pairs] == [511, 600]
+    capture = read_kv(pairs)
+    assert capture.block == 2 and len(capture.rows[0]) == 600
+    assert any("block 1 holds only the last 511 of 600 positions" in note for note in capture.notes), capture.notes
+    with pytest.raises(LminvertError, match=r"block 1 of .* holds the last 511 of the 600 positions"):
+        read_kv(pairs, block=1)
+    mistral = lminvert.load_model("tiny-mistral")
+    for text, told in (("one two three four five six seven", True), ("one", False)):
+        ids = mistral.tokenize(text)
+        with torch.no_grad():
+            cache = mistral.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+        torch.save([(layer.keys, layer.values) for layer in cache.layers], tmp_path / "mistral.pt")
+        seen = run_cli("inspect", str(tmp_path / "mistral.pt"), "--model", "tiny-mistral", "--layer", "1", "--json")
+        doc = json.loads(seen.stdout)
+        assert seen.returncode == 0, seen.stderr
+        assert any("attends over a sliding window of 4" in note for note in doc["notes"]) == told, (text, doc["notes"])

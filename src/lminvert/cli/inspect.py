@@ -10,6 +10,7 @@ import torch
 
 from ..errors import LminvertError
 from ..invert.layerfit import fit_layers
+from ..invert.leaks import window_note
 from ..kv_captures import is_kv_file, read_kv
 from ..models.compat import check_compatible
 from ..models.kv import kv_block
@@ -139,6 +140,7 @@ def _kv(args: argparse.Namespace) -> int:
         if doc["block"] is not None:
             width = kv_block(model, doc["block"]).width
             doc["fits_model"] = width == capture.rows[0].shape[1]
+            doc["notes"] += window_note(model, model.probe.layer(doc["block"]), [len(r) for r in capture.rows])
             command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(doc["block"])]
             command += [f"--{k}={v}" for k, v in (("key", args.key), ("mask", args.mask)) if v]
             doc["command"] = shlex.join(command)

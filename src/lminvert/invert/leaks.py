@@ -67,13 +67,13 @@ def invert_leak(
         )
     check_dtype(states.dtype, model, "rows", source.stored)
     if leak == "kv":
-        notes = (*notes, *_window_note(model, resolved, [len(s) for s in states.states]))
+        notes = (*notes, *window_note(model, resolved, [len(s) for s in states.states]))
     if leak == "last":
         return invert_last(model, last_vectors(states), resolved, source, last or LastOptions(), notes)
     return invert_rows(model, list(states.states), view, source, notes, screen, offsets, deadline)
 
 
-def _window_note(model: LoadedModel, block: Layer, lengths: list[int]) -> list[str]:
+def window_note(model: LoadedModel, block: Layer, lengths: list[int]) -> list[str]:
     """A note where ``block`` attends over a sliding window and a prompt holds as many rows as transformers keeps of
     such a block's cache (its window less one, or the window): they may be a longer prompt's last positions, which
     fit no prompt counted from position 0 (every position ``uncertain``)."""
