@@ -339,9 +339,10 @@ def test_invert_warns_before_searching_where_a_float32_model_reads_half_numbers(
 
 def test_a_float32_models_states_cast_to_bfloat16_are_read_again_as_the_cast(tmp_path):
     """tiny-gemma3's layer-2 states computed in float32 and cast to bfloat16 to be saved leave every position
-    ``uncertain`` read as a bfloat16 model's; their position-0 rows are the float32 table's rows rounded (and a
-    bfloat16 model's are not), so ``lminvert invert`` without ``--dtype``/``--source`` reads the file again as
-    ``--dtype float32 --source quant:bf16`` and says so; with ``--source float`` given, it does not."""
+    ``uncertain`` read as a bfloat16 model's; their position-0 rows are the float32 table's rows rounded, not the
+    bfloat16 table's (a bfloat16 model's rows are the reverse), so ``lminvert invert --layer 2`` without
+    ``--dtype``/``--source`` reads the file as ``--dtype float32 --source quant:bf16`` from the start and says so, and
+    a bfloat16 model's file as its own; with ``--source float`` given, it does not."""
     from lminvert.invert.casts import is_cast
 
     full, half = lminvert.load_model("tiny-gemma3"), lminvert.load_model("tiny-gemma3", dtype="bfloat16")
@@ -350,13 +351,20 @@ def test_a_float32_models_states_cast_to_bfloat16_are_read_again_as_the_cast(tmp
     cast = full.probe.states(torch.tensor([ids]), [layer])[layer][0].bfloat16()
     own = half.probe.states(torch.tensor([ids]), [half.probe.layer(2)])[half.probe.layer(2)][0]
     assert is_cast(full, [cast[0]], layer, torch.bfloat16) and not is_cast(full, [own[0]], layer, torch.bfloat16)
+    at = half.probe.layer(2)
+    assert is_cast(half, [own[0]], at, torch.bfloat16) and not is_cast(half, [cast[0]], at, torch.bfloat16)
     torch.save(cast, tmp_path / "cast.pt")
+    torch.save(own, tmp_path / "own.pt")
+    done = run_cli("invert", str(tmp_path / "own.pt"), "--model", "tiny-gemma3", "--layer", "2", "--json")
+    (doc,) = json.loads(done.stdout)
+    assert done.returncode == 0 and doc["dtype"] == "bfloat16" and doc["source"] == "float", done.stderr
+    assert not any("cast to bfloat16" in note for note in doc["notes"]), doc["notes"]
     args = ("invert", str(tmp_path / "cast.pt"), "--model", "tiny-gemma3", "--layer", "2", "--json")
     done = run_cli(*args)
     (doc,) = json.loads(done.stdout)
     assert done.returncode == 0 and doc["token_ids"] == ids, done.stderr
     assert doc["dtype"] == "float32" and doc["source"] == "quant:bf16", (doc["dtype"], doc["source"])
-    assert any("read again as a float32 model's states cast to bfloat16" in note for note in doc["notes"])
+    assert any("not a bfloat16 model's: read as a float32 model's states cast" in note for note in doc["notes"])
     said = run_cli(*args, "--source", "float")
     (doc,) = json.loads(said.stdout)
     assert said.returncode == 0 and doc["dtype"] == "bfloat16" and doc["source"] == "float", said.stderr
@@ -401,6 +409,13 @@ def test_a_kv_cache_cast_to_bfloat16_is_told_by_position_0_and_read_again(tmp_pa
     assert model.dtype == "float32" and result.source == "quant:bf16" and result.token_ids == ids
     assert "uncertain" not in result.verdicts and "read again as a float32 model's KV cache" in result.notes[-1]
     assert result.seconds > first.seconds
+    # the command, its block named: position 0 read first, the cast read once (a bfloat16 model's cache as its own)
+    for name, dtype in (("cast.pt", "float32"), ("half.pt", "bfloat16")):
+        done = run_cli("invert", str(tmp_path / name), "--model", "tiny-llama", "--layer", "2", "--json")
+        (doc,) = json.loads(done.stdout)
+        assert done.returncode == 0 and doc["dtype"] == dtype and doc["token_ids"] == ids, done.stderr
+        told = any("not a bfloat16 model's: read as a float32 model's KV cache cast" in n for n in doc["notes"])
+        assert told == (dtype == "float32") and "uncertain" not in doc["verdicts"], doc["notes"]
 
 
 def test_a_sliding_window_layers_cache_saved_as_pairs_is_told(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..captures import LIBRARIES, library_layer
@@ -26,7 +27,7 @@ from .common import (
     model_for_states,
     print_json,
 )
-from .recast import cast_hint, reread
+from .recast import cast_first, cast_hint, reread
 
 EXAMPLES = """examples:
   lminvert encode --layer 15 --text "my PIN is 4921" --out leak.safetensors
@@ -204,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)
     model, name, states, layer = _read(args, leak.kind)
+    model, leak, cast = cast_first(args, model, name, states, layer, leak)
     results = invert(model, states, layer, leak=leak, search=search, run=runs)
+    if cast is not None:
+        results = [replace(r, notes=(*r.notes, cast)) for r in results]
     model, results = reread(args, model, name, states, leak, search, runs, results)
     # per-token text and tolerances make the JSON self-describing for `lminvert report`; the run's versions, machine
     # (CPU features, threads) and the model's numeric path, so the result can be reproduced

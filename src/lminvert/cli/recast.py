@@ -1,7 +1,13 @@
-"""`lminvert invert`'s second reading of half-precision states or KV caches: where rows read as a half model's leave
-half or more of a prompt's positions ``uncertain`` and every prompt's position-0 row says it is a float32 computation
-rounded to that precision (:mod:`lminvert.invert.casts`), the file is read again by the float32 model as the cast it
-is (``--source quant:bf16|fp16``), and each result says so; where the rows do not say so, a hint names that reading."""
+"""How `lminvert invert` reads half-precision states or KV caches that a float32 model may have computed and a user cast
+to half precision to save (the file's dtype does not say which, and neither ``--dtype`` nor ``--source`` was given).
+
+Where the layer (a KV cache's block) is known before the search, position 0 says it first (:func:`cast_first`): rows
+that the half model's own first-position table does not reproduce bit for bit (a half model's rows are reproduced on
+this CPU: SmolLM2 layers 1 and 15, every coordinate), but the float32 table rounded does (:mod:`lminvert.invert.casts`),
+are read by the float32 model as the cast they are (``--source quant:bf16|fp16``), once. Else, where rows read as a
+half model's leave half or more of a prompt's positions ``uncertain`` and every prompt's position-0 row says it is a
+float32 computation rounded, the file is read again that way (:func:`reread`). Each result says so; where the rows do
+not say so, a hint names that reading."""
 
 from __future__ import annotations
 
@@ -25,6 +31,45 @@ def _mostly_uncertain(result) -> bool:
     return result.source == "float" and 2 * len(result.uncertain_positions) >= len(result.token_ids) > 0
 
 
+def cast_first(
+    args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, layer, leak: Leak
+) -> tuple[LoadedModel, Leak, str | None]:
+    """The model and leak to read ``states`` with, and the note each result then carries: the float32 model and
+    ``quant:bf16|fp16`` where the layer (``layer``, else the one the states record, a KV cache's block) is known and
+    position 0 says the rows are a float32 computation cast (see the module docstring); else ``model`` and ``leak``
+    as they are, and None."""
+    cast = CASTS.get(states.dtype or "")
+    if cast is None or model.dtype != states.dtype or leak.kind not in ("states", "kv") or args.dtype or args.source:
+        return model, leak, None
+    kv = isinstance(states, KVCapture)
+    known = states.block if kv else (layer if layer is not None else states.layer)
+    if known is None:
+        return model, leak, None  # found by the search: the second reading serves (reread)
+    dtype = getattr(torch, states.dtype)
+    if _position_0(model, states, model.probe.layer(known), dtype):
+        return model, leak, None  # the half model's own rows
+    full = model_from_args(args, name, dtype="float32")
+    if not _position_0(full, states, full.probe.layer(known), dtype):
+        return model, leak, None
+    what = "KV cache" if kv else "states"
+    note = (
+        f"every prompt's position-0 row is a float32 computation of its token rounded to {states.dtype} (at least "
+        f"{AGREE:.0%} of its coordinates bit for bit), not a {states.dtype} model's: read as a float32 model's {what} "
+        f"cast to {states.dtype} (--dtype float32 --source quant:{cast}; --source float reads them as a {states.dtype} "
+        "model's)"
+    )
+    return full, replace(leak, source=f"quant:{cast}"), note
+
+
+def _position_0(model: LoadedModel, states: HiddenStates | KVCapture, layer, dtype: torch.dtype) -> bool:
+    """Whether ``model``'s first-position table, rounded to ``dtype``, reproduces every prompt's position-0 row
+    (:func:`lminvert.invert.casts.is_cast`; a KV cache's through the view at each prompt's offset)."""
+    if isinstance(states, KVCapture):
+        view = make_view("kv", model, layer)
+        return is_cast(model, [r[0] for r in states.rows], layer, dtype, view, list(states.offsets))
+    return is_cast(model, [s[0] for s in states.states], layer, dtype)
+
+
 def reread(
     args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, leak: Leak,
     search: Search, run: Run, results: list,
@@ -39,14 +84,8 @@ def reread(
         return model, results
     full = model_from_args(args, name, dtype="float32")
     layer = full.probe.layer(results[0].layer)  # a KV cache's: its block
-    dtype = getattr(torch, states.dtype)
-    if isinstance(states, KVCapture):
-        view, what = make_view("kv", full, layer), "KV cache"
-        told = is_cast(full, [r[0] for r in states.rows], layer, dtype, view, list(states.offsets))
-    else:
-        what = "states"
-        told = is_cast(full, [s[0] for s in states.states], layer, dtype)
-    if not told:
+    what = "KV cache" if isinstance(states, KVCapture) else "states"
+    if not _position_0(full, states, layer, getattr(torch, states.dtype)):
         return model, results  # the hint names that reading (cast_hint)
     again = invert(full, states, layer, leak=replace(leak, source=f"quant:{cast}"), search=search, run=run)
     note = (
