@@ -1,10 +1,11 @@
 """How `lminvert invert` reads half-precision states or KV caches that a float32 model may have computed and a user cast
 to half precision to save (the file's dtype does not say which, and neither ``--dtype`` nor ``--source`` was given).
 
-Where the layer (a KV cache's block) is known before the search, position 0 says it first (:func:`cast_first`): rows
-that the half model's own first-position table does not reproduce bit for bit (a half model's rows are reproduced on
-this CPU: SmolLM2 layers 1 and 15, every coordinate), but the float32 table rounded does (:mod:`lminvert.invert.casts`),
-are read by the float32 model as the cast they are (``--source quant:bf16|fp16``), once. Else, where rows read as a
+Where the layer (a KV cache's block) is known before the search and the float32 model's first-position table there
+is kept, position 0 says it first (:func:`cast_first`): rows that the half model's own table does not reproduce bit
+for bit (a half model's rows are reproduced on this CPU: SmolLM2 layers 1, 15 and final, every coordinate), but the
+float32 table rounded does (:mod:`lminvert.invert.casts`), are read by the float32 model as the cast they are
+(``--source quant:bf16|fp16``), once. Else, where rows read as a
 half model's leave half or more of a prompt's positions ``uncertain`` and every prompt's position-0 row says it is a
 float32 computation rounded, the file is read again that way (:func:`reread`). Each result says so; where the rows do
 not say so, a hint names that reading."""
@@ -19,6 +20,7 @@ import torch
 
 from ..invert import Leak, Run, Search, invert
 from ..invert.casts import AGREE, is_cast
+from ..invert.tables import table_path
 from ..invert.views import make_view
 from ..kv_captures import KVCapture
 from ..models import LoadedModel
@@ -35,9 +37,11 @@ def cast_first(
     args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, layer, leak: Leak
 ) -> tuple[LoadedModel, Leak, str | None]:
     """The model and leak to read ``states`` with, and the note each result then carries: the float32 model and
-    ``quant:bf16|fp16`` where the layer (``layer``, else the one the states record, a KV cache's block) is known and
-    position 0 says the rows are a float32 computation cast (see the module docstring); else ``model`` and ``leak``
-    as they are, and None."""
+    ``quant:bf16|fp16`` where the layer (``layer``, else the one the states record, a KV cache's block) is known, the
+    half model's table does not reproduce position 0, the float32 model's table there is kept already (the float32
+    model is loaded only then: a capture of another machine's half kernels is not reproduced either), and it says the
+    rows are a float32 computation cast (see the module docstring); else ``model`` and ``leak`` as they are, and
+    None."""
     cast = CASTS.get(states.dtype or "")
     if cast is None or model.dtype != states.dtype or leak.kind not in ("states", "kv") or args.dtype or args.source:
         return model, leak, None
@@ -45,9 +49,13 @@ def cast_first(
     known = states.block if kv else (layer if layer is not None else states.layer)
     if known is None:
         return model, leak, None  # found by the search: the second reading serves (reread)
-    dtype = getattr(torch, states.dtype)
-    if _position_0(model, states, model.probe.layer(known), dtype):
+    dtype, at = getattr(torch, states.dtype), model.probe.layer(known)
+    if _position_0(model, states, at, dtype):
         return model, leak, None  # the half model's own rows
+    table_layer = make_view("kv", model, at).states_layer if kv else at
+    if not table_path(model, table_layer, "table", dtype="float32").is_file():
+        return model, leak, None  # no float32 model loaded, no table built before the search (a capture made on
+        # another machine's kernels is not reproduced either): the second reading serves
     full = model_from_args(args, name, dtype="float32")
     if not _position_0(full, states, full.probe.layer(known), dtype):
         return model, leak, None
@@ -63,11 +71,17 @@ def cast_first(
 
 def _position_0(model: LoadedModel, states: HiddenStates | KVCapture, layer, dtype: torch.dtype) -> bool:
     """Whether ``model``'s first-position table, rounded to ``dtype``, reproduces every prompt's position-0 row
-    (:func:`lminvert.invert.casts.is_cast`; a KV cache's through the view at each prompt's offset)."""
-    if isinstance(states, KVCapture):
-        view = make_view("kv", model, layer)
-        return is_cast(model, [r[0] for r in states.rows], layer, dtype, view, list(states.offsets))
-    return is_cast(model, [s[0] for s in states.states], layer, dtype)
+    (:func:`lminvert.invert.casts.is_cast`; a KV cache's through the view at each prompt's offset); False for rows of
+    another width or not finite (the search refuses them in one line)."""
+    kv = isinstance(states, KVCapture)
+    view = make_view("kv", model, layer) if kv else None
+    rows = [r[0] for r in (states.rows if kv else states.states) if len(r)]
+    width = view.width if view is not None else model.probe.hidden_size
+    if len(rows) < len(states.rows if kv else states.states) or any(r.shape[-1] != width for r in rows):
+        return False
+    if not all(bool(torch.isfinite(r).all()) for r in rows):
+        return False
+    return is_cast(model, rows, layer, dtype, view, list(states.offsets) if kv else None)
 
 
 def reread(
