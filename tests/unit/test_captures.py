@@ -447,3 +447,28 @@ def test_a_sliding_window_layers_cache_saved_as_pairs_is_told(tmp_path):
         doc = json.loads(seen.stdout)
         assert seen.returncode == 0, seen.stderr
         assert any("attends over a sliding window of 4" in note for note in doc["notes"]) == told, (text, doc["notes"])
+
+
+def test_a_cast_is_not_told_before_the_search_without_a_kept_float32_table(tmp_path, monkeypatch):
+    """Rows the half model's table does not reproduce (a cast, or a half capture from other kernels) load the float32
+    model before the search only where its table at the layer is kept: else the first reading goes on as the half
+    model's (the second reading serves a cast), with nothing loaded or built."""
+    from types import SimpleNamespace
+
+    import lminvert.cli.recast as recast
+    from lminvert.invert import grouped
+    from lminvert.invert.tables import first_position_table
+
+    full, half = lminvert.load_model("tiny-gemma3"), lminvert.load_model("tiny-gemma3", dtype="bfloat16")
+    ids = full.tokenize("A capture saved in half precision")
+    layer = full.probe.layer(2)
+    cast = HiddenStates.from_array(full.probe.states(torch.tensor([ids]), [layer])[layer][0].bfloat16())
+    first_position_table(full, layer, progress=False)  # kept: the cast is told before the search
+    args = SimpleNamespace(dtype=None, source=None, model="tiny-gemma3", device="cpu")
+    leak = grouped("states", None, None)[0]
+    model, told, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
+    assert model.dtype == "float32" and told.source == "quant:bf16" and "not a bfloat16 model's" in note
+    monkeypatch.setattr(recast, "table_path", lambda *a, **k: tmp_path / "none.safetensors")
+    monkeypatch.setattr(recast, "model_from_args", lambda *a, **k: pytest.fail("the float32 model was loaded"))
+    model, kept, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
+    assert model is half and kept == leak and note is None
