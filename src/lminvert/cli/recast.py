@@ -5,10 +5,9 @@ Where the layer (a KV cache's block) is known before the search and the float32 
 is kept, position 0 says it first (:func:`cast_first`): rows that the half model's own table does not reproduce bit
 for bit (a half model's rows are reproduced on this CPU: SmolLM2 layers 1, 15 and final, every coordinate), but the
 float32 table rounded does (:mod:`lminvert.invert.casts`), are read by the float32 model as the cast they are
-(``--source quant:bf16|fp16``), once. Else, where rows read as a
-half model's leave half or more of a prompt's positions ``uncertain`` and every prompt's position-0 row says it is a
-float32 computation rounded, the file is read again that way (:func:`reread`). Each result says so; where the rows do
-not say so, a hint names that reading."""
+(``--source quant:bf16|fp16``), once. Else, where rows read as a half model's leave half or more of a prompt's
+positions ``uncertain`` and every prompt's position-0 row says it is a float32 computation rounded, the file is read
+again that way (:func:`reread`). Each result says so; where the rows do not say so, a hint names that reading."""
 
 from __future__ import annotations
 
