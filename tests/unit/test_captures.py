@@ -365,6 +365,11 @@ def test_a_float32_models_states_cast_to_bfloat16_are_read_again_as_the_cast(tmp
     assert done.returncode == 0 and doc["token_ids"] == ids, done.stderr
     assert doc["dtype"] == "float32" and doc["source"] == "quant:bf16", (doc["dtype"], doc["source"])
     assert any("not a bfloat16 model's: read as a float32 model's states cast" in note for note in doc["notes"])
+    seen = run_cli("inspect", str(tmp_path / "cast.pt"), "--model", "tiny-gemma3", "--json")  # inspect says the same
+    doc = json.loads(seen.stdout)
+    assert seen.returncode == 0 and doc["layer"]["best"] == "2", (seen.stderr, doc.get("layer"))
+    assert any("read as a float32 model's states cast" in note for note in doc["notes"]), doc["notes"]
+    assert "--dtype float32 --source quant:bf16" in doc["command"], doc["command"]
     said = run_cli(*args, "--source", "float")
     (doc,) = json.loads(said.stdout)
     assert said.returncode == 0 and doc["dtype"] == "bfloat16" and doc["source"] == "float", said.stderr
@@ -416,6 +421,10 @@ def test_a_kv_cache_cast_to_bfloat16_is_told_by_position_0_and_read_again(tmp_pa
         assert done.returncode == 0 and doc["dtype"] == dtype and doc["token_ids"] == ids, done.stderr
         told = any("not a bfloat16 model's: read as a float32 model's KV cache cast" in n for n in doc["notes"])
         assert told == (dtype == "float32") and "uncertain" not in doc["verdicts"], doc["notes"]
+        seen = run_cli("inspect", str(tmp_path / name), "--model", "tiny-llama", "--layer", "2", "--json")
+        doc = json.loads(seen.stdout)
+        assert seen.returncode == 0 and doc["fits_model"], seen.stderr
+        assert ("--source quant:bf16" in doc["command"]) == (dtype == "float32"), doc["command"]
 
 
 def test_a_sliding_window_layers_cache_saved_as_pairs_is_told(tmp_path):

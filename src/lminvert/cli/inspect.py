@@ -12,10 +12,11 @@ from ..errors import LminvertError
 from ..invert.layerfit import fit_layers
 from ..invert.leaks import window_note
 from ..kv_captures import is_kv_file, read_kv
-from ..models.compat import check_compatible
+from ..models.compat import CASTS, check_compatible
 from ..models.kv import kv_block
 from ..states import HiddenStates
 from .common import add_command, add_states_args, model_for_kv, model_for_states, print_json
+from .recast import told_cast
 
 EXAMPLES = """examples:
   lminvert inspect leak.safetensors                       # a file from `lminvert encode`: what it records
@@ -63,10 +64,15 @@ def run(args: argparse.Namespace) -> int:
         doc["notes"] = list(states.notes)
         check_compatible(states, model, None)
         doc |= _against(model, states)
-        layer = doc["layer"]["best"] if doc["layer"]["fits"] and doc["layer"]["decisive"] else "L"
+        found = doc["layer"]["fits"] and doc["layer"]["decisive"]
+        layer = doc["layer"]["best"] if found else "L"
         command = ["lminvert", "invert", args.states, "--model", name]
         if states.layer is None:
             command += ["--layer", layer]
+        told = told_cast(args, model, name, states, doc["layer"]["best"] if doc["layer"]["fits"] else None)
+        if told is not None:  # as invert reads it
+            doc["notes"].append(told[1])
+            command += ["--dtype", "float32", "--source", f"quant:{CASTS[states.dtype or '']}"]
         command += [f"--{k}={v}" for k, v in (("key", args.key), ("mask", args.mask)) if v]
         doc["command"] = shlex.join(command)
     if args.json:
@@ -142,6 +148,10 @@ def _kv(args: argparse.Namespace) -> int:
             doc["fits_model"] = width == capture.rows[0].shape[1]
             doc["notes"] += window_note(model, model.probe.layer(doc["block"]), [len(r) for r in capture.rows])
             command = ["lminvert", "invert", args.states, "--model", args.model, "--layer", str(doc["block"])]
+            told = told_cast(args, model, args.model, capture, doc["block"]) if doc["fits_model"] else None
+            if told is not None:  # as invert reads it
+                doc["notes"].append(told[1])
+                command += ["--dtype", "float32", "--source", f"quant:{CASTS[capture.dtype]}"]
             command += [f"--{k}={v}" for k, v in (("key", args.key), ("mask", args.mask)) if v]
             doc["command"] = shlex.join(command)
     if args.json:

@@ -36,36 +36,48 @@ def cast_first(
     args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, layer, leak: Leak
 ) -> tuple[LoadedModel, Leak, str | None]:
     """The model and leak to read ``states`` with, and the note each result then carries: the float32 model and
-    ``quant:bf16|fp16`` where the layer (``layer``, else the one the states record, a KV cache's block) is known, the
-    half model's table does not reproduce position 0, the float32 model's table there is kept already (the float32
-    model is loaded only then: a capture of another machine's half kernels is not reproduced either), and it says the
-    rows are a float32 computation cast (see the module docstring); else ``model`` and ``leak`` as they are, and
+    ``quant:bf16|fp16`` where :func:`told_cast` says so; else ``model`` and ``leak`` as they are, and None."""
+    if leak.kind not in ("states", "kv"):
+        return model, leak, None
+    told = told_cast(args, model, name, states, layer)
+    if told is None:
+        return model, leak, None
+    full, note = told
+    return full, replace(leak, source=f"quant:{CASTS[states.dtype or '']}"), note
+
+
+def told_cast(
+    args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, layer
+) -> tuple[LoadedModel, str] | None:
+    """The float32 model and the note that says so, where half-precision ``states`` read by the half ``model`` are a
+    float32 computation cast before the search: neither ``--dtype`` nor ``--source`` given, the layer (``layer``,
+    else the one the states record or a KV cache's block) known, the half model's table not reproducing position 0,
+    the float32 model's table there kept already (the float32 model is loaded only then: a capture of another
+    machine's half kernels is not reproduced either), and that table saying so (see the module docstring); else
     None."""
     cast = CASTS.get(states.dtype or "")
-    if cast is None or model.dtype != states.dtype or leak.kind not in ("states", "kv") or args.dtype or args.source:
-        return model, leak, None
+    if cast is None or model.dtype != states.dtype or args.dtype or getattr(args, "source", None):
+        return None
     kv = isinstance(states, KVCapture)
-    known = states.block if kv else (layer if layer is not None else states.layer)
+    known = layer if layer is not None else (states.block if kv else states.layer)
     if known is None:
-        return model, leak, None  # found by the search: the second reading serves (reread)
+        return None  # found by the search: the second reading serves (reread)
     dtype, at = getattr(torch, states.dtype), model.probe.layer(known)
     if _position_0(model, states, at, dtype):
-        return model, leak, None  # the half model's own rows
+        return None  # the half model's own rows
     table_layer = make_view("kv", model, at).states_layer if kv else at
     if not table_path(model, table_layer, "table", dtype="float32").is_file():
-        return model, leak, None  # no float32 model loaded, no table built before the search (a capture made on
-        # another machine's kernels is not reproduced either): the second reading serves
+        return None  # no float32 model loaded, no table built before the search: the second reading serves
     full = model_from_args(args, name, dtype="float32")
     if not _position_0(full, states, full.probe.layer(known), dtype):
-        return model, leak, None
+        return None
     what = "KV cache" if kv else "states"
-    note = (
+    return full, (
         f"every prompt's position-0 row is a float32 computation of its token rounded to {states.dtype} (at least "
         f"{AGREE:.0%} of its coordinates bit for bit), not a {states.dtype} model's: read as a float32 model's {what} "
         f"cast to {states.dtype} (--dtype float32 --source quant:{cast}; --source float reads them as a {states.dtype} "
         "model's)"
     )
-    return full, replace(leak, source=f"quant:{cast}"), note
 
 
 def _position_0(model: LoadedModel, states: HiddenStates | KVCapture, layer, dtype: torch.dtype) -> bool:
