@@ -8,6 +8,7 @@ Forms (``--forms``), for held-out prompts of ``--length`` tokens at layer (block
 * ``fp16-npy``: a float16 model's, as float32 ``.npy``;
 * ``cast-bf16``: a float32 model's states cast to bfloat16 to be saved (another leak: what the tool says about it);
 * ``cast-bf16-named``: the same with ``--dtype float32 --source quant:bf16``;
+* ``cast-fp16``: a float32 model's states cast to float16 (``torch.save``);
 * ``kv-bf16-f32``: a bfloat16 model's KV cache saved as float32 (keys, values) pairs, ``--leak kv``;
 * ``kv-cast-bf16``: a float32 model's KV cache cast to bfloat16 pairs to be saved, ``--leak kv``.
 
@@ -37,14 +38,16 @@ import lminvert
 from heldout import FRESH, HELD_OUT
 from lminvert.cli import main as cli
 
-FORMS = ("bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "kv-bf16-f32", "kv-cast-bf16")
+FORMS = (
+    "bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "cast-fp16", "kv-bf16-f32", "kv-cast-bf16"
+)  # fmt: skip
 CLAIMED = ("certified", "confident")
 HINT = "--source quant:"
 
 
 def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> list[str]:
     """Save ``ids``' leak in ``form`` at ``path``; the command's extra arguments."""
-    casts = ("cast-bf16", "cast-bf16-named", "kv-cast-bf16")
+    casts = ("cast-bf16", "cast-bf16-named", "cast-fp16", "kv-cast-bf16")
     dtype = "float16" if form == "fp16-npy" else "float32" if form in casts else "bfloat16"
     model = models.setdefault(dtype, lminvert.load_model("smollm2-135m", dtype=dtype))
     with torch.no_grad():
@@ -58,6 +61,8 @@ def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> li
         torch.save(hidden, path)
     elif form.endswith("-npy"):
         np.save(path, hidden[0].float().numpy())
+    elif form == "cast-fp16":
+        torch.save(hidden.half(), path)
     else:
         torch.save(hidden.bfloat16(), path)
     return ["--dtype", "float32", "--source", "quant:bf16"] if form == "cast-bf16-named" else []
