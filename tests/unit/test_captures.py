@@ -475,9 +475,12 @@ def test_a_cast_is_not_told_before_the_search_without_a_kept_float32_table(tmp_p
     first_position_table(full, layer, progress=False)  # kept: the cast is told before the search
     args = SimpleNamespace(dtype=None, source=None, model="tiny-gemma3", device="cpu")
     leak = grouped("states", None, None)[0]
-    model, told, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
+    model, told, at, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
     assert model.dtype == "float32" and told.source == "quant:bf16" and "not a bfloat16 model's" in note
+    assert at == layer and " at layer" not in note
+    model, told, at, note = recast.cast_first(args, half, "tiny-gemma3", cast, None, leak)  # the layer from the fit
+    assert model.dtype == "float32" and told.source == "quant:bf16" and at == layer and "at layer 2" in note
     monkeypatch.setattr(recast, "table_path", lambda *a, **k: tmp_path / "none.safetensors")
     monkeypatch.setattr(recast, "model_from_args", lambda *a, **k: pytest.fail("the float32 model was loaded"))
-    model, kept, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
-    assert model is half and kept == leak and note is None
+    model, kept, at, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
+    assert model is half and kept == leak and at == layer and note is None

@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out)
     model, name, states, layer = _read(args, leak.kind)
-    model, leak, cast = cast_first(args, model, name, states, layer, leak)
+    model, leak, layer, cast = cast_first(args, model, name, states, layer, leak)
     results = invert(model, states, layer, leak=leak, search=search, run=runs)
     if cast is not None:
         results = [replace(r, notes=(*r.notes, cast)) for r in results]

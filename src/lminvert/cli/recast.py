@@ -1,8 +1,8 @@
 """How `lminvert invert` reads half-precision states or KV caches that a float32 model may have computed and a user cast
 to half precision to save (the file's dtype does not say which, and neither ``--dtype`` nor ``--source`` was given).
 
-Where the layer (a KV cache's block) is known before the search and the float32 model's first-position table there
-is kept, position 0 says it first (:func:`cast_first`): rows that the half model's own table does not reproduce bit
+Where the layer (a KV cache's block) is known before the search (for states, at worst the layer they fit best) and
+the float32 model's first-position table there is kept, position 0 says it first (:func:`cast_first`): rows that the half model's own table does not reproduce bit
 for bit (a half model's rows are reproduced on this CPU: SmolLM2 layers 1, 15 and final, every coordinate), but the
 float32 table rounded does (:mod:`lminvert.invert.casts`), are read by the float32 model as the cast they are
 (``--source quant:bf16|fp16``), once. Else, where rows read as a half model's leave half or more of a prompt's
@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from ..invert import Leak, Run, Search, invert
 from ..invert.casts import AGREE, is_cast
+from ..invert.layerfit import fit_layers
 from ..invert.tables import table_path
 from ..invert.views import make_view
 from ..kv_captures import KVCapture
@@ -34,24 +36,26 @@ def _mostly_uncertain(result) -> bool:
 
 def cast_first(
     args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, layer, leak: Leak
-) -> tuple[LoadedModel, Leak, str | None]:
-    """The model and leak to read ``states`` with, and the note each result then carries: the float32 model and
-    ``quant:bf16|fp16`` where :func:`told_cast` says so; else ``model`` and ``leak`` as they are, and None."""
+) -> tuple[LoadedModel, Leak, Any, str | None]:
+    """The model, leak and layer to read ``states`` with, and the note each result then carries: the float32 model,
+    ``quant:bf16|fp16`` and the layer checked where :func:`told_cast` says so; else ``model``, ``leak`` and
+    ``layer`` as they are, and None."""
     if leak.kind not in ("states", "kv"):
-        return model, leak, None
+        return model, leak, layer, None
     told = told_cast(args, model, name, states, layer)
     if told is None:
-        return model, leak, None
-    full, note = told
-    return full, replace(leak, source=f"quant:{CASTS[states.dtype or '']}"), note
+        return model, leak, layer, None
+    full, note, at = told
+    return full, replace(leak, source=f"quant:{CASTS[states.dtype or '']}"), at, note
 
 
 def told_cast(
     args: argparse.Namespace, model: LoadedModel, name: str, states: HiddenStates | KVCapture, layer
-) -> tuple[LoadedModel, str] | None:
-    """The float32 model and the note that says so, where half-precision ``states`` read by the half ``model`` are a
-    float32 computation cast before the search: neither ``--dtype`` nor ``--source`` given, the layer (``layer``,
-    else the one the states record or a KV cache's block) known, the half model's table not reproducing position 0,
+) -> tuple[LoadedModel, str, Any] | None:
+    """The float32 model, the note that says so and the layer checked, where half-precision ``states`` read by the
+    half ``model`` are a float32 computation cast before the search: neither ``--dtype`` nor ``--source`` given, the
+    layer known (``layer``, else the one the states record or a KV cache's block, else the layer that states fit best,
+    :func:`lminvert.invert.layerfit.fit_layers`), the half model's table not reproducing position 0,
     the float32 model's table there kept already (the float32 model is loaded only then: a capture of another
     machine's half kernels is not reproduced either), and that table saying so (see the module docstring); else
     None."""
@@ -60,8 +64,11 @@ def told_cast(
         return None
     kv = isinstance(states, KVCapture)
     known = layer if layer is not None else (states.block if kv else states.layer)
+    if known is None and not kv and _finite(states.states, model.probe.hidden_size):
+        fit = fit_layers(model, list(states.states))  # a few milliseconds; the search fits again as it does
+        known = fit.best if fit.fits else None
     if known is None:
-        return None  # found by the search: the second reading serves (reread)
+        return None  # a KV block found by the search: the second reading serves (reread)
     dtype, at = getattr(torch, states.dtype), model.probe.layer(known)
     if _position_0(model, states, at, dtype):
         return None  # the half model's own rows
@@ -72,12 +79,22 @@ def told_cast(
     if not _position_0(full, states, full.probe.layer(known), dtype):
         return None
     what = "KV cache" if kv else "states"
-    return full, (
-        f"every prompt's position-0 row is a float32 computation of its token rounded to {states.dtype} (at least "
-        f"{AGREE:.0%} of its coordinates bit for bit), not a {states.dtype} model's: read as a float32 model's {what} "
-        f"cast to {states.dtype} (--dtype float32 --source quant:{cast}; --source float reads them as a {states.dtype} "
-        "model's)"
+    found = "" if layer is not None or (states.block if kv else states.layer) is not None else f" at layer {known}"
+    return (
+        full,
+        (
+            f"every prompt's position-0 row is a float32 computation of its token{found} rounded to {states.dtype} (at "
+            f"least {AGREE:.0%} of its coordinates bit for bit), not a {states.dtype} model's: read as a float32 model's "
+            f"{what} cast to {states.dtype} (--dtype float32 --source quant:{cast}; --source float "
+            f"reads them as a {states.dtype} model's)"
+        ),
+        full.probe.layer(known),
     )
+
+
+def _finite(rows, width: int) -> bool:
+    """Every prompt holds rows of ``width`` numbers, all finite (else the search's checks refuse them in one line)."""
+    return all(len(r) and r.shape[-1] == width and bool(torch.isfinite(r).all()) for r in rows)
 
 
 def _position_0(model: LoadedModel, states: HiddenStates | KVCapture, layer, dtype: torch.dtype) -> bool:
@@ -86,12 +103,9 @@ def _position_0(model: LoadedModel, states: HiddenStates | KVCapture, layer, dty
     another width or not finite (the search refuses them in one line)."""
     kv = isinstance(states, KVCapture)
     view = make_view("kv", model, layer) if kv else None
-    rows = [r[0] for r in (states.rows if kv else states.states) if len(r)]
-    width = view.width if view is not None else model.probe.hidden_size
-    if len(rows) < len(states.rows if kv else states.states) or any(r.shape[-1] != width for r in rows):
+    if not _finite(states.rows if kv else states.states, view.width if view is not None else model.probe.hidden_size):
         return False
-    if not all(bool(torch.isfinite(r).all()) for r in rows):
-        return False
+    rows = [r[0] for r in (states.rows if kv else states.states)]
     return is_cast(model, rows, layer, dtype, view, list(states.offsets) if kv else None)
 
 
