@@ -1,13 +1,14 @@
 """How `lminvert invert` reads half-precision states or KV caches that a float32 model may have computed and a user cast
 to half precision to save (the file's dtype does not say which, and neither ``--dtype`` nor ``--source`` was given).
 
-Where the layer (a KV cache's block) is known before the search (for states, at worst the layer they fit best) and
-the float32 model's first-position table there is kept, position 0 says it first (:func:`cast_first`): rows that the half model's own table does not reproduce bit
-for bit (a half model's rows are reproduced on this CPU: SmolLM2 layers 1, 15 and final, every coordinate), but the
-float32 table rounded does (:mod:`lminvert.invert.casts`), are read by the float32 model as the cast they are
-(``--source quant:bf16|fp16``), once. Else, where rows read as a half model's leave half or more of a prompt's
-positions ``uncertain`` and every prompt's position-0 row says it is a float32 computation rounded, the file is read
-again that way (:func:`reread`). Each result says so; where the rows do not say so, a hint names that reading."""
+Where the layer (a KV cache's block) is known before the search (for states, at worst the layer they fit best) and the
+float32 model's first-position table there is kept, position 0 says it first (:func:`cast_first`): rows that the half
+model's own table does not reproduce bit for bit (a half model's rows are reproduced on this CPU: SmolLM2 layers 1, 15
+and final, every coordinate), but the float32 table rounded does (:mod:`lminvert.invert.casts`), are read by the float32
+model as the cast they are (``--source quant:bf16|fp16``), once. Else, where rows read as a half model's leave half or
+more of a prompt's positions ``uncertain`` and every prompt's position-0 row says it is a float32 computation rounded,
+the file is read again that way (:func:`reread`). Each result says so; where the rows do not say so, a hint names that
+reading."""
 
 from __future__ import annotations
 
@@ -80,16 +81,13 @@ def told_cast(
         return None
     what = "KV cache" if kv else "states"
     found = "" if layer is not None or (states.block if kv else states.layer) is not None else f" at layer {known}"
-    return (
-        full,
-        (
-            f"every prompt's position-0 row is a float32 computation of its token{found} rounded to {states.dtype} (at "
-            f"least {AGREE:.0%} of its coordinates bit for bit), not a {states.dtype} model's: read as a float32 model's "
-            f"{what} cast to {states.dtype} (--dtype float32 --source quant:{cast}; --source float "
-            f"reads them as a {states.dtype} model's)"
-        ),
-        full.probe.layer(known),
+    note = (
+        f"every prompt's position-0 row is a float32 computation of its token{found} rounded to {states.dtype} (at "
+        f"least {AGREE:.0%} of its coordinates bit for bit), not a {states.dtype} model's: read as a float32 "
+        f"model's {what} cast to {states.dtype} (--dtype float32 --source quant:{cast}; --source float reads them as "
+        f"a {states.dtype} model's)"
     )
+    return full, note, full.probe.layer(known)
 
 
 def _finite(rows, width: int) -> bool:
