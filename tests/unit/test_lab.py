@@ -127,7 +127,7 @@ def test_two_bit_activations_collide_and_bruteforce_flags_them(two_bit):
 def test_two_bit_sipit_never_silently_wrong(two_bit):
     # the hooked model is not known injective: sipit certifies every position (whole vocabulary) by itself
     rows = _inverts(two_bit, "sipit")["act-2bit"]
-    assert rows and all(r["certified"] for r in rows)
+    assert rows and all(r["whole_vocabulary"] for r in rows)
     assert all(not r["wrong_unflagged"] for r in rows), json.dumps([r["wrong_unflagged"] for r in rows])
 
 

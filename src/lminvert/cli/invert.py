@@ -265,7 +265,7 @@ def _summary(results) -> None:
             print(
                 f"    {len(r.token_ids)} tokens in {r.seconds:.2f} s, {sum(r.candidates_checked)} candidates verified "
                 f"({100 * r.explored_fraction:.3f}% of the vocabulary per position; {r.dtype} on {r.device})"
-                f"{'; certified against the whole vocabulary' if r.certified else ''}"
+                f"{'; certified against the whole vocabulary' if r.whole_vocabulary else ''}"
             )
         print(f"    verdicts ({r.source} source): {counts}{flag}")
         for note in r.notes:

@@ -64,7 +64,7 @@ def inversion_row(
                 "uncertain": p.uncertain,
                 "noise_norm": p.noise_norm,
                 "certified_radius": p.certified_radius,
-                "certified_exact": p.certified_exact,
+                "whole_vocabulary": p.whole_vocabulary,
             }
             for p, t in zip(r.positions, ids, strict=True)
         ]

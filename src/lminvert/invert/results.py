@@ -39,10 +39,10 @@ class PositionResult:
     uncertain: bool
     noise_norm: float | None = None
     # half the gap between the accepted state and the nearest other checked state (Theorem 3.2's Delta/2 when
-    # certified_exact: every vocabulary entry was checked); noise below it cannot change the answer. None without
+    # whole_vocabulary: every vocabulary entry was checked); noise below it cannot change the answer. None without
     # clean states, or when no other candidate was checked (no gap measured: e.g. a position decided by a chain's state)
     certified_radius: float | None = None
-    certified_exact: bool = False
+    whole_vocabulary: bool = False
     tied_with: tuple[int, ...] = ()  # other tokens with a bit-identical input vector: indistinguishable by any state
     confirmed: int = 0  # candidates re-measured by the plain forward at this position
     plain_distance: float | None = None  # the token's plain-forward distance, where it was re-measured
@@ -108,10 +108,11 @@ class InversionResult:
         }
 
     @property
-    def certified(self) -> bool:
-        """Every position was checked against the whole vocabulary: no other token's state matches as well (without
-        it, each position is exact given that the model is injective, which SIPIT's early stop relies on)."""
-        return all(p.certified_exact for p in self.positions)
+    def whole_vocabulary(self) -> bool:
+        """Every position was checked against the whole vocabulary (``certify=True``): no other token's state matches
+        as well (without it, each position is exact given that the model is injective, which SIPIT's early stop relies
+        on). Not the ``certified`` verdict, which says a position's state was reproduced bit for bit."""
+        return all(p.whole_vocabulary for p in self.positions)
 
     @property
     def verdicts(self) -> list[str]:
@@ -145,7 +146,7 @@ class InversionResult:
             "reasons": [p.reason for p in self.positions],
             "source": self.source,
             "notes": list(self.notes),
-            "certified": self.certified,
+            "whole_vocabulary": self.whole_vocabulary,
             "explored_fraction": self.explored_fraction,
             "time_split": {k: round(v, 4) for k, v in self.time_split.items()},
             "confirmed": [p.confirmed for p in self.positions],
@@ -169,7 +170,7 @@ class InversionResult:
                 {
                     "noise_norm": p.noise_norm,
                     "certified_radius": p.certified_radius,
-                    "certified_exact": p.certified_exact,
+                    "whole_vocabulary": p.whole_vocabulary,
                     "below_certified_radius": None
                     if p.certified_radius is None or p.noise_norm is None
                     else p.noise_norm < p.certified_radius,

@@ -379,7 +379,7 @@ class PromptSearch:
             reason=self.decision.reason or "no candidate verified",
             noise_norm=noise_norm,
             certified_radius=certified,
-            certified_exact=ctx.checked >= self.settings.vocab,
+            whole_vocabulary=ctx.checked >= self.settings.vocab,
             tied_with=tied,
             confirmed=len(self.plain),
             plain_distance=self.plain.get(token),

@@ -368,7 +368,7 @@ def _invert_row(
         "truth": truth,
         "recovered": got,
         "exact": got == truth,
-        "certified": result.certified,
+        "whole_vocabulary": result.whole_vocabulary,
         "flagged": sorted(flagged),
         "tied_flagged": [t for t, p in enumerate(result.positions) if p.tied_with],
         "wrong": wrong,
