@@ -254,16 +254,19 @@ def test_the_cast_hint_names_the_half_format_where_half_or_more_positions_are_un
     def result(uncertain: int, source: str = "float"):
         return SimpleNamespace(source=source, token_ids=[1] * 6, uncertain_positions=list(range(uncertain)))
 
-    for dtype, results, shown in [
-        ("float16", [result(2), result(3)], True),
-        ("float16", [result(2)], False),
-        ("float16", [result(6, "noise:0.01")], False),
-        ("bfloat16", [result(6)], False),  # the model runs in another dtype than the file's
-        (None, [result(6)], False),
+    for dtype, results, kind, shown in [
+        ("float16", [result(2), result(3)], "states", True),
+        ("float16", [result(2), result(3)], "kv", True),
+        ("float16", [result(2)], "states", False),
+        ("float16", [result(6, "noise:0.01")], "states", False),
+        ("bfloat16", [result(6)], "states", False),  # the model runs in another dtype than the file's
+        (None, [result(6)], "states", False),
+        ("float16", [result(3)], "last", False),  # one vector: uncertain wherever its prompt is not found
     ]:
-        cast_hint(model, dtype, results)
+        cast_hint(model, dtype, results, kind)
         err = capsys.readouterr().err
-        assert ("3 of 6 positions are uncertain" in err and "--source quant:fp16" in err) == shown, (dtype, err)
+        said = "3 of 6 positions are uncertain" in err and "--source quant:fp16" in err
+        assert said == shown and ("KV cache" in err) == (shown and kind == "kv"), (dtype, kind, err)
 
 
 def test_a_half_models_states_saved_wider_are_read_as_that_models(tmp_path):

@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _summary(results)
     _reader_hint(model, name, results[0], leak.kind)
-    cast_hint(model, states.dtype, results, "KV cache" if leak.kind == "kv" else "states")
+    cast_hint(model, states.dtype, results, leak.kind)
     return 0
 
 

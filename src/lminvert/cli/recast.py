@@ -138,14 +138,18 @@ def reread(
     ]
 
 
-def cast_hint(model: LoadedModel, dtype: str | None, results: list, what: str = "states") -> None:
-    """Where half-precision rows read as computed in that precision (``float`` source, the model in the file's dtype)
-    leave half or more of a prompt's positions uncertain, name the other reading a user may mean: a float32 model's
-    rows cast to half precision to be saved (``--dtype float32 --source quant:bf16|fp16``)."""
+def cast_hint(model: LoadedModel, dtype: str | None, results: list, kind: str = "states") -> None:
+    """Where half-precision states or KV rows (``kind``) read as computed in that precision (``float`` source, the
+    model in the file's dtype) leave half or more of a prompt's positions uncertain, name the other reading a user may
+    mean: a float32 model's rows cast to half precision to be saved (``--dtype float32 --source quant:bf16|fp16``).
+    Not for one vector (``last``), whose positions are uncertain wherever its prompt is not found, cast or not."""
     cast = CASTS.get(dtype or "")
     worst = max(results, key=lambda r: len(r.uncertain_positions) / max(len(r.token_ids), 1), default=None)
-    if cast is None or model.dtype != dtype or worst is None or not _mostly_uncertain(worst):
+    if kind not in ("states", "kv") or cast is None or model.dtype != dtype or worst is None:
         return
+    if not _mostly_uncertain(worst):
+        return
+    what = "KV cache" if kind == "kv" else "states"
     print(
         f"hint: {len(worst.uncertain_positions)} of {len(worst.token_ids)} positions are uncertain read as a {dtype} "
         f"model's {what}; if a float32 model computed them and they were saved in {dtype}, try --dtype float32 "
