@@ -261,12 +261,15 @@ def test_the_cast_hint_names_the_half_format_where_half_or_more_positions_are_un
         ("float16", [result(6, "noise:0.01")], "states", False),
         ("bfloat16", [result(6)], "states", False),  # the model runs in another dtype than the file's
         (None, [result(6)], "states", False),
-        ("float16", [result(3)], "last", False),  # one vector: uncertain wherever its prompt is not found
+        ("float16", [result(6)], "last", True),  # one vector: uncertain wherever its prompt is not found
+        ("float16", [result(0)], "last", False),
     ]:
         cast_hint(model, dtype, results, kind)
         err = capsys.readouterr().err
-        said = "3 of 6 positions are uncertain" in err and "--source quant:fp16" in err
-        assert said == shown and ("KV cache" in err) == (shown and kind == "kv"), (dtype, kind, err)
+        counted = ("3 of 6 positions are uncertain" in err) == (shown and kind != "last")
+        not_found = ("no prompt was found for the vector" in err) == (shown and kind == "last")
+        assert ("--source quant:fp16" in err) == shown and counted and not_found, (dtype, kind, err)
+        assert ("KV cache" in err) == (shown and kind == "kv"), (dtype, kind, err)
 
 
 def test_a_half_models_states_saved_wider_are_read_as_that_models(tmp_path):

@@ -142,17 +142,20 @@ def cast_hint(model: LoadedModel, dtype: str | None, results: list, kind: str = 
     """Where half-precision states or KV rows (``kind``) read as computed in that precision (``float`` source, the
     model in the file's dtype) leave half or more of a prompt's positions uncertain, name the other reading a user may
     mean: a float32 model's rows cast to half precision to be saved (``--dtype float32 --source quant:bf16|fp16``).
-    Not for one vector (``last``), whose positions are uncertain wherever its prompt is not found, cast or not."""
+    One vector (``last``) is uncertain wherever its prompt is not found, cast or not: the hint says only that."""
     cast = CASTS.get(dtype or "")
     worst = max(results, key=lambda r: len(r.uncertain_positions) / max(len(r.token_ids), 1), default=None)
-    if kind not in ("states", "kv") or cast is None or model.dtype != dtype or worst is None:
+    if cast is None or model.dtype != dtype or worst is None or not _mostly_uncertain(worst):
         return
-    if not _mostly_uncertain(worst):
-        return
-    what = "KV cache" if kind == "kv" else "states"
+    them, they = ("it", "it was") if kind == "last" else ("them", "they were")
+    if kind == "last":
+        said = f"no prompt was found for the vector read as a {dtype} model's"
+    else:
+        what = "KV cache" if kind == "kv" else "states"
+        counts = f"{len(worst.uncertain_positions)} of {len(worst.token_ids)}"
+        said = f"{counts} positions are uncertain read as a {dtype} model's {what}"
     print(
-        f"hint: {len(worst.uncertain_positions)} of {len(worst.token_ids)} positions are uncertain read as a {dtype} "
-        f"model's {what}; if a float32 model computed them and they were saved in {dtype}, try --dtype float32 "
+        f"hint: {said}; if a float32 model computed {them} and {they} saved in {dtype}, try --dtype float32 "
         f"--source quant:{cast}",
         file=sys.stderr,
     )
