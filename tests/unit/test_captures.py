@@ -131,6 +131,35 @@ def test_the_layer_is_found_at_every_layer_of_a_tiny_model(name):
         assert (fit.best, fit.fits) == (str(layer), True), fit.describe()
 
 
+def test_position_0_settles_a_layer_fit_that_is_not_decisive():
+    """Where the scores cannot tell layers apart, position 0 chooses (its state depends on its token alone): the
+    states' own layer, the only one whose first-position table holds a token within the bound; nothing where position
+    0 lies beyond the bound at every close layer, or where more than TRIED layers are close."""
+    from dataclasses import replace
+
+    from lminvert.invert.layerfit import MARGIN, TRIED, resolve_layer, settle
+    from lminvert.invert.sources import Float
+
+    model = lminvert.load_model("tiny-llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.probe.vocab_size, (6,), generator=gen) for _ in range(2)]
+    layer = model.probe.n_layers // 2 + 1
+    states = [model.probe.states(p[None], [layer])[model.probe.layer(layer)][0] for p in prompts]
+    fit = fit_layers(model, states, Float())
+    assert fit.best == str(layer), fit.describe()
+    near = fit.ranked[1]
+    blurred = replace(fit, scores={**fit.scores, near: fit.scores[str(layer)] - MARGIN / 2})  # a wrong best
+    assert not blurred.decisive and blurred.best == near
+    settled = settle(model, states, blurred, Float())
+    assert settled.decisive and settled.best == str(layer), settled.describe()
+    assert f"could not tell it from layer {near}" in settled.describe()
+    moved = [torch.cat([s[:1] * 3, s[1:]]) for s in states]  # position 0 of no token at any layer
+    assert not settle(model, moved, blurred, Float()).decisive
+    crowded = replace(fit, scores={name: fit.scores[str(layer)] + i for i, name in enumerate(fit.ranked)})
+    assert len(crowded.close) > TRIED and not settle(model, states, crowded, Float()).decisive
+    assert resolve_layer(model, states, None, Float())[0] == model.probe.layer(layer)
+
+
 def test_nnsight_and_transformer_lens_captures_invert():
     model = lminvert.load_model("tiny-llama")
     ids = PROMPTS[0]

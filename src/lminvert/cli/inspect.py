@@ -9,8 +9,9 @@ import shlex
 import torch
 
 from ..errors import LminvertError
-from ..invert.layerfit import fit_layers
+from ..invert.layerfit import fit_layers, settle
 from ..invert.leaks import window_note
+from ..invert.sources import Exact, Float
 from ..kv_captures import is_kv_file, read_kv
 from ..models.compat import CASTS, check_compatible
 from ..models.kv import kv_block
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _against(model, states: HiddenStates) -> dict:
-    fit = fit_layers(model, list(states.states))
+    rows = list(states.states)
+    fit = settle(model, rows, fit_layers(model, rows), Exact() if states.weights_hash is not None else Float())
     out = {
         "model": model.name,
         "layer": {

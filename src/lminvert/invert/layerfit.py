@@ -8,7 +8,9 @@ one covariance pooled over layers for each (states divided by the layer's median
 against every layer by minus twice its log-likelihood under a multivariate t with that mean and covariance (the
 source's error, e.g. added noise, widens the covariance), and:
 
-* the lowest score names the layer, *decisively* when every other layer scores at least ``MARGIN`` more;
+* the lowest score names the layer, *decisively* when every other layer scores at least ``MARGIN`` more; where it
+  does not, position 0 may (:func:`settle`): its state depends on its token alone, so of the layers the scores cannot
+  tell apart, the states' own is one where it lies within the source's bound of a token's state;
 * a best layer's *spread* (the median later row's squared Mahalanobis distance per dimension) above ``FIT`` means the
   states fit no layer of this model (another model whose hidden size matches by chance, random numbers, a window
   that does not start at position 0).
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,6 +53,7 @@ ROWS = 64  # rows scored at most (the first ones): enough to decide, and a const
 CENTRED = 1e-3  # a row whose mean is below this fraction of its RMS is centred; a model's own rows are not (a real
 # row's mean is ~1/sqrt(d) of its RMS at random, so that every one of CENTRED_ROWS rows passes by chance is ~1e-8)
 CENTRED_ROWS = 4
+TRIED = 3  # layers within MARGIN of the best that position 0 is checked at (a first-position table each), at most
 EMBEDDING = 0.05  # layer 0 holds the tokens' embeddings: position 0 of a capture lies within rounding of one
 # (bfloat16: ~4e-3 of its norm) beyond the source's bound; random numbers at the embeddings' scale fit layer 0's
 # covariance (SmolLM2: N(0, 0.03) fits it at 0.43) but lie ~2.6 of their norm from every embedding
@@ -82,6 +85,7 @@ class LayerFit:
     spreads: dict[str, float]  # the median later row's squared Mahalanobis distance per dimension (about 1: in place)
     measured: bool = True  # False: one row per prompt, whose spread is not a measure of fit (never refused on it)
     what: str = "layer"  # what the names are: layers, or a KV cache's blocks (:mod:`.blockfit`)
+    chosen: str | None = None  # the layer position 0 chose among those the scores could not tell apart (:func:`settle`)
 
     @property
     def ranked(self) -> list[str]:
@@ -89,7 +93,7 @@ class LayerFit:
 
     @property
     def best(self) -> str:
-        return self.ranked[0]
+        return self.chosen or self.ranked[0]
 
     @property
     def fit(self) -> float:
@@ -102,9 +106,14 @@ class LayerFit:
 
     @property
     def decisive(self) -> bool:
-        """Whether the best layer beats every other by ``MARGIN``."""
+        """Whether the best layer beats every other by ``MARGIN``, or position 0 chose it (:func:`settle`)."""
         ranked = self.ranked
-        return len(ranked) == 1 or self.scores[ranked[1]] - self.scores[ranked[0]] >= MARGIN
+        return self.chosen is not None or len(ranked) == 1 or self.scores[ranked[1]] - self.scores[ranked[0]] >= MARGIN
+
+    @property
+    def close(self) -> list[str]:
+        """The layers within ``MARGIN`` of the best score, best first."""
+        return [name for name in self.ranked if self.scores[name] - self.scores[self.ranked[0]] < MARGIN]
 
     def rules_out(self, layer: str) -> bool:
         """Whether the states decisively do not come from ``layer``: another layer fits, and beats it by ``MARGIN``."""
@@ -114,6 +123,12 @@ class LayerFit:
         """One phrase: the best layer, its fit and the runner-up."""
         ranked = self.ranked
         text = f"{self.what} {self.best} (fit {self.fit:.3g}"
+        if self.chosen is not None:
+            others = ", ".join(name for name in self.close if name != self.chosen)
+            return text + (
+                f"; the fit alone could not tell it from {self.what} {others}: only at {self.what} {self.chosen} does "
+                "every prompt's position 0 lie within the error model's bound of a token's state)"
+            )
         if len(ranked) > 1:
             gap = self.scores[ranked[1]] - self.scores[ranked[0]]
             text += f"; next: {self.what} {ranked[1]}, {gap:.3g} worse"
@@ -251,20 +266,44 @@ def centred(states: list[torch.Tensor]) -> bool:
 def _embedding_gap(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel) -> float:
     """How far beyond the source's bound position 0 lies from the nearest token's layer-0 state (median over the
     prompts), relative to its norm."""
-    table = first_position_table(model, model.probe.layer(0), progress=False)
+    return float(torch.tensor(_first_gaps(model, states, model.probe.layer(0), source)).median())
+
+
+def _first_gaps(model: LoadedModel, states: list[torch.Tensor], layer: Layer, source: ErrorModel) -> list[float]:
+    """Per prompt, how far beyond the source's bound its position-0 row lies from the nearest token's state at
+    ``layer`` (the first-position table: built once per layer and kept), relative to the row's norm; 0 within it."""
+    table = first_position_table(model, layer, progress=False)
     gaps = []
     for prompt in states:
         row = prompt[0].detach().to(table.device, torch.float32)
         nearest = ((table - row) ** 2).sum(-1).min().sqrt()
         gaps.append(max(0.0, float(nearest) - source.bound(row, 0)) / max(float(row.norm()), 1e-30))
-    return float(torch.tensor(gaps).median())
+    return gaps
+
+
+def settle(model: LoadedModel, states: list[torch.Tensor], fit: LayerFit, source: ErrorModel | None = None) -> LayerFit:
+    """``fit``, or where it is not decisive but fits, the same with one layer ``chosen`` by position 0: among the
+    layers within ``MARGIN`` of the best (at most ``TRIED``), the only one where every prompt's position-0 row lies
+    within ``source``'s bound of some token's state. Position 0's state depends on its token alone, so the states' own
+    layer is one such wherever the bound holds; where another is too, or none is, nothing is chosen. This chooses
+    where the search runs; every token's verdict is still the acceptor's."""
+    if fit.decisive or not fit.fits:
+        return fit
+    close = fit.close
+    if len(close) > TRIED:
+        return fit
+    source = source or Exact()
+    within = [name for name in close if not any(_first_gaps(model, states, model.probe.layer(name), source))]
+    log.info("layer fit not decisive among %s; position 0 within the bound at %s", close, within)
+    return replace(fit, chosen=within[0]) if len(within) == 1 else fit
 
 
 def resolve_layer(
     model: LoadedModel, states: list[torch.Tensor], given: Layer | None, source: ErrorModel | None = None
 ) -> tuple[Layer, LayerFit]:
     """The layer to search at: ``given``, unless the states decisively come from another layer (a one-line error
-    naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive."""
+    naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive or position 0
+    chooses it (:func:`settle`)."""
     fit = fit_layers(model, states, source)
     probe = model.probe
     searched = given.name if given is not None else fit.best
@@ -294,6 +333,7 @@ def resolve_layer(
                 f"random numbers at the embeddings' scale? (pass the right --model, or {anyway} to search anyway)"
             )
     if given is None:
+        fit = settle(model, states, fit, source)
         if not fit.decisive:
             raise LminvertError(
                 f"cannot tell which layer of {model.name} these states hold: the closest is {fit.describe()}; "
