@@ -222,6 +222,9 @@ def test_cli_json_schema(cli, tmp):
             assert key in d
         n = len(d["token_ids"])
         assert len(d["candidates_checked"]) == len(d["distances"]) == len(d["margins"]) == n
+        assert len(d["plain_distances"]) == n
+        for t, verdict in enumerate(d["verdicts"]):  # certified: reproduced by the search's forward or the plain one
+            assert verdict != "certified" or 0.0 in (d["distances"][t], d["plain_distances"][t]), (t, d)
     assert "Secret" in docs[0]["text"]
 
 

@@ -24,7 +24,9 @@ class PositionResult:
     ``verdict`` is the acceptor's (:mod:`lminvert.invert.acceptor`: certified, confident or uncertain) and ``reason``
     why; ``uncertain`` is ``verdict == "uncertain"``.
     ``confirmed`` counts the candidates whose states were recomputed by a plain uncached forward of prefix +
-    candidate (see :mod:`lminvert.invert.search`); ``plain_distance`` is the accepted token's distance under it.
+    candidate (see :mod:`lminvert.invert.search`); ``plain_distance`` is the accepted token's distance under it
+    (JSON ``plain_distances``: a ``certified`` position reproduced by the plain forward has 0 there, whatever
+    ``distance`` the search's batched, cached forward measured).
     ``candidates_checked`` counts every candidate run through the model at the position, ``screened_out`` of them
     only with bfloat16 GEMMs (screening, :mod:`lminvert.invert.engine`: their screened states ruled them out; never
     the accepted token), ``scouted`` of them by the scout (:mod:`lminvert.invert.scout`); ``forwards`` counts the
@@ -139,6 +141,7 @@ class InversionResult:
             "seconds": round(self.seconds, 4),
             "candidates_checked": self.candidates_checked,
             "distances": self.distances,
+            "plain_distances": [p.plain_distance for p in self.positions],
             "margins": [m if m != float("inf") else None for m in self.margins],
             "uncertain_positions": self.uncertain_positions,
             "verdicts": self.verdicts,

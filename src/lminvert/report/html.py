@@ -92,14 +92,16 @@ def inversion_html(docs: Sequence[Mapping[str, Any]], name: str) -> str:
         tokens = doc.get("tokens") or [f"[{t}]" for t in ids]
         margins = doc.get("margins") or [None] * len(ids)
         distances = doc.get("distances") or [0.0] * len(ids)
+        plain = doc.get("plain_distances") or [None] * len(ids)
         uncertain = set(doc.get("uncertain_positions", []))
         verdicts = doc.get("verdicts") or ["uncertain" if t in uncertain else "certified" for t in range(len(ids))]
         tolerance = doc.get("tolerances") or [max(d, 1e-12) for d in distances]
         spans = []
         for t, (tid, tok) in enumerate(zip(ids, tokens, strict=False)):
             margin = margins[t] if t < len(margins) else None
+            again = f" (plain forward {plain[t]:.3g})" if t < len(plain) and plain[t] is not None else ""
             title = (
-                f"position {t}: id {tid}, {verdicts[t]}, distance {distances[t]:.3g}, margin "
+                f"position {t}: id {tid}, {verdicts[t]}, distance {distances[t]:.3g}{again}, margin "
                 f"{margin if margin is not None else 'inf'}"
             )
             if t in uncertain:
