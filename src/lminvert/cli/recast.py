@@ -147,13 +147,12 @@ def cast_hint(model: LoadedModel, dtype: str | None, results: list, kind: str = 
     worst = max(results, key=lambda r: len(r.uncertain_positions) / max(len(r.token_ids), 1), default=None)
     if cast is None or model.dtype != dtype or worst is None or not _mostly_uncertain(worst):
         return
-    them, they = ("it", "it was") if kind == "last" else ("them", "they were")
     if kind == "last":
-        said = f"no prompt was found for the vector read as a {dtype} model's"
+        said, them, they = f"no prompt was found for the vector read as a {dtype} model's", "it", "it was"
     else:
         what = "KV cache" if kind == "kv" else "states"
         counts = f"{len(worst.uncertain_positions)} of {len(worst.token_ids)}"
-        said = f"{counts} positions are uncertain read as a {dtype} model's {what}"
+        said, them, they = f"{counts} positions are uncertain read as a {dtype} model's {what}", "them", "they were"
     print(
         f"hint: {said}; if a float32 model computed {them} and {they} saved in {dtype}, try --dtype float32 "
         f"--source quant:{cast}",
