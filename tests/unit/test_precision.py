@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 import lminvert
 from lminvert.errors import LminvertError
@@ -325,3 +326,19 @@ def test_a_match_that_is_not_decisive_sends_the_search_on_where_the_observer_is_
     else:  # position 0 is within half the gap (1e-3 of the norm): certain; the wrong token at 1 ends its search
         assert result.token_ids[0] == ids[0] and result.token_ids[1] != ids[1]
         assert result.uncertain_positions == list(range(1, len(ids)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_half_model_computes_what_transformers_loads_in_that_dtype(name, dtype, tmp_path):
+    """lminvert's half model is the one a user runs (``from_pretrained(..., dtype=...)``), bit for bit at every
+    position: its buffers (a rotary embedding's frequencies, float32 there) are not rounded by the cast, so a
+    capture made that way can be reproduced (SmolLM2 in bfloat16: block 15's keys up to 0.42 off after position 0)."""
+    model = lminvert.load_model(name)
+    model.model.save_pretrained(tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, dtype)).eval()
+    ours = lminvert.load_model(str(tmp_path), dtype=dtype).model
+    ids = torch.randint(0, model.probe.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = (m(ids, output_hidden_states=True).hidden_states for m in (theirs, ours))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))

@@ -51,6 +51,7 @@ def table_path(
     return cache_dir() / "tables" / name
 
 
+HALF_BUFFERS = "as-loaded"  # a half model's buffers in the dtypes of one loaded in it (:func:`..models.loading.cast`)
 MACHINE = frozenset({"cpu", "gpu"})
 """Provenance that only entries kept per device type compare (radii measured on the kernels that round); the
 others (tables, maps) only order candidates that a forward on the model's own device verifies, so one made on a CPU
@@ -59,7 +60,7 @@ serves a GPU."""
 
 def provenance(model: LoadedModel) -> dict[str, str]:
     """What made a cache entry besides the weights, dtype, layer and device type its name records: the torch and
-    transformers versions, the CPU's features, the GPU's name, and the probe's numeric path."""
+    transformers versions, the CPU's features, the GPU's name, the probe's numeric path, and a half model's buffers."""
     out = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -68,6 +69,8 @@ def provenance(model: LoadedModel) -> dict[str, str]:
     }
     if model.device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(model.device)
+    if model.dtype != "float32":  # entries a half model made before its buffers were as loaded are recomputed
+        out["buffers"] = HALF_BUFFERS
     return out
 
 
@@ -95,7 +98,7 @@ def read_tables(
             if strict:
                 log.info("recomputing %s (cached under another %s)", path.name, ", ".join(changed))
                 return None
-            if set(changed) - {"numeric"}:  # a float32 reader serves a half model of the same weights by design
+            if set(changed) - {"numeric", "buffers"}:  # a float32 reader serves a half model of the same weights
                 log.warning(
                     "%s was made under another %s: used as it is (it only orders candidates)", path.name, changed
                 )
