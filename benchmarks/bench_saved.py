@@ -10,7 +10,14 @@ Forms (``--forms``), for held-out prompts of ``--length`` tokens at layer (block
 * ``cast-bf16-named``: the same with ``--dtype float32 --source quant:bf16``;
 * ``cast-fp16``: a float32 model's states cast to float16 (``torch.save``);
 * ``kv-bf16-f32``: a bfloat16 model's KV cache saved as float32 (keys, values) pairs, ``--leak kv``;
-* ``kv-cast-bf16``: a float32 model's KV cache cast to bfloat16 pairs to be saved, ``--leak kv``.
+* ``kv-cast-bf16``: a float32 model's KV cache cast to bfloat16 pairs to be saved, ``--leak kv``;
+* ``tf-bf16-pt``: transformers' own bfloat16 model (``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16)``,
+  the converted model's folder), its ``hidden_states[L]``;
+* ``tf-kv-bf16``: the same model's KV cache as (keys, values) pairs, ``--leak kv``;
+* ``tf-cast-bf16-pt``: transformers' float32 model cast whole after loading (``.to(torch.bfloat16)``, which rounds the
+  rotary embedding's frequencies too), its ``hidden_states[L]``.
+
+``--chat``: each text as a user's message through the model's chat template (``add_generation_prompt``), not cut.
 
 Printed per form: the dtype the command ran in, tokens right, positions claimed (``certified`` / ``confident``), claimed
 tokens that are wrong (must be 0), how many prompts got the cast hint, and the median and slowest seconds the command
@@ -18,6 +25,7 @@ reported. This CPU.
 
     python benchmarks/bench_saved.py                          # every form, 6 prompts of 20 tokens, layer 15
     python benchmarks/bench_saved.py --forms bf16-npy,kv-bf16-f32 --prompts 2 --layer 22
+    python benchmarks/bench_saved.py --forms tf-bf16-pt,tf-kv-bf16,tf-cast-bf16-pt --chat --prompts 8
 """
 
 from __future__ import annotations
@@ -33,31 +41,46 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 import lminvert
 from heldout import FRESH, HELD_OUT
 from lminvert.cli import main as cli
 
 FORMS = (
-    "bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "cast-fp16", "kv-bf16-f32", "kv-cast-bf16"
+    "bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "cast-fp16", "kv-bf16-f32", "kv-cast-bf16",
+    "tf-bf16-pt", "tf-kv-bf16", "tf-cast-bf16-pt",
 )  # fmt: skip
 CLAIMED = ("certified", "confident")
 HINT = "--source quant:"
 
 
-def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> list[str]:
-    """Save ``ids``' leak in ``form`` at ``path``; the command's extra arguments."""
+def _network(models: dict, form: str) -> torch.nn.Module:
+    """The transformers model that computes ``form``'s leak: lminvert's, or (``tf-``) one transformers loads itself."""
+    if form.startswith("tf-"):
+        key = "tf-cast" if "cast" in form else "tf-bfloat16"
+        if key not in models:
+            folder = models["float32"].model.name_or_path  # the converted model's folder
+            if key == "tf-cast":  # .to() rounds every floating buffer, the rotary frequencies too
+                models[key] = AutoModelForCausalLM.from_pretrained(folder).to(torch.bfloat16).eval()
+            else:
+                models[key] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+        return models[key]
     casts = ("cast-bf16", "cast-bf16-named", "cast-fp16", "kv-cast-bf16")
     dtype = "float16" if form == "fp16-npy" else "float32" if form in casts else "bfloat16"
-    model = models.setdefault(dtype, lminvert.load_model("smollm2-135m", dtype=dtype))
+    return models.setdefault(dtype, lminvert.load_model("smollm2-135m", dtype=dtype)).model
+
+
+def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> list[str]:
+    """Save ``ids``' leak in ``form`` at ``path``; the command's extra arguments."""
     with torch.no_grad():
-        out = model.model(input_ids=torch.tensor([ids]), use_cache=True, output_hidden_states=True)
+        out = _network(models, form)(input_ids=torch.tensor([ids]), use_cache=True, output_hidden_states=True)
     hidden = out.hidden_states[layer]
-    if form.startswith("kv-"):
+    if form.startswith(("kv-", "tf-kv-")):
         saved = torch.bfloat16 if form == "kv-cast-bf16" else torch.float32
         torch.save([(entry.keys.to(saved), entry.values.to(saved)) for entry in out.past_key_values.layers], path)
         return ["--leak", "kv"]
-    if form == "bf16-pt":
+    if form in ("bf16-pt", "tf-bf16-pt", "tf-cast-bf16-pt"):
         torch.save(hidden, path)
     elif form.endswith("-npy"):
         np.save(path, hidden[0].float().numpy())
@@ -66,6 +89,15 @@ def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> li
     else:
         torch.save(hidden.bfloat16(), path)
     return ["--dtype", "float32", "--source", "quant:bf16"] if form == "cast-bf16-named" else []
+
+
+def _prompt(model: lminvert.LoadedModel, text: str, length: int, chat: bool) -> list[int]:
+    """``text``'s first ``length`` tokens, or (``chat``) all of it as a user's message in the chat template."""
+    if not chat:
+        return list(model.tokenize(text, length))
+    message = [{"role": "user", "content": text}]
+    templated = model.tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    return list(model.tokenize(templated))
 
 
 def _invert(path: Path, layer: int, extra: list[str]) -> dict:
@@ -94,6 +126,7 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--set", choices=("held_out", "fresh"), default="held_out")
+    parser.add_argument("--chat", action="store_true", help="each text as a user's message in the chat template")
     args = parser.parse_args()
     forms = args.forms.split(",")
     unknown = [f for f in forms if f not in FORMS]
@@ -102,7 +135,7 @@ def main() -> int:
         parser.error(f"unknown forms {unknown} (use {', '.join(FORMS)})" if unknown else f"--set holds {len(texts)}")
     models: dict[str, lminvert.LoadedModel] = {}
     tokenizer = models["float32"] = lminvert.load_model("smollm2-135m")
-    prompts = [list(tokenizer.tokenize(t, args.length)) for t in texts[: args.prompts]]
+    prompts = [_prompt(tokenizer, t, args.length, args.chat) for t in texts[: args.prompts]]
     wrong_anywhere = 0
     print("| form | ran in | tokens | claimed | wrong claimed | cast hint | median s | slowest s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -133,7 +166,8 @@ def main() -> int:
                 f"{hinted}/{len(prompts)} | {statistics.median(seconds):.2f} | {max(seconds):.2f} |",
                 flush=True,
             )
-    print(f"SmolLM2, layer {args.layer}, {args.prompts} prompts of {args.length} tokens; torch {torch.__version__}, "
+    size = f"{min(map(len, prompts))}-{max(map(len, prompts))} (chat-templated)" if args.chat else args.length
+    print(f"SmolLM2, layer {args.layer}, {args.prompts} prompts of {size} tokens; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, cpu")  # fmt: skip
     return 0 if wrong_anywhere == 0 else 1
 
