@@ -252,7 +252,8 @@ def load_model(
 ) -> LoadedModel:
     """Load ``name`` (alias, hub id, directory or .gguf path): a new, independent object on every call.
 
-    ``dtype``: ``float32``, ``bfloat16`` or ``float16`` (the weights are cast once, after loading).
+    ``dtype``: ``float32``, ``bfloat16`` or ``float16`` (the weights are cast once, after loading; the buffers keep
+    the dtypes transformers gives a model loaded in that dtype: :func:`cast`).
     ``device``: ``cpu`` (the default, so that results are reproducible anywhere), ``auto`` (CUDA when
     available, else the CPU), ``cuda``, ``cuda:N`` or ``mps``; everything computed with the model (forwards,
     inversion tables, candidate rankings) is made on that device. Converted models load from the cache in about
