@@ -11,7 +11,7 @@ import torch
 from ..errors import LminvertError
 from ..invert.layerfit import fit_layers, settle
 from ..invert.leaks import window_note
-from ..invert.sources import Exact, Float
+from ..invert.sources import default_source
 from ..kv_captures import is_kv_file, read_kv
 from ..models.compat import CASTS, check_compatible
 from ..models.kv import kv_block
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _against(model, states: HiddenStates) -> dict:
     rows = list(states.states)
-    fit = settle(model, rows, fit_layers(model, rows), Exact() if states.weights_hash is not None else Float())
+    fit = settle(model, rows, fit_layers(model, rows), default_source(states))
     out = {
         "model": model.name,
         "layer": {

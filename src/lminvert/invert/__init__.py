@@ -31,7 +31,7 @@ from .leaks import DEFENDED, block_number, invert_leak, kv_states, sink_prompts,
 from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy
 from .results import InversionResult, PositionResult
-from .sources import SOURCES, ErrorModel, Exact, Float, Noise, parse_source
+from .sources import SOURCES, ErrorModel, Exact, Float, Noise, default_source, parse_source
 from .tolerance import add_noise
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ def _source(states: HiddenStates, source: str | ErrorModel | None, noise: float)
         return source
     if source is not None:
         return parse_source(source)
-    return Exact() if states.weights_hash is not None else Float()
+    return default_source(states)
 
 
 @dataclass(frozen=True)
@@ -376,6 +376,8 @@ __all__ = [
     "POLICIES",
     "SOURCES",
     "ErrorModel",
+    "Exact",
+    "Float",
     "GradientPolicy",
     "InversionResult",
     "InvertConfig",

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import LminvertError
 from ..models.compat import CASTS
+from ..states import HiddenStates
 from .tolerance import FLOOR, SAFETY, add_noise, noise_tolerance, norm
 
 # mantissa bits of the float formats ``quant:`` names: a rounded coordinate is within 2^-(bits+1) of its value
@@ -262,6 +263,12 @@ class Quant(ErrorModel):
 
 
 SOURCES = ("exact", "float", "noise:SIGMA", "quant:int8|int4|bf16|fp16|fp8")
+
+
+def default_source(states: HiddenStates) -> ErrorModel:
+    """The error model of ``states`` given without one: ``exact`` for lminvert's own (a states file records the weights
+    that computed it), ``float`` for states from elsewhere."""
+    return Exact() if states.weights_hash is not None else Float()
 
 
 def parse_source(spec: str) -> ErrorModel:

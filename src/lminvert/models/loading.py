@@ -238,7 +238,7 @@ def cast(model: PreTrainedModel, dtype: torch.dtype, device: torch.device) -> Pr
         return model
     for name, buffer in model.named_buffers():
         wanted = built.get(name)
-        if wanted is not None and name in kept and wanted.dtype != buffer.dtype:
+        if wanted is not None and wanted.dtype != buffer.dtype:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, kept[name].to(device=device, dtype=wanted.dtype))
     return model
