@@ -217,3 +217,15 @@ def test_a_second_attention_sink_is_led_by_the_first_position_table(smollm2, mon
     ranker.prepare(smollm2, smollm2.probe.layer(LAYER), True, None)
     ranker.begin_prompt(states.states[0], None)
     assert ranker.at is None and ranker.table is None and ranker._orders == {}
+
+
+def test_a_position_whose_cached_state_lies_outside_the_radius_is_reproduced_and_certified(smollm2):
+    """'Patient John Doe,' without a BOS token, layer 15: the true token's cached state at position 1 lies 0.21 from
+    the observation, 29 times the calibrated radius, and its screened state 88.6 away, while every other token lies 79
+    or more away. Before the acceptor re-measured such a standout, the search swept the vocabulary, kept a wrong
+    token (uncertain) and every later position fitted nothing (120 s for 4 tokens; the whole sentence 344 s)."""
+    ids = [37654, 2322, 3315, 85]
+    (result,) = invert(smollm2, encode(smollm2, [ids], 15))
+    assert result.token_ids == ids
+    assert [p.verdict for p in result.positions] == ["certified"] * 4
+    assert result.positions[1].distance > result.positions[1].tolerance  # the case: outside the radius, reproduced

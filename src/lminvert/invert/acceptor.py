@@ -32,11 +32,12 @@ Verdicts, never better than the evidence:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .evidence import NO_FIT, PENDING, Decision, Evidence
+from .evidence import NO_FIT, PENDING, Decision, Evidence, NextRow
 
 CERTIFIED, CONFIDENT, UNCERTAIN = "certified", "confident", "uncertain"
 VERDICTS = (CERTIFIED, CONFIDENT, UNCERTAIN)
@@ -51,6 +52,7 @@ MAX_CONFIRM = 16  # contenders re-measured by one plain forward per round (close
 # past the reach (_beyond), a round re-measures as many as before it, up to this many (speed only; 16: fixed rounds):
 # SmolLM2 layer 15 bfloat16, a second attention sink, 1,405 re-measured in 60 s in rounds of 16 (docs/results.md)
 WIDE_CONFIRM = 512
+NEAR = True  # nothing within the reach: the nearest candidates re-measured before the search goes on or ends (_near)
 BEYOND = True  # an exact source whose observer was reproduced: re-measure past the reach before a guess (_beyond)
 # candidates an exact source's position may verify looking for a bit-exact reproduction once an earlier position of
 # the prompt was reproduced (the observer's kernels are reproduced here, so a match that is not exact is suspect)
@@ -109,7 +111,7 @@ def contenders(evidence: Evidence, radii: Radii) -> list[tuple[int, float]]:
     """(id, cached distance) of the verified candidates that may be the true token: within the reach, not ruled out by
     the plain forward; closest in angle first (half-precision rounding of an attention sink's huge coordinates moves a
     state's norm more than the gaps between tokens' states there, its direction much less)."""
-    inside = _by_angle(evidence, (evidence.dists <= evidence.reach).nonzero().flatten())
+    inside = evidence.by_angle((evidence.dists <= evidence.reach).nonzero().flatten())
     pairs = zip(evidence.ids[inside].tolist(), evidence.dists[inside].tolist(), strict=True)
     return [(i, d) for i, d in pairs if evidence.plain.get(i, 0.0) <= radii.plain]
 
@@ -118,9 +120,7 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     """The decision at one position given ``evidence`` (see the module docstring)."""
     found = contenders(evidence, radii)
     if not found:
-        if evidence.exhausted or (_spent(evidence) and (not evidence.fitted or evidence.guessed)):
-            return _nearest(evidence, UNCERTAIN, NO_FIT, guess=True)
-        return PENDING
+        return _outside(evidence, radii)
     if _fast(evidence, radii, found):
         token = found[0][0]
         proven = evidence.reproducible or (evidence.swept and _alone(evidence, radii, token))
@@ -134,6 +134,40 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
     if exact and not evidence.exhaustive:
         return Decision(exact[0], CERTIFIED, reason="the plain forward reproduces the observation")
     return _separated(evidence, radii, found)
+
+
+def _outside(evidence: Evidence, radii: Radii) -> Decision:
+    """Nothing verified within the reach: a re-measured candidate that reproduces the observation is certified (two: a
+    collision); else :func:`_near`'s are re-measured; then, where the search ends, the nearest is a guess."""
+    plain = evidence.plain
+    if not (evidence.boxed or evidence.exhaustive) and any(d <= radii.resolution for d in plain.values()):
+        collided = _collision(evidence, radii, [])
+        best = min(plain, key=plain.__getitem__)
+        return collided or Decision(best, CERTIFIED, reason="the plain forward reproduces the observation")
+    ending = evidence.exhausted or (_spent(evidence) and (not evidence.fitted or evidence.guessed))
+    near = _near(evidence, radii, ending)
+    if near:
+        return Decision(confirm=tuple(near))
+    return _nearest(evidence, UNCERTAIN, NO_FIT, guess=True) if ending else PENDING
+
+
+def _near(evidence: Evidence, radii: Radii, ending: bool) -> list[int]:
+    """Where nothing lies within the reach, the verified candidates to re-measure by a plain forward (at most
+    ``MAX_CONFIRM``, closest first, not re-measured yet): those within half the tokens' distance apart (Theorem 3.2's
+    Delta/2), the nearest where every other of ``POPULATION`` or more lies ``SEPARATION`` times farther, and the nearest
+    before the search ends without a fit. A cached state can lie beyond the calibrated radius (SmolLM2 layer 15,
+    'Patient John, ...': the true token 0.21 away, the radius 0.0072, every other token 79 or more; docs/results.md).
+    Evidence only: what is re-measured decides only by reproducing the observation. Switch: :data:`NEAR`."""
+    if not NEAR or evidence.boxed or evidence.exhaustive or evidence.whole or not evidence.ids.numel():
+        return []
+    dists, order = evidence.dists, evidence.dists.argsort()
+    within = order[dists[order] <= radii.apart / 2] if math.isfinite(radii.apart) else order[:0]
+    if len(order) >= POPULATION and dists[order[1]] > SEPARATION * dists[order[0]]:  # a standout
+        within = torch.cat([order[:1], within])
+    picked = list(dict.fromkeys(i for i in evidence.ids[within].tolist() if i not in evidence.plain))[:MAX_CONFIRM]
+    if picked or not ending:
+        return picked
+    return [i for i in evidence.ids[order[:MAX_CONFIRM]].tolist() if i not in evidence.plain]
 
 
 def _fast(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> bool:
@@ -240,23 +274,13 @@ def _beyond(evidence: Evidence, radii: Radii, distance: float) -> list[int]:
     if not (BEYOND and evidence.reproducible and evidence.reproduced and undecided and not evidence.boxed):
         return []
     rest = torch.tensor([i not in evidence.plain for i in evidence.ids.tolist()], dtype=torch.bool)
-    return evidence.ids[_by_angle(evidence, rest.nonzero().flatten().to(evidence.ids.device))].tolist()
+    return evidence.ids[evidence.by_angle(rest.nonzero().flatten().to(evidence.ids.device))].tolist()
 
 
 def _undecided(radii: Radii, distance: float) -> bool:
     """The plain radius is wider than the tokens' distance apart and the nearest re-measured candidate lies at
     ``distance``, beyond half of it (Theorem 3.2's Delta/2): a token not verified yet could match as well."""
     return radii.plain >= radii.apart and distance > radii.apart / 2
-
-
-def _by_angle(evidence: Evidence, index: torch.Tensor) -> torch.Tensor:
-    """``index`` (into the verified candidates) ordered by their states' cosine with the observation, largest first."""
-    if len(index) < 2:
-        return index
-    wide = evidence.dists.dtype
-    states = evidence.states() if callable(evidence.states) else evidence.states
-    cosine = torch.nn.functional.cosine_similarity(states[index].to(wide), evidence.target.to(wide)[None])
-    return index[cosine.argsort(descending=True)]
 
 
 def _far(evidence: Evidence, radii: Radii, best: int, rivalled: bool, twins: set[int]) -> Decision | None:
@@ -341,31 +365,13 @@ def _spent(evidence: Evidence, budget: int = GIVE_UP) -> bool:
 
 
 def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False) -> Decision:
-    """The closest verified candidate (by the plain distance where one was measured)."""
-    if evidence.plain:
-        token = min(evidence.plain, key=evidence.plain.__getitem__)
-    elif evidence.ids.numel():
-        token = int(evidence.ids[evidence.dists.argmin()])
-    else:
+    """The closest verified candidate, by its plain distance where one was measured, else its cached one."""
+    if not evidence.ids.numel() and not evidence.plain:
         return Decision(reason=reason)
+    plain = evidence.plain
+    distance = dict(zip(evidence.ids.tolist(), evidence.dists.tolist(), strict=True)) | plain
+    token = min(distance, key=distance.__getitem__)
     return Decision(token, verdict, guess=guess, reason=reason)
-
-
-@dataclass(frozen=True)
-class NextRow:
-    """What the next position's row says of the first token, where several fit position 0's own row (an attention
-    sink's norm lets noise or quantisation cover the gaps between first tokens there)."""
-
-    # the choice among first tokens by the next row, the next token held fixed: every first token verified under it
-    choice: Decision
-    following: Decision  # the next position's own decision under the chosen first token
-    covered: bool  # every first token within position 0's own error bound was among those verified under it
-    # the first token nearest to fitting after the chosen one, given its own search at the next position (a budget
-    # of the rankers' first candidates): whether any next token fitted the row under it
-    rival_fits: bool
-    # the rule (confident where the other fields say so) claimed this many calibration prompts under the same error
-    # model, and this many wrongly (None: not measured)
-    calibration: tuple[int, int] | None = None
 
 
 def chosen_by_next(token: int, evidence: NextRow | None = None) -> Decision:

@@ -52,6 +52,16 @@ class Evidence:
     # (only a reproduction certifies; ``confident``: :func:`.acceptor._verdict`, ``Radii.gap`` from :mod:`.wholegap`)
     whole: bool = False
 
+    def by_angle(self, index: torch.Tensor) -> torch.Tensor:
+        """``index`` (into the verified candidates) ordered by their states' cosine with the observation, largest
+        first."""
+        if len(index) < 2:
+            return index
+        wide = self.dists.dtype
+        states = self.states() if callable(self.states) else self.states
+        cosine = torch.nn.functional.cosine_similarity(states[index].to(wide), self.target.to(wide)[None])
+        return index[cosine.argsort(descending=True)]
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -75,3 +85,20 @@ class Decision:
 
 
 PENDING = Decision()
+
+
+@dataclass(frozen=True)
+class NextRow:
+    """What the next position's row says of the first token, where several fit position 0's own row (an attention
+    sink's norm lets noise or quantisation cover the gaps between first tokens there)."""
+
+    # the choice among first tokens by the next row, the next token held fixed: every first token verified under it
+    choice: Decision
+    following: Decision  # the next position's own decision under the chosen first token
+    covered: bool  # every first token within position 0's own error bound was among those verified under it
+    # the first token nearest to fitting after the chosen one, given its own search at the next position (a budget
+    # of the rankers' first candidates): whether any next token fitted the row under it
+    rival_fits: bool
+    # the rule (confident where the other fields say so) claimed this many calibration prompts under the same error
+    # model, and this many wrongly (None: not measured)
+    calibration: tuple[int, int] | None = None
