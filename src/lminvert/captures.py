@@ -2,9 +2,12 @@
 
 Accepted (:meth:`lminvert.states.HiddenStates.load` comes here for all but states files from ``lminvert encode``):
 
-* ``.npy``: one array ``[T, d]``, ``[1, T, d]`` or ``[N, T, d]``;
+* ``.npy``: one array ``[T, d]``, ``[1, T, d]`` or ``[N, T, d]``; ``.npz`` (``numpy.savez``): its arrays as entries;
 * ``.pt``/``.pth`` (``torch.save``, read with ``weights_only``): a tensor as above, a list or tuple of ``[T, d]``
-  tensors (one per prompt), or a dict (an nnsight ``.save()`` gathered into one, a TransformerLens cache's entries);
+  tensors (one per prompt; ``[1, T, d]`` ones too where their lengths differ), a tuple of tensors of one shape
+  ``[N, T, d]`` (``output_hidden_states``: one entry per layer), ``generate()``'s hidden states (a tuple per step of a
+  tuple per layer: the first step's, the prompt's, are read), or a dict (an nnsight ``.save()`` gathered into one, a
+  TransformerLens cache's entries);
 * ``.safetensors`` with any key names, among them vLLM's hidden-state files (its ``extract_hidden_states`` method
   with ``ExampleHiddenStatesConnector``): ``hidden_states`` ``[K, T, d]``, one ``[T, d]`` slice per entry of
   ``eagle_aux_hidden_state_layer_ids``, beside the prompt's ``token_ids``; its slices are the entries
@@ -49,8 +52,8 @@ def read_capture(
 ) -> tuple[list[torch.Tensor], tuple[str, ...]]:
     """The states saved in ``path`` (see the module docstring), one tensor per prompt with its pad rows dropped, and
     notes saying what was read and dropped."""
-    entries = _entries(path)
-    notes = _vllm(entries)
+    entries, notes = _entries(path)
+    notes += _vllm(entries)
     given_mask = _read_mask(Path(mask)) if mask is not None else None
     saved_mask = next((entries.pop(k) for k in MASK_KEYS if k in entries), None)
     name, value = _pick(path, entries, key)
@@ -70,15 +73,20 @@ def read_capture(
     return states, tuple(notes)
 
 
-def _entries(path: Path) -> dict[str, Any]:
+def _entries(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The file's entries by name ("" for a file of one tensor or of a list of prompts) and notes on how they were
+    read."""
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
-            return {"": torch.from_numpy(np.load(path, allow_pickle=False))}
+            return {"": torch.from_numpy(np.load(path, allow_pickle=False))}, []
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as arrays:
+                return {name: torch.from_numpy(arrays[name]) for name in arrays.files}, []
         if suffix == ".safetensors":
-            return dict(load_file(str(path)))
+            return dict(load_file(str(path))), []
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as exc:
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, KeyError) as exc:
         raise LminvertError(
             f"cannot read {path.name} ({type(exc).__name__}); give a [T, d] or [N, T, d] float array, a list or a dict "
             "of them"
@@ -89,12 +97,39 @@ def _entries(path: Path) -> dict[str, Any]:
             "(e.g. torch.save(h.cpu(), path)), a list or a dict of them"
         ) from exc
     if isinstance(loaded, dict):
-        return {str(k): v for k, v in loaded.items()}
+        return {str(k): v for k, v in loaded.items()}, []
+    if generated_steps(loaded):
+        note = f"generate()'s hidden states: the first of {len(loaded)} steps read (the prompt's), one entry per layer"
+        return {str(i): v for i, v in enumerate(loaded[0])}, [note]
     if isinstance(loaded, (list, tuple)):
-        if loaded and all(isinstance(t, torch.Tensor) and (t.dim() == 2 or t.shape[:1] == (1,)) for t in loaded):
-            return {"": list(loaded)}  # one [T, d] (or [1, T, d]) tensor per prompt
-        return {str(i): v for i, v in enumerate(loaded)}
-    return {"": loaded}
+        if _one_per_prompt(loaded):
+            return {"": list(loaded)}, []
+        return {str(i): v for i, v in enumerate(loaded)}, []
+    return {"": loaded}, []
+
+
+def generated_steps(value: Any) -> bool:
+    """Whether ``value`` is ``generate(..., output_hidden_states=True, return_dict_in_generate=True).hidden_states``:
+    a tuple per step (the prompt's, then one per generated token) of a tuple per layer (three or more) of ``[B, T,
+    d]`` tensors, one ``d``."""
+    if not isinstance(value, (list, tuple)) or not value or not isinstance(value[0], (list, tuple)):
+        return False
+    steps = [s for s in value if isinstance(s, (list, tuple)) and len(s) == len(value[0]) >= 3]
+    tensors = [t for s in steps for t in s if isinstance(t, torch.Tensor) and t.dim() == 3]
+    return (
+        len(steps) == len(value)
+        and len(tensors) == len(value) * len(value[0])
+        and len({t.shape[-1] for t in tensors}) == 1
+    )
+
+
+def _one_per_prompt(value: list | tuple) -> bool:
+    """A list of ``[T, d]`` tensors, one per prompt, or of ``[1, T, d]`` ones whose lengths differ (several of one
+    shape are ``output_hidden_states``' layers, each a batch: read as entries, not as prompts)."""
+    if not value or not all(isinstance(t, torch.Tensor) and (t.dim() == 2 or t.shape[:1] == (1,)) for t in value):
+        return False
+    batched = [t for t in value if t.dim() == 3]
+    return len(batched) < 2 or len({t.shape for t in batched}) > 1
 
 
 def _vllm(entries: dict[str, Any]) -> list[str]:
@@ -170,7 +205,7 @@ def _one(path: Path, tensor: torch.Tensor) -> torch.Tensor:
 def _read_mask(path: Path) -> torch.Tensor:
     if not path.is_file():
         raise LminvertError(f"mask file not found: {path}")
-    entries = _entries(path)
+    entries, _ = _entries(path)
     named = next((entries[k] for k in (*MASK_KEYS, "") if k in entries), None)
     if named is None and len(entries) == 1:
         named = next(iter(entries.values()))

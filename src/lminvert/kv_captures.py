@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .captures import MASK_KEYS, _is_states, _natural, _read_mask
+from .captures import MASK_KEYS, _is_states, _natural, _read_mask, generated_steps
 from .errors import LminvertError
 from .kv_files import (
     SAVE_HINT,
@@ -121,7 +121,7 @@ def is_kv_file(path: str | Path) -> bool:
                 return _has_pair(list(f.keys()))
         except (SafetensorError, OSError):
             return False
-    if path.suffix.lower() == ".npy":
+    if path.suffix.lower() in (".npy", ".npz"):
         return False
     try:
         try:
@@ -153,7 +153,7 @@ def _is_cache(value: Any) -> bool:
 
 
 def _is_pairs(value: Any) -> bool:
-    if not isinstance(value, (list, tuple)) or not value:
+    if not isinstance(value, (list, tuple)) or not value or generated_steps(value):
         return False
     return all(
         isinstance(p, (list, tuple)) and len(p) >= 2 and all(isinstance(t, torch.Tensor) for t in p[:2]) for p in value

@@ -124,8 +124,8 @@ class HiddenStates:
     @classmethod
     def load(cls, path: str | Path, key: str | None = None, mask: str | Path | None = None) -> HiddenStates:
         """Read a states file: a ``.safetensors`` written by lminvert, or a capture saved elsewhere (see
-        :mod:`lminvert.captures`: ``.npy``, ``.pt``/``.pth`` holding a tensor, a list or a dict of tensors, or a
-        ``.safetensors`` with any key names; ``key`` picks one entry of several). Pad rows are dropped: those a
+        :mod:`lminvert.captures`: ``.npy``, ``.npz``, ``.pt``/``.pth`` holding a tensor, a list or a dict of tensors,
+        or a ``.safetensors`` with any key names; ``key`` picks one entry of several). Pad rows are dropped: those a
         ``mask`` file (``[N, T]`` or ``[T]`` of 0/1) or a mask saved beside the states marks, and runs of identical
         rows at a prompt's start or end; ``notes`` says what was dropped or assumed."""
         path = Path(path)
@@ -140,9 +140,10 @@ class HiddenStates:
                 if mask is not None:
                     raise LminvertError("--mask is for captures saved elsewhere: a states file from encode has no pads")
                 return own
-        if suffix not in (".safetensors", ".npy", ".pt", ".pth"):
+        if suffix not in (".safetensors", ".npy", ".npz", ".pt", ".pth"):
             raise LminvertError(
-                f"unsupported states file '{path.name}': use .safetensors (lminvert encode or any), .npy, .pt or .pth"
+                f"unsupported states file '{path.name}': use .safetensors (lminvert encode or any), .npy, .npz, .pt or "
+                ".pth"
             )
         states, notes = read_capture(path, key=key, mask=mask)
         return cls.from_array(states, notes=notes)

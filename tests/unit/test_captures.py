@@ -519,3 +519,36 @@ def test_a_cast_is_not_told_before_the_search_without_a_kept_float32_table(tmp_p
     monkeypatch.setattr(recast, "model_from_args", lambda *a, **k: pytest.fail("the float32 model was loaded"))
     model, kept, at, note = recast.cast_first(args, half, "tiny-gemma3", cast, layer, leak)
     assert model is half and kept == leak and at == layer and note is None
+
+
+def test_what_output_hidden_states_and_generate_save_is_read_by_layer(tmp_path):
+    """``output_hidden_states`` saved whole (a tuple of ``[1, T, d]`` tensors of one shape, one per layer) is a file of
+    layers, not of prompts; ``generate()``'s hidden states (a tuple per step of such tuples) give the first step's,
+    the prompt's; an ``.npz`` gives its arrays by name. Before, the tuple was read as one prompt per layer and the
+    generate tuple taken for a KV cache."""
+    from lminvert.kv_captures import is_kv_file
+
+    layers = tuple(torch.randn(1, 6, 64) for _ in range(5))
+    torch.save(layers, tmp_path / "all.pt")
+    with pytest.raises(LminvertError, match=r"holds 5 tensors .*--key"):
+        HiddenStates.load(tmp_path / "all.pt")
+    assert torch.equal(HiddenStates.load(tmp_path / "all.pt", key="3").states[0], layers[3][0])
+    steps = (layers, *(tuple(torch.randn(1, 1, 64) for _ in range(5)) for _ in range(2)))
+    torch.save(steps, tmp_path / "generate.pt")
+    assert not is_kv_file(tmp_path / "generate.pt")
+    read = HiddenStates.load(tmp_path / "generate.pt", key="2")
+    assert torch.equal(read.states[0], layers[2][0]) and any("generate()" in n for n in read.notes)
+    np.savez(tmp_path / "h.npz", hidden=layers[1][0].numpy(), mask=np.ones(6, dtype=np.int64))
+    assert torch.equal(HiddenStates.load(tmp_path / "h.npz").states[0], layers[1][0])
+    # prompts of different lengths saved as [1, T, d] each stay prompts
+    torch.save([torch.randn(1, 4, 64), torch.randn(1, 2, 64)], tmp_path / "prompts.pt")
+    assert HiddenStates.load(tmp_path / "prompts.pt").lengths == [4, 2]
+
+
+def test_a_secant_fit_of_inputs_without_spread_gives_its_prior_not_an_error():
+    from lminvert.invert.secant import fit_secant_map
+
+    x, h = torch.zeros(3, 8), torch.randn(3, 5)
+    assert torch.equal(fit_secant_map(x, h), torch.zeros(8, 5))
+    prior = torch.randn(8, 5)
+    assert torch.equal(fit_secant_map(x, h, prior=prior, prior_weight=0.5), prior)

@@ -32,12 +32,16 @@ def fit_secant_map(
     """``J`` [d_in, d] minimising ``||x J - h||^2 + ridge*E*||J||^2 + prior_weight*E*||J - prior||^2``.
 
     ``x`` and ``h`` are centred pairs; ``E = ||x||^2`` makes both penalties relative to the data's energy, so the same
-    settings work at every layer and scale. The products ``x^T x`` and ``x^T h`` run in ``x``'s dtype, the solve (and
-    ``J``) in ``solve``'s (default ``x``'s; float64 for a well-conditioned solve: float32 products then take about
-    two thirds of float64's time for many rows, :data:`lminvert.invert.reading.PRODUCTS`).
+    settings work at every layer and scale (``E = 0``: the prior where one is given, else zeros). The products
+    ``x^T x`` and ``x^T h`` run in ``x``'s dtype, the solve (and ``J``) in ``solve``'s (default ``x``'s; float64 for a
+    well-conditioned solve: float32 products then take about two thirds of float64's time for many rows,
+    :data:`lminvert.invert.reading.PRODUCTS`).
     """
     solve = x.dtype if solve is None else solve
     energy = float(x.to(solve).square().sum())
+    if not energy > 0:  # no spread among the inputs (one pair, or equal ones): they say nothing of J
+        base = prior if prior is not None and prior_weight > 0 else torch.zeros(x.shape[1], h.shape[1])
+        return base.to(dtype=solve, device=x.device)
     eye = torch.eye(x.shape[1], dtype=solve, device=x.device)
     gram, rhs = (x.T @ x).to(solve) + ridge * energy * eye, (x.T @ h).to(solve)
     if prior is not None and prior_weight > 0:
