@@ -215,9 +215,11 @@ def test_paced_contenders_wait_and_a_later_closer_candidate_is_re_measured_first
 def test_nothing_fits_keeps_the_nearest_uncertain_only_when_the_search_is_over():
     far = [50.0, 20.0, 80.0]
     assert not decide(_evidence(far, reach=1.0), _radii()).final  # more candidates may fit
-    # before the search ends without a fit, the nearest are re-measured by the plain forward (nearest first)
-    assert decide(_evidence(far, reach=1.0, exhausted=True), _radii()).confirm == (1, 0, 2)
-    over = _run(_evidence(far, reach=1.0, exhausted=True), _radii())
+    over = decide(_evidence(far, reach=1.0, exhausted=True), _radii())
+    assert (over.token, over.verdict, over.reason) == (1, UNCERTAIN, acceptor.NO_FIT)
+    # a search that can re-measure any candidate (the engine's) re-measures the nearest first
+    assert decide(_evidence(far, reach=1.0, exhausted=True, remeasurable=True), _radii()).confirm == (1, 0, 2)
+    over = _run(_evidence(far, reach=1.0, exhausted=True, remeasurable=True), _radii())
     assert (over.token, over.verdict, over.reason) == (1, UNCERTAIN, acceptor.NO_FIT)
 
 
@@ -227,24 +229,24 @@ def test_a_standout_outside_the_reach_is_re_measured_and_certified_only_where_it
     re-measured at once, certified where the plain forward reproduces the observation, never claimed otherwise."""
     dists = [0.2] + [80.0 + i for i in range(POPULATION)]
     radii = _radii(cached=0.007, plain=0.007, gap=1.0)  # half the distance apart (0.125) short of 0.2
-    assert decide(_evidence(dists, reach=0.1), radii).confirm == (0,)
-    reproduced = decide(_evidence(dists, {0: 0.0}, reach=0.1, confirmed=True), radii)
+    assert decide(_evidence(dists, reach=0.1, remeasurable=True), radii).confirm == (0,)
+    reproduced = decide(_evidence(dists, {0: 0.0}, reach=0.1, confirmed=True, remeasurable=True), radii)
     assert (reproduced.token, reproduced.verdict) == (0, CERTIFIED)
-    not_reproduced = _evidence(dists, {0: 0.2}, reach=0.1, confirmed=True)
+    not_reproduced = _evidence(dists, {0: 0.2}, reach=0.1, confirmed=True, remeasurable=True)
     assert not decide(not_reproduced, radii).final  # other candidates may still fit
     over = _run(Evidence(**{**not_reproduced.__dict__, "exhausted": True}), radii)
     assert (over.token, over.verdict, over.reason) == (0, UNCERTAIN, acceptor.NO_FIT)
     # a standout among too few candidates, or an ordinary nearest one, waits for more candidates
-    assert decide(_evidence(dists[: POPULATION - 1], reach=0.1), radii).confirm == ()
-    assert decide(_evidence([40.0, *dists[1:]], reach=0.1), radii).confirm == ()
+    assert decide(_evidence(dists[: POPULATION - 1], reach=0.1, remeasurable=True), radii).confirm == ()
+    assert decide(_evidence([40.0, *dists[1:]], reach=0.1, remeasurable=True), radii).confirm == ()
     monkeypatch.setattr(acceptor, "NEAR", False)  # the switch off: not re-measured before the search ends
-    assert decide(_evidence(dists, reach=0.1), radii).confirm == ()
+    assert decide(_evidence(dists, reach=0.1, remeasurable=True), radii).confirm == ()
 
 
 def test_the_nearest_of_a_search_without_a_fit_is_by_its_plain_distance_or_else_its_cached_one(monkeypatch):
     """A chain's guess re-measured far away does not outrank a candidate whose cached state lies far nearer."""
     dists = [0.2, 79.0, 90.0]
-    evidence = _evidence(dists, {1: 79.0, 0: 0.2}, reach=0.1, exhausted=True, confirmed=True)
+    evidence = _evidence(dists, {1: 79.0, 0: 0.2}, reach=0.1, exhausted=True, confirmed=True, remeasurable=True)
     assert decide(evidence, _radii(cached=0.007, plain=0.007)).confirm == (2,)  # the nearest not re-measured yet
     assert _run(evidence, _radii(cached=0.007, plain=0.007)).token == 0
     monkeypatch.setattr(acceptor, "NEAR", False)  # not re-measured: the cached distance counts
@@ -253,11 +255,11 @@ def test_the_nearest_of_a_search_without_a_fit_is_by_its_plain_distance_or_else_
 
 def test_a_source_that_cannot_be_reproduced_gives_up_after_a_bounded_budget():
     many = [50.0 + i for i in range(acceptor.GIVE_UP)]
-    decision = _run(_evidence(many, reach=1.0, reproducible=False), _radii())
+    decision = decide(_evidence(many, reach=1.0, reproducible=False), _radii())
     assert decision.verdict == UNCERTAIN and decision.reason == acceptor.NO_FIT
     # where an earlier position fitted, the search goes on through the budget, unless an earlier one was a guess
     assert not decide(_evidence(many, reach=1.0, reproducible=False, fitted=True), _radii()).final
-    after_guess = _run(_evidence(many, reach=1.0, reproducible=False, fitted=True, guessed=True), _radii())
+    after_guess = decide(_evidence(many, reach=1.0, reproducible=False, fitted=True, guessed=True), _radii())
     assert (after_guess.verdict, after_guess.reason, after_guess.guess) == (UNCERTAIN, acceptor.NO_FIT, True)
 
 

@@ -145,20 +145,20 @@ def _outside(evidence: Evidence, radii: Radii) -> Decision:
         best = min(plain, key=plain.__getitem__)
         return collided or Decision(best, CERTIFIED, reason="the plain forward reproduces the observation")
     ending = evidence.exhausted or (_spent(evidence) and (not evidence.fitted or evidence.guessed))
-    near = _near(evidence, radii, ending)
-    if near:
+    if near := _near(evidence, radii, ending):
         return Decision(confirm=tuple(near))
     return _nearest(evidence, UNCERTAIN, NO_FIT, guess=True) if ending else PENDING
 
 
 def _near(evidence: Evidence, radii: Radii, ending: bool) -> list[int]:
-    """Where nothing lies within the reach, the verified candidates to re-measure by a plain forward (at most
-    ``MAX_CONFIRM``, closest first, not re-measured yet): those within half the tokens' distance apart (Theorem 3.2's
-    Delta/2), the nearest where every other of ``POPULATION`` or more lies ``SEPARATION`` times farther, and the nearest
-    before the search ends without a fit. A cached state can lie beyond the calibrated radius (SmolLM2 layer 15,
-    'Patient John, ...': the true token 0.21 away, the radius 0.0072, every other token 79 or more; docs/results.md).
-    Evidence only: what is re-measured decides only by reproducing the observation. Switch: :data:`NEAR`."""
-    if not NEAR or evidence.boxed or evidence.exhaustive or evidence.whole or not evidence.ids.numel():
+    """Where nothing lies within the reach of a search that can re-measure (:attr:`Evidence.remeasurable`), the
+    candidates to re-measure (at most ``MAX_CONFIRM``, closest first, not re-measured yet): those within half the
+    tokens' distance apart (Theorem 3.2's Delta/2), the nearest where every other of ``POPULATION`` or more lies
+    ``SEPARATION`` times farther, and the nearest before the search ends without a fit. A cached state can lie beyond
+    the calibrated radius (SmolLM2 layer 15, 'Patient John, ...': the true token 0.21 away, the radius 0.0072, every
+    other token 79 or more; docs/results.md). Evidence only: a re-measured candidate decides only by reproducing the
+    observation. Switch: :data:`NEAR`."""
+    if not (NEAR and evidence.remeasurable) or evidence.boxed or evidence.exhaustive or not evidence.ids.numel():
         return []
     dists, order = evidence.dists, evidence.dists.argsort()
     within = order[dists[order] <= radii.apart / 2] if math.isfinite(radii.apart) else order[:0]

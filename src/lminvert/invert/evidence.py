@@ -51,6 +51,9 @@ class Evidence:
     # the candidates are whole prompts (one vector: :mod:`.last`): those not tried are not ruled out by those tried
     # (only a reproduction certifies; ``confident``: :func:`.acceptor._verdict`, ``Radii.gap`` from :mod:`.wholegap`)
     whole: bool = False
+    # the search can re-measure any verified candidate by a plain forward, within the reach or not (the engine's): the
+    # acceptor may then ask for candidates outside the reach where nothing lies within it (:func:`.acceptor._near`)
+    remeasurable: bool = False
 
     def by_angle(self, index: torch.Tensor) -> torch.Tensor:
         """``index`` (into the verified candidates) ordered by their states' cosine with the observation, largest

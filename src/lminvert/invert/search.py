@@ -321,6 +321,7 @@ class PromptSearch:
             twins=self.settings.ties,
             expected=self.expected,
             guessed=self.guessed,
+            remeasurable=True,
         )
 
     def _examine(self) -> None:
