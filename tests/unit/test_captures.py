@@ -530,7 +530,7 @@ def test_what_output_hidden_states_and_generate_save_is_read_by_layer(tmp_path):
 
     layers = tuple(torch.randn(1, 6, 64) for _ in range(5))
     torch.save(layers, tmp_path / "all.pt")
-    with pytest.raises(LminvertError, match=r"holds 5 tensors .*--key"):
+    with pytest.raises(LminvertError, match=r"holds 5 tensors, one per layer .*--key I"):
         HiddenStates.load(tmp_path / "all.pt")
     assert torch.equal(HiddenStates.load(tmp_path / "all.pt", key="3").states[0], layers[3][0])
     steps = (layers, *(tuple(torch.randn(1, 1, 64) for _ in range(5)) for _ in range(2)))
