@@ -126,24 +126,25 @@ def decide(evidence: Evidence, radii: Radii) -> Decision:
         proven = evidence.reproducible or (evidence.swept and _alone(evidence, radii, token))
         verdict = CERTIFIED if proven else CONFIDENT
         return Decision(token, verdict, reason="the only match in a ball narrower than the gaps")
-    collided = None if evidence.boxed else _collision(evidence, radii, found)
-    if collided is not None:
-        return collided
-    plain = evidence.plain  # any candidate re-measured, in the reach or beyond it (:func:`_beyond`)
+    return _reproduced(evidence, radii) or _separated(evidence, radii, found)
+
+
+def _reproduced(evidence: Evidence, radii: Radii) -> Decision | None:
+    """A collision, else the nearest re-measured candidate (in the reach or beyond it) that reproduces the observation
+    to float32's resolution, certified (not for an exhaustive search); None: neither, or beyond a box."""
+    plain = evidence.plain
     exact = [] if evidence.boxed else sorted((i for i in plain if plain[i] <= radii.resolution), key=plain.__getitem__)
-    if exact and not evidence.exhaustive:
+    collided = None if evidence.boxed else _collision(evidence, radii)
+    if collided is None and exact and not evidence.exhaustive:
         return Decision(exact[0], CERTIFIED, reason="the plain forward reproduces the observation")
-    return _separated(evidence, radii, found)
+    return collided
 
 
 def _outside(evidence: Evidence, radii: Radii) -> Decision:
     """Nothing verified within the reach: a re-measured candidate that reproduces the observation is certified (two: a
     collision); else :func:`_near`'s are re-measured; then, where the search ends, the nearest is a guess."""
-    plain = evidence.plain
-    if not (evidence.boxed or evidence.exhaustive) and any(d <= radii.resolution for d in plain.values()):
-        collided = _collision(evidence, radii, [])
-        best = min(plain, key=plain.__getitem__)
-        return collided or Decision(best, CERTIFIED, reason="the plain forward reproduces the observation")
+    if not evidence.exhaustive and (reproduced := _reproduced(evidence, radii)) is not None:
+        return reproduced
     ending = evidence.exhausted or (_spent(evidence) and (not evidence.fitted or evidence.guessed))
     if near := _near(evidence, radii, ending):
         return Decision(confirm=tuple(near))
@@ -176,7 +177,7 @@ def _fast(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> b
     return alone and radii.decisive and not evidence.whole
 
 
-def _collision(evidence: Evidence, radii: Radii, found: list[tuple[int, float]]) -> Decision | None:
+def _collision(evidence: Evidence, radii: Radii) -> Decision | None:
     """Two contenders (not tied twins) whose plain states both reproduce the observation to float32's resolution: no
     other candidate can make either decisively closer (a model that is not injective)."""
     plain = evidence.plain
@@ -368,8 +369,7 @@ def _nearest(evidence: Evidence, verdict: str, reason: str, guess: bool = False)
     """The closest verified candidate, by its plain distance where one was measured, else its cached one."""
     if not evidence.ids.numel() and not evidence.plain:
         return Decision(reason=reason)
-    plain = evidence.plain
-    distance = dict(zip(evidence.ids.tolist(), evidence.dists.tolist(), strict=True)) | plain
+    distance = dict(zip(evidence.ids.tolist(), evidence.dists.tolist(), strict=True)) | evidence.plain
     token = min(distance, key=distance.__getitem__)
     return Decision(token, verdict, guess=guess, reason=reason)
 
