@@ -11,7 +11,7 @@ the layer builds on first use that the preparation did not make is in it), then 
 included): prompts exact, positions sure (``certified`` or ``confident``), tokens claimed sure that are wrong (must be
 0), median and slowest seconds, candidates verified per position (median / mean), and the layer's median over layer
 15's (or the middle layer's) in the same run. This CPU unless ``--device``; the held-out texts: ``heldout.DEEP``
-(``--set fresh``: ``heldout.FRESH``).
+(``--set fresh``: ``heldout.FRESH``; ``--set starts``: ``heldout.STARTS``, openings without a BOS token).
 
 ``--ab-fused``: each layer again without the proposal's fused source (the next-token prior and the reading combined as
 a product of experts, :mod:`lminvert.invert.proposal`), in the same run.
@@ -40,9 +40,10 @@ import time
 
 import torch
 
-from heldout import DEEP, FRESH
+from heldout import DEEP, FRESH, STARTS
 
 SURE = ("certified", "confident")
+SETS = {"deep": DEEP, "fresh": FRESH, "starts": STARTS}
 WARM = 4  # positions of the untimed first inversion of each model (--versus)
 
 
@@ -51,7 +52,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--layers", default="1,15,27,28,29,30")
     parser.add_argument("--prompts", type=int, default=len(DEEP))
-    parser.add_argument("--set", choices=("deep", "fresh"), default="deep", help="heldout.DEEP or FRESH")
+    parser.add_argument("--set", choices=tuple(SETS), default="deep", help="heldout.DEEP, FRESH or STARTS")
     parser.add_argument("--length", type=int, default=20)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--together", type=int, default=1, help="prompts inverted at once (1: one at a time)")
@@ -90,7 +91,7 @@ def main() -> int:
     from lminvert.invert.reading import reading_map
 
     model = lminvert.load_model(args.model, dtype=args.dtype, device=args.device)
-    texts = FRESH if args.set == "fresh" else DEEP
+    texts = SETS[args.set]
     prompts = [list(model.tokenize(t, args.length)) for t in texts[: args.prompts]]
     print(f"{'layer':>9} {'first s':>8} {'exact':>6} {'sure':>6} {'wrong':>5} {'median s':>8} {'max s':>7} {'c/p':>11}")
     rows = {}

@@ -4,7 +4,9 @@ them to its ``--length`` tokens. Prose, code, secrets, other languages, chat, nu
 ``HELD_OUT`` (8) is what ``bench_leaks.py`` runs; ``DEEP`` adds 16 more of the same kinds for ``bench_deep.py``.
 ``FRESH`` (16) was written after the reading's training texts gained synthetic records (2026-11-29), and had been
 used for nothing before it measured them: other languages than those records hold, other programming languages,
-other formats (``bench_deep.py --set fresh``)."""
+other formats (``bench_deep.py --set fresh``). ``STARTS`` (15): openings of records and messages, as people begin
+prompts (no BOS token), for short cuts (``bench_deep.py --set starts --length 6``); one of them, 'Patient John Doe',
+put position 1's cached state 29 times the calibrated radius from the observation at layer 15 (docs/results.md)."""
 
 HELD_OUT = (
     "The ferry to the northern islands leaves twice a day in summer, but in winter only once, weather permitting.",
@@ -54,4 +56,22 @@ FRESH = (
     "Order #A-99314 shipped via DHL Express, tracking 1Z 999 AA1 01 2345 6784, estimated delivery Tuesday 3 June.",
     "Sitting by the window, she counted the trams as they passed and wondered whether the letter had arrived yet.",
     "curl -H 'Authorization: Bearer sk-live-51HxT9aQ2vLmR8pZ' https://api.payments.example.com/v1/charges?limit=5",
+)
+
+STARTS = (
+    "Patient John Doe was admitted",
+    "Doctor Smith said that the",
+    "Customer Jane Roe called about",
+    "Employee ID 4471 badge expired",
+    "User Alice reset her password",
+    "Mr Brown paid the invoice",
+    "Sergeant Miller filed the report",
+    "Client Acme Corp signed the",
+    "Subject: quarterly results for",
+    "Dear John, thank you for",
+    "Password reset for account admin",
+    "Name: Maria Lopez, DOB",
+    "Hello world from the server",
+    "Professor Chen will lecture on",
+    "Nurse Kelly gave the patient",
 )
