@@ -14,11 +14,12 @@ Accepted (:meth:`lminvert.states.HiddenStates.load` comes here for all but state
   ``hidden_states.0`` .. ``hidden_states.{K-1}`` (``key`` picks one where K > 1).
 
 A list or dict with several candidate entries is ambiguous (``output_hidden_states`` is one tensor per layer; a
-TransformerLens cache holds every hook): ``key`` picks one, by name or by index. An entry named ``attention_mask`` or
-``mask`` beside the states is the batch's attention mask. Pad rows are dropped, with a note: the rows such a mask (or
-a ``mask`` file) marks 0, else runs of two or more *identical* rows at a prompt's start or end (left padding always
-gives them; right padding does where the pads' positions do not advance). One pad row alone, or right padding whose
-pad rows differ, needs the mask.
+TransformerLens cache holds every hook): ``key`` picks one, by name or by index; in a file of one array (``np.save`` or
+``torch.save`` of ``torch.stack(output_hidden_states)``, ``[layers, N, T, d]``), ``key`` = ``I`` is its slice ``I``
+along the first axis. An entry named ``attention_mask`` or ``mask`` beside the states is the batch's attention mask. Pad
+rows are dropped, with a note: the rows such a mask (or a ``mask`` file) marks 0, else runs of two or more *identical*
+rows at a prompt's start or end (left padding always gives them; right padding does where the pads' positions do not
+advance). One pad row alone, or right padding whose pad rows differ, needs the mask.
 
 Layer numbering (``library_layer``): lminvert's layer ``l`` is the residual stream after block ``l`` (0: the
 embeddings; ``final``: after the final norm). transformers' ``hidden_states[i]`` is layer ``i`` except the last
@@ -150,6 +151,9 @@ def _vllm(entries: dict[str, Any]) -> list[str]:
 def _pick(path: Path, entries: dict[str, Any], key: str | None) -> tuple[str | None, Any]:
     """The entry holding the states: ``key``'s, else the only floating-point one."""
     if key is not None:
+        sliced = _slice(entries, key)
+        if sliced is not None:
+            return sliced
         if key not in entries:
             listed = ", ".join(sorted(entries, key=_natural)[:12]) or "none"
             raise LminvertError(f"{path.name} has no entry '{key}': its entries are {listed}")
@@ -176,6 +180,21 @@ def _pick(path: Path, entries: dict[str, Any], key: str | None) -> tuple[str | N
     )
 
 
+def _slice(entries: dict[str, Any], key: str) -> tuple[str, Any] | None:
+    """A file of one array ``[K, ...]`` (no names): ``key`` = ``I`` picks its slice ``I`` along the first axis (one
+    layer of a stack, ``torch.stack(output_hidden_states)``, or one prompt of a batch); None where that is not the
+    case."""
+    value = entries.get("") if len(entries) == 1 else None
+    if not isinstance(value, torch.Tensor) or value.dim() < 3 or not key.lstrip("-").isdigit():
+        return None
+    index = int(key)
+    if not -len(value) <= index < len(value):
+        raise LminvertError(
+            f"--key {key}: the file's array {list(value.shape)} has {len(value)} slices (0..{len(value) - 1})"
+        )
+    return f"[{index}]", value[index]
+
+
 def _is_states(value: Any) -> bool:
     if isinstance(value, list):
         return bool(value) and all(_is_states(v) for v in value)
@@ -199,6 +218,12 @@ def _as_prompts(path: Path, value: Any) -> list[torch.Tensor]:
         return [value.detach()]
     if value.dim() == 3:
         return [p.detach() for p in value]
+    if value.dim() == 4:
+        raise LminvertError(
+            f"states must have shape [d], [T, d] or [N, T, d], got {list(value.shape)}: one layer of a stack "
+            f"(torch.stack(output_hidden_states), [layers, batch, T, d]) is --key I (e.g. --key {len(value) // 2}); a "
+            "KV cache's [batch, heads, T, head_dim] is --leak kv"
+        )
     raise LminvertError(f"states must have shape [d], [T, d] or [N, T, d], got {list(value.shape)}")
 
 

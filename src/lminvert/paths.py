@@ -33,6 +33,22 @@ SLOW = 5.0  # seconds: a build at least this long is reported on ONCE
 NOTICE = 30.0  # seconds: a build still running this long is announced on ONCE while it runs (some take many minutes)
 WAIT = 3600.0  # seconds a process waits for another building the same cache entry, then builds it itself
 _held = threading.local()  # this thread holds a build lock (nested builds take none)
+_built = [0.0]  # seconds this process spent in outermost builds of cache entries (and waiting for another's)
+_adding = threading.Lock()
+
+
+def clock() -> float:
+    """The search clock: ``time.time()`` less the seconds this process has spent so far building cache entries or
+    waiting for another process to (:func:`building`). Time bounds (``max_seconds``) are set and read on it, so a first
+    run's one-time builds, announced on ``ONCE``, do not spend a search's bound. Builds in a worker process pause that
+    process's clock only."""
+    return time.time() - _built[0]
+
+
+def clock_offset() -> float:
+    """Seconds :func:`clock` lags ``time.time()`` in this process: a deadline plus this is a wall-clock time, which
+    another process turns back into its own clock by subtracting its own (a task sent to a worker)."""
+    return _built[0]
 
 
 def cache_dir() -> Path:
@@ -74,10 +90,12 @@ def building(path: str | Path, wait: float = WAIT, what: str | None = None) -> I
     the entries its build asks for (a process holds one at most, so two processes never wait on each other); after
     ``wait`` seconds it builds anyway (the file is written atomically either way). A build of ``SLOW`` seconds or more
     that did not wait is reported on ``ONCE``, as ``what`` (default: the entry's file name); one still running after
-    ``NOTICE`` seconds is announced there while it runs (a first run's minutes of silence explained as they pass)."""
+    ``NOTICE`` seconds is announced there while it runs (a first run's minutes of silence explained as they pass). The
+    time from the call until the build ends stops :func:`clock`."""
     if getattr(_held, "lock", False):
         yield False
         return
+    began = time.perf_counter()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path.parent / f".{path.name}.lock"))
@@ -103,6 +121,8 @@ def building(path: str | Path, wait: float = WAIT, what: str | None = None) -> I
             ONCE.info("one-time: %s took %.0f s, kept in the cache for later runs", what or path.name, took)
     finally:
         notice.cancel()
+        with _adding:
+            _built[0] += time.perf_counter() - began
         _held.lock = False
         if lock.is_locked:
             lock.release()

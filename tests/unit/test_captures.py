@@ -545,6 +545,40 @@ def test_what_output_hidden_states_and_generate_save_is_read_by_layer(tmp_path):
     assert HiddenStates.load(tmp_path / "prompts.pt").lengths == [4, 2]
 
 
+def test_a_stack_of_every_layer_is_read_by_key_and_never_taken_for_prompts(tmp_path):
+    """``torch.stack(output_hidden_states)`` saved as one array: ``[L + 1, 1, T, d]`` is refused with the ``--key`` that
+    picks a layer, and ``--key I`` reads layer I; squeezed to ``[L + 1, T, d]`` it is refused by the layer fit (the
+    first slice fits layer 0, the last the final layer) before any search, where before it was searched as L + 1
+    prompts; a batch of prompts of one length at one layer is still read as prompts."""
+    model = lminvert.load_model("tiny-llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(hidden) == model.probe.n_layers + 1
+    stacked = torch.stack(hidden)
+    torch.save(stacked, tmp_path / "stack.pt")
+    np.save(tmp_path / "stack.npy", stacked[:, 0].numpy())
+    done = run_cli("invert", str(tmp_path / "stack.pt"), "--model", "tiny-llama")
+    assert done.returncode != 0 and "--key I" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    read = HiddenStates.load(tmp_path / "stack.pt", key="1")
+    assert torch.equal(read.states[0], hidden[1][0]) and read.lengths == [6]
+    with pytest.raises(LminvertError, match="has 3 slices"):
+        HiddenStates.load(tmp_path / "stack.pt", key="7")
+    squeezed = HiddenStates.load(tmp_path / "stack.npy")
+    assert squeezed.lengths == [6] * len(hidden)  # read as prompts: the model tells
+    stacked_layers = r"one prompt's 3 layers stacked .*the first fits layer \w+, the last layer final.*--key"
+    with pytest.raises(LminvertError, match=stacked_layers):
+        invert(model, squeezed)
+    (found,) = invert(model, HiddenStates.load(tmp_path / "stack.npy", key="1"))
+    assert found.token_ids == ids[0].tolist()
+    batch = torch.randint(0, model.probe.vocab_size, (len(hidden), 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        same_layer = model.model(input_ids=batch, output_hidden_states=True).hidden_states[1]
+    results = invert(model, HiddenStates.from_array(same_layer))
+    assert [r.token_ids for r in results] == batch.tolist()
+
+
 def test_a_secant_fit_of_inputs_without_spread_gives_its_prior_not_an_error():
     from lminvert.invert.secant import fit_secant_map
 

@@ -4,8 +4,10 @@ the one-line refusals of what that route does not take."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -199,6 +201,58 @@ def test_the_time_bound_limits_a_rows_search_and_says_so(tiny, leak):
     assert f"limited {len(prompt) - 1} of {len(prompt)} positions" in note or f"limited {len(prompt)} of" in note
     for token, truth, verdict in zip(bound.token_ids, prompt, bound.verdicts, strict=True):
         assert token == truth or verdict not in CLAIMED, (bound.token_ids, prompt, bound.verdicts)
+
+
+def test_a_first_runs_one_time_builds_do_not_spend_the_time_bound(isolated_cache, monkeypatch):
+    """The bound (``max_seconds``) is on :func:`lminvert.paths.clock`, which one-time builds of cache entries do not
+    advance: a KV cache's search on an empty cache, each build slowed by half a second, under a bound of one second,
+    is not limited (before, the builds spent the bound and every later position was cut to its first batch). A
+    nested build pauses the clock once."""
+    from lminvert import paths
+    from lminvert.invert import tables
+
+    tiny = lminvert.load_model("tiny-llama")  # its own: nothing measured in memory yet
+    (prompt,) = _prompts(tiny, 1, 6, 5)
+    layer = tiny.probe.n_layers
+    cache, _ = _cache(tiny, [prompt])
+    entry = cache.layers[layer - 1]
+    rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
+    plain, slowed = paths.building, []
+
+    @contextlib.contextmanager
+    def slow(path, *args, **kwargs):
+        with plain(path, *args, **kwargs) as waited:
+            if getattr(paths._held, "lock", False):  # an outermost build (a nested one holds no lock of its own)
+                time.sleep(0.5)
+                slowed.append(path)
+            yield waited
+
+    monkeypatch.setattr(tables, "building", slow)
+    start, paused = time.time(), paths.clock()
+    (found,) = lminvert.invert(tiny, HiddenStates.from_array(rows), layer, leak="kv", source="float", max_seconds=1.0)
+    assert len(slowed) >= 3 and time.time() - start > 1.5, (len(slowed), time.time() - start)  # builds ran
+    assert not any("time bound" in n for n in found.notes), found.notes
+    assert paths.clock() - paused < time.time() - start - 0.5 * len(slowed) + 0.05
+    assert found.token_ids == prompt
+
+
+def test_a_bound_sent_to_a_worker_is_read_on_the_workers_own_clock(monkeypatch):
+    """A chunk of the engine's work pickled for another process carries its bound as a wall-clock time and reads it
+    back on that process's clock: builds the sender paused for do not shorten the worker's bound."""
+    import pickle
+
+    from lminvert import paths
+    from lminvert.invert import InvertConfig, _InvertChunk
+
+    tiny = lminvert.load_model("tiny-llama")
+    monkeypatch.setattr(paths, "_built", [100.0])  # the sender spent 100 s building
+    chunk = _InvertChunk(tiny.probe.layer(1), InvertConfig(deadline=paths.clock() + 5.0), {})
+    assert pickle.loads(pickle.dumps(chunk)).config.deadline == chunk.config.deadline  # the same process
+    sent = pickle.dumps(chunk)
+    monkeypatch.setattr(paths, "_built", [0.0])  # a worker that built nothing
+    left = pickle.loads(sent).config.deadline - paths.clock()
+    assert 4.0 < left <= 5.0, left
+    assert pickle.loads(pickle.dumps(_InvertChunk(tiny.probe.layer(1), InvertConfig(), {}))).config.deadline is None
 
 
 @settings(max_examples=4, deadline=None)

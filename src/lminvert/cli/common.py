@@ -45,7 +45,12 @@ def add_model_args(
 def add_states_args(parser: argparse.ArgumentParser, model_help: str, dtype_help: str) -> None:
     """A states file and how to read it (`invert`, `inspect`): the file, --key, --mask, the model and its dtype."""
     parser.add_argument("states", help="states file: .safetensors (lminvert encode, or any keys), .npy, .pt/.pth")
-    parser.add_argument("--key", default=None, help="the entry holding the states in a file of several (name or index)")
+    parser.add_argument(
+        "--key",
+        default=None,
+        help="the entry holding the states in a file of several (name or index); in a file of one array, its slice I "
+        "along the first axis (one layer of torch.stack(output_hidden_states))",
+    )
     parser.add_argument(
         "--mask", default=None, help="the batch's attention mask ([N, T] of 0/1, .npy/.pt): rows it marks 0 are dropped"
     )

@@ -133,7 +133,8 @@ def _add_search_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="bound the search: after this many seconds each position stops after its first batch and keeps the "
         "closest candidate verified, with the acceptor's verdict on that evidence, and (KV caches, defended states) "
-        "nothing is chosen by the next row (default: no bound; --leak last: each vector's, default 60)",
+        "nothing is chosen by the next row; a first run's one-time builds (announced) are not counted (default: no "
+        "bound; --leak last: each vector's, default 60)",
     )
     group.add_argument(
         "--tolerance-scale",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,6 +20,7 @@ from ..models.compat import CASTS, check_compatible
 from ..models.loading import require_loaded
 from ..models.probe import has_hooks
 from ..models.ties import tied_twins
+from ..paths import clock, clock_offset
 from ..states import HiddenStates
 from . import leaks
 from .acceptor import UNCERTAIN
@@ -74,11 +74,11 @@ def invert(
     file's last rows) is searched for whole prompts of up to ``max_length`` tokens, ``max_seconds`` each.
 
     Every position's verdict is the acceptor's (:mod:`lminvert.invert.acceptor`), with the error model of ``source``;
-    no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call: once it has
-    passed, every position stops after its first batch and keeps the closest candidate verified (the notes say so).
-    """
+    no option of ``search`` or ``run`` changes what it accepts. ``max_seconds`` counts from this call, one-time builds
+    not counted (:func:`lminvert.paths.clock`): after it, every position stops after its first batch and keeps the
+    closest candidate verified (the notes say so)."""
     leak, search, run = grouped(leak, search, run, **options)
-    deadline = None if search.max_seconds is None else time.time() + search.max_seconds
+    deadline = None if search.max_seconds is None else clock() + search.max_seconds
     states, layer, kind, offsets = _given(states, layer, leak, search, run)
     model = require_loaded(model, "invert")
     _check_screen(model, search.screen, search.scout)
@@ -241,7 +241,7 @@ def _invert_chunks(
         got = _invert_chunks(model, _subset(states, rest), layer, config, noise, together, executor) if rest else []
         out = dict(zip(rest, got, strict=True))
         for i in bounded:
-            bound = time.time() + leaks.SINK_SECONDS
+            bound = clock() + leaks.SINK_SECONDS
             deadline = bound if config.deadline is None else min(config.deadline, bound)
             alone = replace(config, deadline=deadline, guess_ends=leaks.GUESS_ENDS)
             out[i] = _invert_chunks(model, _subset(states, [i]), layer, alone, noise, 1, executor)[0]
@@ -313,7 +313,7 @@ def _invert_rows(
     deadline: float | None = None,
 ) -> list[InversionResult]:
     """A leak searched in its rows' space, or one vector's (:func:`.leaks.invert_leak`) at the layer asked for or
-    found; after ``deadline`` (``time.time()``), each position stops after its first batch."""
+    found; after ``deadline`` (:func:`lminvert.paths.clock`), each position stops after its first batch."""
     if leak == "states":
         resolved, notes = _layer(model, states, layer, source, check)
     else:
@@ -367,8 +367,11 @@ class _InvertChunk:
             model, observed, self.layer, self.config, clean_states=clean, on_position=self.on_position, ties=self.ties
         )
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "on_position": None}
+    def __getstate__(self) -> dict[str, Any]:  # the bound sent as a wall-clock time, read on the worker's clock
+        return {**self.__dict__, "on_position": None, "config": self.config.moved(clock_offset())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**state, "config": state["config"].moved(-clock_offset())})
 
 
 __all__ = [

@@ -69,7 +69,7 @@ class InvertConfig:
     policy: str = "linear"
     first_table: bool = True  # rank position 0 with the first-position table (policies that support it)
     max_candidates: int | None = None  # per position; default: the whole vocabulary
-    # wall-clock time (time.time()) after which each position stops after its first batch, keeping the closest
+    # the time (lminvert.paths.clock()) after which each position stops after its first batch, keeping the closest
     # candidate (the acceptor then rules, as for any budget: such a position is at best what its evidence shows)
     deadline: float | None = None
     # a guess ends the search: every later position gets its first batch only, as past the deadline (a prompt another
@@ -91,6 +91,11 @@ class InvertConfig:
     # guess the whole prompt first by a search in bfloat16 GEMMs, checked by one plain forward (:mod:`.scout`; speed
     # only); None: where it pays
     scout: bool | None = None
+
+    def moved(self, seconds: float) -> InvertConfig:
+        """This config with its ``deadline`` (if any) ``seconds`` later: a task sent to another process carries it as
+        a wall-clock time (``+ paths.clock_offset()``), which that process reads on its own clock (``-`` its own)."""
+        return self if self.deadline is None else replace(self, deadline=self.deadline + seconds)
 
     @property
     def exhaustive(self) -> bool:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from torch.func import jacrev
 from ..corpora import sample_prompts
 from ..models import LoadedModel
 from ..models.kv import attention_kind, rotary_turn
+from ..paths import clock
 from .firstorder import orders
 from .firstsupport import FITTED, strength, support
 
@@ -192,7 +192,7 @@ class FirstBlock:
             best, seen = None, set()
             for round_ in range(ROUNDS):
                 for start in self._starts(target, last, best, round_, normalised):
-                    if time.perf_counter() > deadline:
+                    if clock() > deadline:
                         return
                     fit = self._fit(target, last, max_length + EXTRA, start, normalised)
                     if best is not None and fit[2] >= best[2]:

@@ -31,6 +31,7 @@ import torch
 from ..errors import LminvertError
 from ..models import Layer, LoadedModel
 from ..models.ties import tied_token_groups
+from ..paths import clock
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .engine import InvertConfig, bound_source, invert_prompt
@@ -140,15 +141,14 @@ class _Search:
         return self.unit(vector)
 
     def run(self, vector: torch.Tensor, notes: tuple[str, ...]) -> InversionResult:
-        start = time.perf_counter()
-        deadline = start + self.options.seconds
+        start, deadline = time.perf_counter(), clock() + self.options.seconds
         target = self._target(vector)
         tried = _Tried([], torch.empty(0, dtype=torch.float64), torch.empty(0, target.numel()))
         decision = acceptor.PENDING
         for prompts in self._candidates(target, deadline, tried):
             self._verified(tried, prompts, target)
             decision = self._decide(tried, target, exhausted=False)
-            if decision.verdict in CLAIMED or time.perf_counter() > deadline:
+            if decision.verdict in CLAIMED or clock() > deadline:
                 break
         if decision.verdict not in CLAIMED:  # the search is over: the acceptor's verdict on all it verified
             decision = self._decide(tried, target, exhausted=True)
@@ -163,14 +163,14 @@ class _Search:
         reads = self._reads(target)
         yield [(t,) for t in self._firsts(target, reads).tolist()]
         if self.first is not None:  # the first block's algebra (:mod:`.firstblock`), then the search below
-            share = time.perf_counter() + (deadline - time.perf_counter()) * FIRST
+            share = clock() + (deadline - clock()) * FIRST
             yield from self.first.proposals(
                 target, reads[:LASTS].tolist(), self.options.max_length, share, self.options.normalised
             )
         beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
         size = PREFIXES
         for length in range(2, self.options.max_length + 1):
-            now = time.perf_counter()
+            now = clock()
             if now > deadline:
                 return
             share = now + (deadline - now) / (2 if length == 2 else self.options.max_length - length + 1)
@@ -179,8 +179,8 @@ class _Search:
             done = 0
             # a sweep shorter than a second starts with fewer prefixes (a batch of PREFIXES: about a second at a
             # middle layer), so that a small budget is kept to
-            size = max(PREFIXES // 16, min(size, int(PREFIXES * (sweep - time.perf_counter()))))
-            while done < len(beam) and time.perf_counter() < sweep:
+            size = max(PREFIXES // 16, min(size, int(PREFIXES * (sweep - clock()))))
+            while done < len(beam) and clock() < sweep:
                 # past the beam (length 2's further first tokens) the prior's next tokens are not asked: a forward of
                 # every prefix through every block for each would cost more than the candidates it proposes
                 likely = done < self.options.beam
@@ -191,8 +191,8 @@ class _Search:
                 took = time.perf_counter() - started  # this batch's verification: batches of about a second each
                 size = min(MOST, size * 2) if took < 0.5 else max(PREFIXES // 4, size // 2) if took > 2 else size
             if length == 2:
-                yield from self._first_tokens(tried, target, (time.perf_counter() + share) / 2)
-            refined = self._refined(tried, length, target, max(share, min(time.perf_counter() + 1, deadline)))
+                yield from self._first_tokens(tried, target, (clock() + share) / 2)
+            refined = self._refined(tried, length, target, max(share, min(clock() + 1, deadline)))
             if refined:
                 yield refined
 
@@ -261,7 +261,7 @@ class _Search:
         config = InvertConfig(max_candidates=RANKED, deadline=deadline, speculate=False)
         out = []
         for prefix in prefixes:
-            if time.perf_counter() > deadline:
+            if clock() > deadline:
                 break
             rows = self.probe.states(torch.tensor([list(prefix)]), [self.layer])[self.layer][0].float().cpu()
             last = target
@@ -284,12 +284,12 @@ class _Search:
         lasts = list(dict.fromkeys(p[-1] for p in tried.prompts if len(p) == 2))[:REFINE]
         generator = torch.Generator().manual_seed(0)
         for n, last in enumerate(lasts):
-            if time.perf_counter() > deadline:
+            if clock() > deadline:
                 return
-            until = time.perf_counter() + (deadline - time.perf_counter()) / (len(lasts) - n)
+            until = clock() + (deadline - clock()) / (len(lasts) - n)
             ids = torch.randint(0, self.probe.vocab_size, (SAMPLES,), generator=generator)
             states = self._verified(tried, [(int(t), last) for t in ids], target)
-            while time.perf_counter() < until:
+            while clock() < until:
                 order = self.ridge.order(ids, states, target)
                 batch = order[~torch.isin(order, ids)][:RANKED]
                 if not len(batch):  # every first token tried under this last one

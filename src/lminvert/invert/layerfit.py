@@ -298,12 +298,29 @@ def settle(model: LoadedModel, states: list[torch.Tensor], fit: LayerFit, source
     return replace(fit, chosen=within[0]) if len(within) == 1 else fit
 
 
+def _refuse_stacked(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | None) -> None:
+    """A one-line error where ``states`` are one prompt's every layer taken for prompts: as many of one length as
+    transformers' ``output_hidden_states`` holds (``n_layers + 1``), the first and the last each decisively not of the
+    other's layer (``torch.stack`` of those tensors saved as one ``[L + 1, T, d]`` array)."""
+    if len(states) != model.probe.n_layers + 1 or len({len(s) for s in states}) != 1:
+        return
+    first, last = (fit_layers(model, [states[i]], source) for i in (0, -1))
+    if first.rules_out(last.best) and last.rules_out(first.best):  # two layers: one batch's prompts share one
+        raise LminvertError(
+            f"these {len(states)} prompts of one length look like one prompt's {len(states)} layers stacked "
+            f"(torch.stack(output_hidden_states)): the first fits layer {first.best}, the last layer {last.best}; pick "
+            f"one with --key I (transformers' hidden_states[I] is lminvert's layer I, the last is final), e.g. --key "
+            f"{len(states) // 2}"
+        )
+
+
 def resolve_layer(
     model: LoadedModel, states: list[torch.Tensor], given: Layer | None, source: ErrorModel | None = None
 ) -> tuple[Layer, LayerFit]:
     """The layer to search at: ``given``, unless the states decisively come from another layer (a one-line error
     naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive or position 0
     chooses it (:func:`settle`)."""
+    _refuse_stacked(model, states, source)
     fit = fit_layers(model, states, source)
     probe = model.probe
     searched = given.name if given is not None else fit.best

@@ -56,7 +56,7 @@ def invert_leak(
     deadline: float | None = None,
 ) -> list[InversionResult]:
     """``states``' rows as leak ``leak`` at layer ``resolved`` (a KV cache's block), searched in their own space
-    (:mod:`lminvert.invert.rows`; after ``deadline``, ``time.time()``, each position stops after its first batch), or
+    (:mod:`lminvert.invert.rows`; after ``deadline`` (``paths.clock()``), each position stops after its first batch), or
     one vector per prompt (``last``: :mod:`.last`, with ``last``'s options); ``notes``: what every result carries
     first; one-line errors for rows of another width or dtype than the view's."""
     view = make_view(leak, model, resolved)

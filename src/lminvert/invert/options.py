@@ -83,13 +83,13 @@ class Search:
     """How to search: options that change how far the search goes, never what the acceptor accepts.
 
     ``method``: ``sipit`` (policy-guided) or ``bruteforce`` (the whole vocabulary: the oracle). ``policy``: sipit's
-    candidate order. ``max_candidates`` / ``max_seconds``: budgets (per position / from the call). ``tolerance_scale``:
-    multiplies the measured acceptance radii. ``certify``: verify the whole vocabulary at every position (``None``:
-    where the model has forward hooks). ``screen``: bfloat16 screening of a float32 model's batches (``None``: where
-    it pays). ``speculate``: verify the next positions' first guesses in the same forward. ``scout``: guess the whole
-    prompt first by a search in bfloat16 GEMMs, checked by one plain forward (``None``: where it pays).
-    ``first_table``: rank position 0 with the first-position table. ``seed``: of the random orders and of ``noise``.
-    ``max_length`` (``--max-length``, a ``last`` leak only): the longest prompt tried (default 8); there
+    candidate order. ``max_candidates`` / ``max_seconds``: budgets (per position / from the call, one-time builds not
+    counted). ``tolerance_scale``: multiplies the measured acceptance radii. ``certify``: verify the whole vocabulary at
+    every position (``None``: where the model has forward hooks). ``screen``: bfloat16 screening of a float32 model's
+    batches (``None``: where it pays). ``speculate``: verify the next positions' first guesses in the same forward.
+    ``scout``: guess the whole prompt first by a search in bfloat16 GEMMs, checked by one plain forward (``None``: where
+    it pays). ``first_table``: rank position 0 with the first-position table. ``seed``: of the random orders and of
+    ``noise``. ``max_length`` (``--max-length``, a ``last`` leak only): the longest prompt tried (default 8); there
     ``max_seconds`` bounds each vector's search (default 60)."""
 
     method: str = "sipit"

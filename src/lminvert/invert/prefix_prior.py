@@ -4,11 +4,11 @@ search for whole prompts (:mod:`.last`). A proposal, never evidence."""
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from ..models import LoadedModel
+from ..paths import clock
 
 BATCH = 64  # prefixes per forward (a deep layer's search checks its deadline between them)
 
@@ -25,8 +25,8 @@ class Prior:
 
     def logprobs(self, prefixes: list[tuple[int, ...]], deadline: float | None = None) -> torch.Tensor:
         """``[n, V]`` log-probabilities of the next token after each prefix (all of one length), in batches of
-        ``BATCH``: with a ``deadline`` (``time.perf_counter()``), those of the first ``n`` prefixes scored before it
-        passed (at least one batch)."""
+        ``BATCH``: with a ``deadline`` (:func:`lminvert.paths.clock`), those of the first ``n`` prefixes scored before
+        it passed (at least one batch)."""
         rows = [[*self.start, *p] for p in prefixes]
         if not rows[0]:
             vocab = self.model.probe.vocab_size
@@ -34,7 +34,7 @@ class Prior:
         out = []
         with torch.no_grad():
             for first in range(0, len(rows), BATCH):
-                if out and deadline is not None and time.perf_counter() > deadline:
+                if out and deadline is not None and clock() > deadline:
                     break
                 ids = torch.tensor(rows[first : first + BATCH], device=self.model.probe.device)
                 logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[:, -1]

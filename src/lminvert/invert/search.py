@@ -26,7 +26,6 @@ candidates are verified first, never the answer.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ import torch
 
 from ..models import LayerProbe, NewKeys, Prefix
 from ..models.observed import PlainKeys
+from ..paths import clock
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .context import PositionContext, wide_dtype
@@ -62,7 +62,7 @@ class Settings:
     table: FirstTable | None  # what ranks position 0 (a first-position table), if used
     ties: dict[int, tuple[int, ...]]
     scale: int = 1  # candidate batch sizes relative to a CPU's
-    deadline: float | None = None  # wall-clock time (time.time()) after which a position stops after its first batch
+    deadline: float | None = None  # the time (paths.clock()) after which a position stops after its first batch
     guess_ends: bool = False  # after a guess, as after the deadline (:attr:`.engine.InvertConfig.guess_ends`)
     # the scout's search (:mod:`.scout`): a confirmation reads the contenders' verified states (no plain forward), and a
     # prompt stops at its first position that fits no candidate
@@ -74,8 +74,9 @@ class Settings:
 
 
 def past(deadline: float | None) -> bool:
-    """Whether the wall-clock bound ``deadline`` (``time.time()``; None: none) has passed (the rows search's too)."""
-    return deadline is not None and time.time() > deadline
+    """Whether the time bound ``deadline`` (on :func:`lminvert.paths.clock`, which one-time builds do not advance;
+    None: none) has passed (every search's)."""
+    return deadline is not None and clock() > deadline
 
 
 class PromptSearch:

@@ -189,7 +189,7 @@ class Attack:
     ) -> list[Recovered]:  # fmt: skip
         """Attack every prompt's shipped rows; ``states``: the prompts' own layer states as :func:`lminvert.encode`
         gives them (the engine's route keeps their record of the weights: lminvert's own states are ``exact``);
-        ``deadline`` (``time.time()``): the rows searches' time bound; ``known`` and ``until``: every prompt's first
+        ``deadline`` (``paths.clock()``): the rows searches' time bound; ``known`` and ``until``: every prompt's first
         tokens, sure by another search, and the end of the positions searched (:meth:`.search.RowSearch.run`; whole
         rows with no public map or permutation only)."""
         first = shipped[0]

@@ -103,7 +103,7 @@ class Lookahead:
         """Position 0's token chosen by the next row ``after`` (``reading``: what it reads as; ``dists``: the error
         model's distances of position 0's table to ``row``), with the acceptor's verdict on the evidence; the
         candidates this ran; and the next token it was chosen under (None: none), which the next position verifies
-        first. ``measuring``: the rule's own verdict, for :meth:`calibration`. Past ``deadline`` (``time.time()``) no
+        first. ``measuring``: the rule's own verdict, for :meth:`calibration`. Past ``deadline`` (``paths.clock()``) no
         further first token is tried and no evidence is gathered: the choice is a guess."""
         search = self.search
         order = search.source.order(search.table, row)

@@ -38,7 +38,7 @@ def invert_rows(
 ) -> list[InversionResult]:
     """Every prompt's rows ``[T, k]`` (``view``'s, under ``source``) inverted by :class:`.attack.Attack`; ``notes``:
     what every result carries first (how the rows were read); ``screen``: as :func:`lminvert.invert`'s; ``offsets``:
-    a KV cache's left padding per prompt (:func:`aligned`); ``deadline`` (``time.time()``): from then on each
+    a KV cache's left padding per prompt (:func:`aligned`); ``deadline`` (``paths.clock()``): from then on each
     position stops after its first batch of candidates; ``known``: every prompt's first tokens, sure by another
     search, whose positions hold placeholders; ``until``: the positions before it searched alone, the results that
     long (:meth:`.search.RowSearch.run`)."""

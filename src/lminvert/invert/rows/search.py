@@ -146,7 +146,7 @@ class RowSearch:
     def run(
         self, shipped: torch.Tensor, deadline: float | None = None, known: Sequence[int] = (), until: int | None = None
     ) -> Found:
-        """Invert one prompt's rows ``[T, k]`` (NaN rows: missing); from ``deadline`` (``time.time()``) on, a position
+        """Invert one prompt's rows ``[T, k]`` (NaN rows: missing); from ``deadline`` (``paths.clock()``) on, a position
         gets its first batch of candidates at most and nothing is chosen by the next row (:attr:`Found.cut`); ``known``
         first tokens taken as they are (:meth:`.verified.Found.given`); only the positions before ``until`` searched."""
         start, self.length = time.perf_counter(), len(shipped)
