@@ -15,9 +15,14 @@ Forms (``--forms``), for held-out prompts of ``--length`` tokens at layer (block
   the converted model's folder), its ``hidden_states[L]``;
 * ``tf-kv-bf16``: the same model's KV cache as (keys, values) pairs, ``--leak kv``;
 * ``tf-cast-bf16-pt``: transformers' float32 model cast whole after loading (``.to(torch.bfloat16)``, which rounds the
-  rotary embedding's frequencies too), its ``hidden_states[L]``.
+  rotary embedding's frequencies too), its ``hidden_states[L]``;
+* ``kv-generate``: the float32 model's ``generate(..., max_new_tokens=12)`` KV cache (the prompt's rows in one
+  forward, then one row per step), as (keys, values) pairs, ``--leak kv``: every row's token is counted, the generated
+  ones too.
 
 ``--chat``: each text as a user's message through the model's chat template (``add_generation_prompt``), not cut.
+``--max-seconds S``: passed to every command. ``--cold``: no untimed first run per form, so the first prompt meets the
+one-time builds a layer not yet used needs (run on a copy of a prepared cache to see a first run's bound).
 
 Printed per form: the dtype the command ran in, tokens right, positions claimed (``certified`` / ``confident``), claimed
 tokens that are wrong (must be 0), how many prompts got the cast hint, and the median and slowest seconds the command
@@ -49,8 +54,9 @@ from lminvert.cli import main as cli
 
 FORMS = (
     "bf16-pt", "bf16-npy", "fp16-npy", "cast-bf16", "cast-bf16-named", "cast-fp16", "kv-bf16-f32", "kv-cast-bf16",
-    "tf-bf16-pt", "tf-kv-bf16", "tf-cast-bf16-pt",
+    "tf-bf16-pt", "tf-kv-bf16", "tf-cast-bf16-pt", "kv-generate",
 )  # fmt: skip
+GENERATED = 12  # tokens kv-generate's generate() adds
 CLAIMED = ("certified", "confident")
 HINT = "--source quant:"
 
@@ -66,20 +72,28 @@ def _network(models: dict, form: str) -> torch.nn.Module:
             else:
                 models[key] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
         return models[key]
-    casts = ("cast-bf16", "cast-bf16-named", "cast-fp16", "kv-cast-bf16")
+    casts = ("cast-bf16", "cast-bf16-named", "cast-fp16", "kv-cast-bf16", "kv-generate")
     dtype = "float16" if form == "fp16-npy" else "float32" if form in casts else "bfloat16"
     return models.setdefault(dtype, lminvert.load_model("smollm2-135m", dtype=dtype)).model
 
 
-def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> list[str]:
-    """Save ``ids``' leak in ``form`` at ``path``; the command's extra arguments."""
+def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> tuple[list[str], list[int]]:
+    """Save ``ids``' leak in ``form`` at ``path``; the command's extra arguments and the tokens its rows hold."""
+    if form == "kv-generate":
+        with torch.no_grad():
+            out = _network(models, form).generate(
+                torch.tensor([ids]), max_new_tokens=GENERATED, do_sample=False, return_dict_in_generate=True
+            )
+        layers = out.past_key_values.layers
+        torch.save([(entry.keys, entry.values) for entry in layers], path)
+        return ["--leak", "kv"], out.sequences[0, : layers[0].keys.shape[2]].tolist()
     with torch.no_grad():
         out = _network(models, form)(input_ids=torch.tensor([ids]), use_cache=True, output_hidden_states=True)
     hidden = out.hidden_states[layer]
     if form.startswith(("kv-", "tf-kv-")):
         saved = torch.bfloat16 if form == "kv-cast-bf16" else torch.float32
         torch.save([(entry.keys.to(saved), entry.values.to(saved)) for entry in out.past_key_values.layers], path)
-        return ["--leak", "kv"]
+        return ["--leak", "kv"], ids
     if form in ("bf16-pt", "tf-bf16-pt", "tf-cast-bf16-pt"):
         torch.save(hidden, path)
     elif form.endswith("-npy"):
@@ -88,7 +102,7 @@ def _save(models: dict, form: str, ids: list[int], layer: int, path: Path) -> li
         torch.save(hidden.half(), path)
     else:
         torch.save(hidden.bfloat16(), path)
-    return ["--dtype", "float32", "--source", "quant:bf16"] if form == "cast-bf16-named" else []
+    return (["--dtype", "float32", "--source", "quant:bf16"] if form == "cast-bf16-named" else []), ids
 
 
 def _prompt(model: lminvert.LoadedModel, text: str, length: int, chat: bool) -> list[int]:
@@ -127,6 +141,8 @@ def main() -> int:
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--set", choices=("held_out", "fresh"), default="held_out")
     parser.add_argument("--chat", action="store_true", help="each text as a user's message in the chat template")
+    parser.add_argument("--max-seconds", type=float, default=None, help="passed to every command")
+    parser.add_argument("--cold", action="store_true", help="no untimed first run per form (one-time builds timed)")
     args = parser.parse_args()
     forms = args.forms.split(",")
     unknown = [f for f in forms if f not in FORMS]
@@ -143,15 +159,19 @@ def main() -> int:
         for form in forms:
             suffix = ".npy" if form.endswith("-npy") else ".pt"
             path = Path(tmp) / f"{form}{suffix}"
-            extra = _save(models, form, prompts[0][:4], args.layer, path)  # one-time builds, untimed
-            _invert(path, args.layer, extra)
-            right = claimed = wrong = hinted = 0
+            bound = ["--max-seconds", str(args.max_seconds)] if args.max_seconds else []
+            if not args.cold:
+                extra, _ = _save(models, form, prompts[0][:4], args.layer, path)  # one-time builds, untimed
+                _invert(path, args.layer, extra + bound)
+            right = claimed = wrong = hinted = total = 0
             seconds, dtypes = [], set()
             for ids in prompts:
-                extra = _save(models, form, ids, args.layer, path)
+                extra, truth = _save(models, form, ids, args.layer, path)
+                extra += bound
                 doc = _invert(path, args.layer, extra)
                 verdicts = doc["verdicts"]
-                hits = [a == b for a, b in zip(doc["token_ids"], ids, strict=True)]
+                hits = [a == b for a, b in zip(doc["token_ids"], truth, strict=True)]
+                total += len(truth)
                 right += sum(hits)
                 claimed += sum(v in CLAIMED for v in verdicts)
                 wrong += sum(v in CLAIMED and not h for v, h in zip(verdicts, hits, strict=True))
@@ -160,7 +180,6 @@ def main() -> int:
                 if verdicts.count("uncertain") * 2 >= len(verdicts):
                     hinted += _hinted(path, args.layer, extra)
             wrong_anywhere += wrong
-            total = sum(map(len, prompts))
             print(
                 f"| {form} | {'/'.join(sorted(dtypes))} | {right}/{total} | {100 * claimed / total:.1f}% | {wrong} | "
                 f"{hinted}/{len(prompts)} | {statistics.median(seconds):.2f} | {max(seconds):.2f} |",
