@@ -260,24 +260,27 @@ def _apply_mask(states: list[torch.Tensor], mask: torch.Tensor) -> tuple[list[to
 
 
 def _drop_identical(states: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-    out, dropped = [], 0
-    for s in states:
-        if len(s) < PAD_RUN + 1:  # too short to hold pads and a prompt (an empty one is refused by HiddenStates)
-            out.append(s)
-            continue
-        start, stop = 0, len(s)
-        lead = _run(s)
-        if lead >= PAD_RUN:
-            start = lead
-        trail = _run(s.flip(0))
-        if trail >= PAD_RUN and len(s) - trail > start:
-            stop = len(s) - trail
-        if stop - start < 1:  # every row identical: nothing to tell pads from the prompt
-            out.append(s)
-            continue
-        dropped += len(s) - (stop - start)
-        out.append(s[start:stop])
-    return out, dropped
+    spans = [pad_span(s) for s in states]
+    dropped = sum(len(s) - (stop - start) for s, (start, stop) in zip(states, spans, strict=True))
+    return [s[start:stop] for s, (start, stop) in zip(states, spans, strict=True)], dropped
+
+
+def pad_span(rows: torch.Tensor) -> tuple[int, int]:
+    """``(start, stop)``: one prompt's rows (states, or a KV cache's) less runs of ``PAD_RUN`` or more identical rows
+    at its start and end, taken for pads (every row where all are identical or there are too few to hold pads and a
+    prompt)."""
+    if len(rows) < PAD_RUN + 1:  # too short to hold pads and a prompt (an empty one is refused by HiddenStates)
+        return 0, len(rows)
+    start, stop = 0, len(rows)
+    lead = _run(rows)
+    if lead >= PAD_RUN:
+        start = lead
+    trail = _run(rows.flip(0))
+    if trail >= PAD_RUN and len(rows) - trail > start:
+        stop = len(rows) - trail
+    if stop - start < 1:  # every row identical: nothing to tell pads from the prompt
+        return 0, len(rows)
+    return start, stop
 
 
 def _run(rows: torch.Tensor) -> int:
