@@ -21,9 +21,8 @@ transformers' cache classes :data:`.kv_files.CACHE_CLASSES` are allowed, which a
 Each block's tensors are transformers' ``[B, H, T, hd]`` or one prompt's ``[H, T, hd]``. ``key`` picks an entry of a
 dict, or the entries whose names start with it. With an attention mask ``[B, T]`` (saved beside the cache, or a
 ``mask`` file) each prompt keeps the rows its mask marks 1, which must be contiguous (left or right padding); its
-offset is the index of its first kept row in the saved sequence. Without a mask, runs of two or more identical rows
-at a prompt's start or end are dropped as pads (``generate()`` gives a left-padded batch's pads one position, so
-their rows are identical at every block); otherwise a cache holds no sign of which positions were pads.
+offset is the index of its first kept row in the saved sequence. Without a mask, runs of identical rows at a prompt's
+start or end are dropped as pads (``generate()`` gives pads one position); else a cache holds no sign of pads.
 """
 
 from __future__ import annotations
@@ -361,18 +360,10 @@ def _prompts(
     batch, length = rows.shape[:2]
     if mask is None:  # pads told only where generate() gave them one position: runs of identical rows
         spans = [pad_span(r) for r in rows]
-        dropped = batch * length - sum(stop - start for start, stop in spans)
-        offsets = tuple(start for start, _ in spans)
-        notes = []
-        if dropped:
-            notes.append(
-                f"dropped {dropped} pad row(s): runs of identical rows at a prompt's start or end (--mask to say which)"
-            )
-        elif batch > 1:
-            notes.append(
-                f"kept all {length} rows of each of the {batch} prompts: pads cannot be told apart in a KV cache "
-                "without the attention mask (pass --mask)"
-            )
+        offsets, dropped = tuple(a for a, _ in spans), batch * length - sum(b - a for a, b in spans)
+        told = f"dropped {dropped} pad row(s): runs of identical rows at a prompt's start or end (--mask to say which)"
+        kept = f"kept all {length} rows of each of the {batch} prompts: pads cannot be told apart in a KV cache"
+        notes = [told] if dropped else [f"{kept} without the attention mask (pass --mask)"] if batch > 1 else []
         return [r[a:b] for r, (a, b) in zip(rows, spans, strict=True)], offsets, notes + _mask_notes(0, offsets)
     mask = mask.reshape(1, -1) if mask.dim() == 1 else mask
     if mask.dim() != 2 or tuple(mask.shape) != (batch, length):
