@@ -3,8 +3,6 @@ last state, proposals only (verified and judged elsewhere); blocks of another sh
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -12,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import lminvert
 from lminvert.invert.firstblock import FirstBlock, _lengths, first_block
 from lminvert.models import LoadedModel
+from lminvert.paths import clock
 
 
 def _small(config_class, network_class, seed: int, name: str, biases: bool = False) -> LoadedModel:
@@ -61,7 +60,7 @@ def _last(model, ids: list[int]) -> torch.Tensor:
 
 def _proposed(model, ids: list[int], longest: int, normalised: bool = False) -> list[tuple[int, ...]]:
     """The proposals from the last state (its direction only where ``normalised``)."""
-    vector, deadline = _last(model, ids), time.perf_counter() + 60
+    vector, deadline = _last(model, ids), clock() + 60
     if normalised:
         vector = vector / vector.norm()
     batches = first_block(model).proposals(vector, [ids[-1]], longest, deadline, normalised=normalised)

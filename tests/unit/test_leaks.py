@@ -20,6 +20,7 @@ from lminvert.invert import acceptor
 from lminvert.invert.sources import Quant
 from lminvert.invert.tolerance import add_noise
 from lminvert.kv_captures import read_kv
+from lminvert.paths import clock
 from lminvert.states import HiddenStates
 
 from ..conftest import run_cli
@@ -708,7 +709,6 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     engine's), as is one whose first uncertain position the engine's time bound stopped; a prompt
     whose first uncertain position is neither, a passed deadline, lminvert's own states and the switch off leave the
     engine's result alone."""
-    import time
 
     from lminvert.invert import leaks
     from lminvert.invert.results import InversionResult
@@ -752,7 +752,7 @@ def test_a_float_captures_guess_at_a_later_sink_is_searched_again_and_the_surer_
     again = leaks.sink_retry(tiny, states, layer, Float(), [stopped])[0]  # stopped by the bound, not sink-like: again
     assert again.verdicts == better.verdicts and len(calls) == 1 and "engine stopped at or after" in again.notes[-1]
     calls.clear()
-    assert leaks.sink_retry(tiny, states, layer, Float(), [stopped], deadline=time.time() - 1)[0] is stopped
+    assert leaks.sink_retry(tiny, states, layer, Float(), [stopped], deadline=clock() - 1)[0] is stopped
     assert calls == []  # the caller's own deadline passed: nothing searched again
     sink = 1
     assert leaks.sink_retry(tiny, states, layer, Exact(), [guessed])[0] is guessed and calls == []
@@ -804,7 +804,6 @@ def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_ke
     """Prompts :func:`lminvert.invert.leaks.sink_prompts` names are inverted by the engine each alone, within
     ``SINK_SECONDS`` of its start, the others together with no bound; the results keep the prompts' order."""
     import sys
-    import time
 
     from lminvert.invert import leaks
 
@@ -823,11 +822,11 @@ def test_a_prompt_with_a_sink_like_row_gets_the_engine_for_a_bounded_time_and_ke
     monkeypatch.setattr(leaks, "bounded", lambda model, sinks: sinks)  # as for a half-precision model
     monkeypatch.setattr(api, "sink_retry", lambda model, states, layer, source, results, *args: results)
     monkeypatch.setattr(leaks, "SINK_SECONDS", 100.0)
-    start = time.time()
+    start = clock()
     got = lminvert.invert(tiny, states)
     assert [r.token_ids for r in got] == prompts
     assert calls[0] == (3, None) and calls[1] == (2, None) and calls[2][0] == 1
-    assert calls[2][1] is not None and start + 100 <= calls[2][1] <= time.time() + 100
+    assert calls[2][1] is not None and start + 100 <= calls[2][1] <= clock() + 100
 
 
 def test_the_rows_search_takes_known_first_tokens_as_they_are_and_claims_nothing_wrong_after_a_wrong_one(tiny):
