@@ -49,6 +49,7 @@ def misfit_notes(search: PromptSearch, source: ErrorModel) -> tuple[str, ...]:
         notes += (
             f"{before} of {n} positions: no candidate fits the error model '{source.label}': "
             "these states do not match this model's computation at this layer (another model, layer or dtype, a "
-            "fine-tuned copy, or an error larger than the model allows: try --source noise:LEVEL)",
+            "fine-tuned copy, a computation lminvert does not reproduce such as autocast's half-precision products, "
+            "or an error larger than the model allows: try --source noise:LEVEL)",
         )
     return notes
