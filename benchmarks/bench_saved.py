@@ -156,10 +156,10 @@ def main() -> int:
     print("| form | ran in | tokens | claimed | wrong claimed | cast hint | median s | slowest s |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
+        bound = ["--max-seconds", str(args.max_seconds)] if args.max_seconds else []
         for form in forms:
             suffix = ".npy" if form.endswith("-npy") else ".pt"
             path = Path(tmp) / f"{form}{suffix}"
-            bound = ["--max-seconds", str(args.max_seconds)] if args.max_seconds else []
             if not args.cold:
                 extra, _ = _save(models, form, prompts[0][:4], args.layer, path)  # one-time builds, untimed
                 _invert(path, args.layer, extra + bound)

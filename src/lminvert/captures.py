@@ -169,14 +169,21 @@ def _pick(path: Path, entries: dict[str, Any], key: str | None) -> tuple[str | N
         raise LminvertError(f"{path.name} holds no floating-point [T, d] or [N, T, d] tensor: is it a states file?")
     if sorted(floats, key=_natural) == [str(i) for i in range(len(floats))]:  # a tuple per layer (output_hidden_states)
         raise LminvertError(
-            f"{path.name} holds {len(floats)} tensors, one per layer as output_hidden_states gives them: pick one with "
-            f"--key I (transformers' hidden_states[I] is lminvert's layer I, the last is final), e.g. --key "
-            f"{len(floats) // 2}"
+            f"{path.name} holds {len(floats)} tensors, one per layer as output_hidden_states gives them: "
+            f"{pick_layer(len(floats))}"
         )
     listed = ", ".join(sorted(floats, key=_natural)[:12])
     raise LminvertError(
         f"{path.name} holds {len(floats)} tensors ({listed}{', ...' if len(floats) > 12 else ''}): pick the states "
         "with --key NAME (e.g. one layer of output_hidden_states: see --source-library)"
+    )
+
+
+def pick_layer(layers: int) -> str:
+    """How to pick one of ``layers`` states saved one per layer (transformers' ``output_hidden_states``)."""
+    return (
+        "pick one with --key I (transformers' hidden_states[I] is lminvert's layer I, the last is final), e.g. --key "
+        f"{layers // 2}"
     )
 
 

@@ -45,6 +45,11 @@ def clock() -> float:
     return time.time() - _built[0]
 
 
+def past(deadline: float | None) -> bool:
+    """Whether the time bound ``deadline`` (on :func:`clock`; None: none) has passed: every search's test."""
+    return deadline is not None and clock() > deadline
+
+
 def clock_offset() -> float:
     """Seconds :func:`clock` lags ``time.time()`` in this process: a deadline plus this is a wall-clock time, which
     another process turns back into its own clock by subtracting its own (a task sent to a worker)."""

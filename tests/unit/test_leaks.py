@@ -51,6 +51,11 @@ def _cache(model, prompts: list[list[int]], left: bool = True):
     return out.past_key_values, mask
 
 
+def _rows(entry, i: int = 0) -> torch.Tensor:
+    """Prompt ``i``'s rows of one block of a transformers cache: every KV head's keys, then its values, per position."""
+    return torch.cat([entry.keys[i].transpose(0, 1).flatten(1), entry.values[i].transpose(0, 1).flatten(1)], -1)
+
+
 def _check(results, prompts) -> None:
     """Every token right, and nothing wrong claimed (the second holds whatever the first does)."""
     for result, ids in zip(results, prompts, strict=True):
@@ -217,7 +222,7 @@ def test_the_time_bound_limits_a_rows_search_and_says_so(tiny, leak):
     if leak == "kv":
         cache, _ = _cache(tiny, [prompt])
         entry = cache.layers[layer - 1]
-        rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
+        rows = _rows(entry)
         source = "float"
     else:
         rows, source = _defended(tiny, prompt, "noise:0.05", 5), "noise:0.05"
@@ -244,7 +249,7 @@ def test_a_first_runs_one_time_builds_do_not_spend_the_time_bound(isolated_cache
     layer = tiny.probe.n_layers
     cache, _ = _cache(tiny, [prompt])
     entry = cache.layers[layer - 1]
-    rows = torch.cat([entry.keys[0].transpose(0, 1).flatten(1), entry.values[0].transpose(0, 1).flatten(1)], -1)
+    rows = _rows(entry)
     plain, slowed = paths.building, []
 
     @contextlib.contextmanager
@@ -325,9 +330,7 @@ def test_a_block_1_cache_is_inverted_nearest_row_first(tiny):
     cache, _ = _cache(tiny, prompts, left=False)
     entry = cache.layers[0]
     results = [
-        lminvert.invert(tiny, HiddenStates.from_array(torch.cat([entry.keys[i].transpose(0, 1).flatten(1),
-                                                                  entry.values[i].transpose(0, 1).flatten(1)], -1)),
-                        1, leak="kv")[0]
+        lminvert.invert(tiny, HiddenStates.from_array(_rows(entry, i)), 1, leak="kv")[0]
         for i in range(len(prompts))
     ]  # fmt: skip
     _check(results, prompts)
@@ -485,8 +488,7 @@ def test_a_kv_caches_secant_model_starts_from_the_position_1_map_fitted_through_
     prompts = _prompts(tiny, 2, 8, 13)
     cache, _ = _cache(tiny, prompts, left=False)
     entry = cache.layers[1]
-    rows = [torch.cat([entry.keys[i].transpose(0, 1).flatten(1), entry.values[i].transpose(0, 1).flatten(1)], -1)
-            for i in range(len(prompts))]  # fmt: skip
+    rows = [_rows(entry, i) for i in range(len(prompts))]
     verdicts = {}
     for arm in (True, False):
         monkeypatch.setattr(rankers, "VIEW_PRIOR", arm)

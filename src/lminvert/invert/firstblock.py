@@ -39,7 +39,7 @@ from torch.func import jacrev
 from ..corpora import sample_prompts
 from ..models import LoadedModel
 from ..models.kv import attention_kind, rotary_turn
-from ..paths import clock
+from ..paths import past
 from .firstorder import orders
 from .firstsupport import FITTED, strength, support
 
@@ -192,7 +192,7 @@ class FirstBlock:
             best, seen = None, set()
             for round_ in range(ROUNDS):
                 for start in self._starts(target, last, best, round_, normalised):
-                    if clock() > deadline:
+                    if past(deadline):
                         return
                     fit = self._fit(target, last, max_length + EXTRA, start, normalised)
                     if best is not None and fit[2] >= best[2]:

@@ -31,7 +31,7 @@ import torch
 from ..errors import LminvertError
 from ..models import Layer, LoadedModel
 from ..models.ties import tied_token_groups
-from ..paths import clock
+from ..paths import clock, past
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .engine import InvertConfig, bound_source, invert_prompt
@@ -148,7 +148,7 @@ class _Search:
         for prompts in self._candidates(target, deadline, tried):
             self._verified(tried, prompts, target)
             decision = self._decide(tried, target, exhausted=False)
-            if decision.verdict in CLAIMED or clock() > deadline:
+            if decision.verdict in CLAIMED or past(deadline):
                 break
         if decision.verdict not in CLAIMED:  # the search is over: the acceptor's verdict on all it verified
             decision = self._decide(tried, target, exhausted=True)
@@ -261,7 +261,7 @@ class _Search:
         config = InvertConfig(max_candidates=RANKED, deadline=deadline, speculate=False)
         out = []
         for prefix in prefixes:
-            if clock() > deadline:
+            if past(deadline):
                 break
             rows = self.probe.states(torch.tensor([list(prefix)]), [self.layer])[self.layer][0].float().cpu()
             last = target
@@ -284,7 +284,7 @@ class _Search:
         lasts = list(dict.fromkeys(p[-1] for p in tried.prompts if len(p) == 2))[:REFINE]
         generator = torch.Generator().manual_seed(0)
         for n, last in enumerate(lasts):
-            if clock() > deadline:
+            if past(deadline):
                 return
             until = clock() + (deadline - clock()) / (len(lasts) - n)
             ids = torch.randint(0, self.probe.vocab_size, (SAMPLES,), generator=generator)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..captures import pick_layer
 from ..corpora import sample_prompts
 from ..errors import LminvertError
 from ..models import Layer, LoadedModel
@@ -308,9 +309,8 @@ def _refuse_stacked(model: LoadedModel, states: list[torch.Tensor], source: Erro
     if first.rules_out(last.best) and last.rules_out(first.best):  # two layers: one batch's prompts share one
         raise LminvertError(
             f"these {len(states)} prompts of one length look like one prompt's {len(states)} layers stacked "
-            f"(torch.stack(output_hidden_states)): the first fits layer {first.best}, the last layer {last.best}; pick "
-            f"one with --key I (transformers' hidden_states[I] is lminvert's layer I, the last is final), e.g. --key "
-            f"{len(states) // 2}"
+            f"(torch.stack(output_hidden_states)): the first fits layer {first.best}, the last layer {last.best}; "
+            f"{pick_layer(len(states))}"
         )
 
 

@@ -14,6 +14,7 @@ from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
 from ..models.kv import sliding_window
+from ..paths import past
 from ..states import HiddenStates
 from .acceptor import UNCERTAIN
 from .blockfit import resolve_block
@@ -21,7 +22,6 @@ from .engine import bound_source
 from .last import LastOptions, invert_last
 from .results import KNOWN, InversionResult
 from .rows.route import invert_rows
-from .search import past
 from .sources import ErrorModel
 from .views import make_view
 

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..models import LoadedModel
-from ..paths import clock
+from ..paths import past
 
 BATCH = 64  # prefixes per forward (a deep layer's search checks its deadline between them)
 
@@ -34,7 +34,7 @@ class Prior:
         out = []
         with torch.no_grad():
             for first in range(0, len(rows), BATCH):
-                if out and deadline is not None and clock() > deadline:
+                if out and past(deadline):
                     break
                 ids = torch.tensor(rows[first : first + BATCH], device=self.model.probe.device)
                 logits = self.model.model(input_ids=ids, logits_to_keep=1).logits[:, -1]

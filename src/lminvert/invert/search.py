@@ -33,7 +33,7 @@ import torch
 
 from ..models import LayerProbe, NewKeys, Prefix
 from ..models.observed import PlainKeys
-from ..paths import clock
+from ..paths import past
 from . import acceptor
 from .acceptor import Evidence, Radii
 from .context import PositionContext, wide_dtype
@@ -71,12 +71,6 @@ class Settings:
     def late(self) -> bool:
         """Whether the deadline has passed."""
         return past(self.deadline)
-
-
-def past(deadline: float | None) -> bool:
-    """Whether the time bound ``deadline`` (on :func:`lminvert.paths.clock`, which one-time builds do not advance;
-    None: none) has passed (every search's)."""
-    return deadline is not None and clock() > deadline
 
 
 class PromptSearch:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from ...models.observed import attention
+from ...paths import past
 from .. import acceptor
 from ..acceptor import Decision, Evidence, NextRow, Radii
 from ..layouts import other_attention
-from ..search import past
 from ..tolerance import calibration_prompts
 from .running import Running
 from .verified import Measure, Verified

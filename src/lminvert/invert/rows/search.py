@@ -43,10 +43,10 @@ import torch
 
 from ...models import LoadedModel, Prefix
 from ...models.ties import tied_twins
+from ...paths import past
 from .. import acceptor
 from ..acceptor import Evidence, Radii
 from ..proposal import merge, ranked
-from ..search import past
 from ..sources import ErrorModel
 from ..tables import first_position_table
 from ..tolerance import FLOOR, SAFETY, norm
