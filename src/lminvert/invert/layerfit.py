@@ -337,7 +337,10 @@ def resolve_layer(
             f"about 1 and at most {FIT:g}; are they another model's, random, or not starting at the prompt's first "
             f"token? (pass the right --model, or {anyway} to search anyway)"
         )
-    if 0 in (int(probe.layer(searched)), int(probe.layer(fit.best))):
+    # layer 0 searched, or the best fit where it counts (no layer given, or it rules the given one out): an undecided
+    # best of 0 says nothing against a given layer (a tiny model's int8 states at its layer 2 fit 0 best by 1.4)
+    zero = int(probe.layer(fit.best)) == 0 and (given is None or fit.rules_out(given.name))
+    if int(probe.layer(searched)) == 0 or zero:
         if all(not bool(prompt[0].any()) for prompt in states):
             raise LminvertError(
                 f"position 0 of every prompt is all zeros: no layer of {model.name} gives that state to a token; "
