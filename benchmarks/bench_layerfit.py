@@ -18,7 +18,8 @@ import torch
 
 import lminvert
 from lminvert.errors import LminvertError
-from lminvert.invert.layerfit import FIT, MARGIN, fit_layers, resolve_layer, signature
+from lminvert.invert.layerchoice import resolve_layer
+from lminvert.invert.layerfit import FIT, MARGIN, fit_layers, signature
 from lminvert.invert.sources import Noise
 from lminvert.invert.tolerance import add_noise
 

@@ -56,7 +56,10 @@ def test_a_wrong_layer_and_random_numbers_are_one_line_errors(tmp_path):
     # at the embeddings' scale, random numbers fit layer 0's covariance, but lie far from every token's embedding
     np.save(tmp_path / "small.npy", 0.03 * np.random.default_rng(1).standard_normal((20, 576)).astype(np.float32))
     np.save(tmp_path / "zeros.npy", np.zeros((20, 576), np.float32))
+    np.save(tmp_path / "window.npy", states[6:].numpy())  # a window cut from a longer prompt: no first position
     for args, says in (
+        (["window.npy", "--layer", "15"], "look like smollm2-135m's layer 15"),
+        (["window.npy"], "look like smollm2-135m's layer 15"),
         (["leak.npy", "--layer", "14"], "--layer 15"),
         (["leak.npy", "--layer", "15", "--source-library", "hf", "--layer", "16"], "--layer 15"),
         (["random.npy"], "fit no layer"),
@@ -70,7 +73,9 @@ def test_a_wrong_layer_and_random_numbers_are_one_line_errors(tmp_path):
         assert proc.returncode != 0 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     proc = run_cli("inspect", str(tmp_path / "leak.npy"), "--model", "smollm2-135m", "--json", check=True)
     doc = json.loads(proc.stdout)
-    assert doc["layer"]["best"] == "15" and doc["command"].endswith("--layer 15")
+    assert doc["layer"]["best"] == "15" and doc["command"].endswith("--layer 15") and "window" not in doc
+    proc = run_cli("inspect", str(tmp_path / "window.npy"), "--model", "smollm2-135m", "--json", check=True)
+    assert "look like smollm2-135m's layer 15" in json.loads(proc.stdout)["window"]
 
 
 @pytest.mark.parametrize(("library", "inverted"), [("nnsight", 14), ("tl", 0)])

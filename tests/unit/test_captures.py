@@ -137,7 +137,8 @@ def test_position_0_settles_a_layer_fit_that_is_not_decisive():
     0 lies beyond the bound at every close layer, or where more than TRIED layers are close."""
     from dataclasses import replace
 
-    from lminvert.invert.layerfit import MARGIN, TRIED, resolve_layer, settle
+    from lminvert.invert.layerchoice import resolve_layer
+    from lminvert.invert.layerfit import MARGIN, TRIED, settle
     from lminvert.invert.sources import Float
 
     model = lminvert.load_model("tiny-llama")

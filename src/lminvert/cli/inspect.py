@@ -9,6 +9,7 @@ import shlex
 import torch
 
 from ..errors import LminvertError
+from ..invert.layerchoice import window
 from ..invert.layerfit import fit_layers, settle
 from ..invert.leaks import window_note
 from ..invert.sources import default_source
@@ -85,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _against(model, states: HiddenStates) -> dict:
     rows = list(states.states)
-    fit = settle(model, rows, fit_layers(model, rows), default_source(states))
-    out = {
+    source = default_source(states)
+    fit = settle(model, rows, fit_layers(model, rows), source)
+    out: dict = {
         "model": model.name,
         "layer": {
             "best": fit.best,
@@ -96,6 +98,8 @@ def _against(model, states: HiddenStates) -> dict:
             "after_final_norm": fit.best == "final",
         },
     }
+    if not (fit.fits and fit.decisive) and (text := window(model, rows, source, None)):
+        out["window"] = text
     bos = getattr(model.tokenizer, "bos_token_id", None) if model.tokenizer is not None else None
     if bos is not None and fit.fits:
         layer = model.probe.layer(fit.best)
@@ -122,12 +126,14 @@ def _print(doc: dict) -> None:
     verdict = "fits" if layer["fits"] else "fits NO layer of this model"
     decisive = "" if layer["decisive"] else " (not decisive: give --layer)"
     print(f"  {doc['model']}: {layer['describe']}: {verdict}{decisive}")
+    if "window" in doc:
+        print(f"  {doc['window']}")
     if layer["after_final_norm"]:
         print("  these are states after the final norm (transformers' last hidden_states): layer final")
     if "bos" in doc:
         flags = doc["bos"]["is_bos"]
         print(f"  position 0 is the BOS token (id {doc['bos']['token_id']}) in {sum(flags)} of {len(flags)} prompt(s)")
-    if layer["fits"]:
+    if layer["fits"] and "window" not in doc:
         print(f"  invert with: {doc['command']}")
 
 

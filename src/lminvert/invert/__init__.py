@@ -26,7 +26,7 @@ from . import leaks
 from .acceptor import UNCERTAIN
 from .engine import InvertConfig, invert_prompt, invert_prompts
 from .last import LastOptions
-from .layerfit import resolve_layer
+from .layerchoice import resolve_layer
 from .leaks import DEFENDED, block_number, invert_leak, kv_states, sink_prompts, sink_retry, view_layer
 from .options import METHODS, Leak, Run, Search, check_rows_options, grouped
 from .policies import POLICIES, GradientPolicy, LinearPolicy, Policy, RandomPolicy, SweepPolicy

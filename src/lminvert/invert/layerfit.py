@@ -28,9 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..captures import pick_layer
 from ..corpora import sample_prompts
-from ..errors import LminvertError
 from ..models import Layer, LoadedModel
 from .sources import ErrorModel, Exact
 from .tables import first_position_table, read_tables, write_tables
@@ -216,16 +214,19 @@ def score(
     source: ErrorModel | None,
     model: str,
     what: str = "layer",
+    from_first: bool = True,
 ) -> LayerFit:
-    """:func:`fit_layers` against any signature whose entries are ``names`` (layers, or a KV cache's blocks)."""
+    """:func:`fit_layers` against any signature whose entries are ``names`` (layers, or a KV cache's blocks);
+    ``from_first=False``: every row scored as a later position (rows that may not start at position 0)."""
     source = source or Exact()
     total = torch.zeros(len(names), dtype=torch.float64)
     spreads: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     for prompt in states:
         x = prompt[:ROWS].detach().cpu().double()
+        split = 1 if from_first else 0
         for start, part, scale, mean, basis, var in (
-            (0, x[:1], sig.first_scale, sig.first_mean, sig.first_basis, sig.first_var),
-            (1, x[1:], sig.rest_scale, sig.rest_mean, sig.rest_basis, sig.rest_var),
+            (0, x[:split], sig.first_scale, sig.first_mean, sig.first_basis, sig.first_var),
+            (1, x[split:], sig.rest_scale, sig.rest_mean, sig.rest_basis, sig.rest_var),
         ):
             if not len(part):
                 continue
@@ -264,7 +265,7 @@ def centred(states: list[torch.Tensor]) -> bool:
     return bool((rows.mean(-1).abs() <= CENTRED * rms).all() and (rms > 0).all())
 
 
-def _embedding_gap(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel) -> float:
+def embedding_gap(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel) -> float:
     """How far beyond the source's bound position 0 lies from the nearest token's layer-0 state (median over the
     prompts), relative to its norm."""
     return float(torch.tensor(_first_gaps(model, states, model.probe.layer(0), source)).median())
@@ -297,73 +298,3 @@ def settle(model: LoadedModel, states: list[torch.Tensor], fit: LayerFit, source
     within = [name for name in close if not any(_first_gaps(model, states, model.probe.layer(name), source))]
     log.info("layer fit not decisive among %s; position 0 within the bound at %s", close, within)
     return replace(fit, chosen=within[0]) if len(within) == 1 else fit
-
-
-def _refuse_stacked(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | None) -> None:
-    """A one-line error where ``states`` are one prompt's every layer taken for prompts: as many of one length as
-    transformers' ``output_hidden_states`` holds (``n_layers + 1``), the first and the last each decisively not of the
-    other's layer (``torch.stack`` of those tensors saved as one ``[L + 1, T, d]`` array)."""
-    if len(states) != model.probe.n_layers + 1 or len({len(s) for s in states}) != 1:
-        return
-    first, last = (fit_layers(model, [states[i]], source) for i in (0, -1))
-    if first.rules_out(last.best) and last.rules_out(first.best):  # two layers: one batch's prompts share one
-        raise LminvertError(
-            f"these {len(states)} prompts of one length look like one prompt's {len(states)} layers stacked "
-            f"(torch.stack(output_hidden_states)): the first fits layer {first.best}, the last layer {last.best}; "
-            f"{pick_layer(len(states))}"
-        )
-
-
-def resolve_layer(
-    model: LoadedModel, states: list[torch.Tensor], given: Layer | None, source: ErrorModel | None = None
-) -> tuple[Layer, LayerFit]:
-    """The layer to search at: ``given``, unless the states decisively come from another layer (a one-line error
-    naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive or position 0
-    chooses it (:func:`settle`)."""
-    _refuse_stacked(model, states, source)
-    fit = fit_layers(model, states, source)
-    probe = model.probe
-    searched = given.name if given is not None else fit.best
-    if centred(states) and not signature(model).centred[int(probe.layer(searched))]:
-        raise LminvertError(
-            f"every row of these states has mean 0, which {model.name}'s own states at layer {searched} do not: "
-            "TransformerLens' compatibility mode (center_writing_weights) removes each row's mean; capture them "
-            "without enable_compatibility_mode() (or pass --no-check to search anyway)"
-        )
-    anyway = "--no-check" if given is not None else "--layer LAYER --no-check"
-    if not fit.fits:
-        raise LminvertError(
-            f"these states fit no layer of {model.name}: the closest is {fit.describe()}, where its own states fit "
-            f"about 1 and at most {FIT:g}; are they another model's, random, or not starting at the prompt's first "
-            f"token? (pass the right --model, or {anyway} to search anyway)"
-        )
-    # layer 0 searched, or the best fit where it counts (no layer given, or it rules the given one out): an undecided
-    # best of 0 says nothing against a given layer (a tiny model's int8 states at its layer 2 fit 0 best by 1.4)
-    zero = int(probe.layer(fit.best)) == 0 and (given is None or fit.rules_out(given.name))
-    if int(probe.layer(searched)) == 0 or zero:
-        if all(not bool(prompt[0].any()) for prompt in states):
-            raise LminvertError(
-                f"position 0 of every prompt is all zeros: no layer of {model.name} gives that state to a token; "
-                f"check the file (or {anyway} to search anyway)"
-            )
-        if (gap := _embedding_gap(model, states, source or Exact())) > EMBEDDING:
-            raise LminvertError(
-                f"these states fit no layer of {model.name}: as layer 0 (the embeddings), position 0 lies {gap:.2g} of "
-                "its norm beyond every token's embedding, where the model's own states lie within rounding of one; "
-                f"random numbers at the embeddings' scale? (pass the right --model, or {anyway} to search anyway)"
-            )
-    if given is None:
-        fit = settle(model, states, fit, source)
-        if not fit.decisive:
-            raise LminvertError(
-                f"cannot tell which layer of {model.name} these states hold: the closest is {fit.describe()}; "
-                "pass --layer"
-            )
-        return probe.layer(fit.best), fit
-    if fit.rules_out(given.name):
-        raise LminvertError(
-            f"these states are {model.name}'s {fit.describe()}, not layer {given.name}: pass --layer {fit.best} "
-            "(or leave --layer out), or --no-check to search layer "
-            f"{given.name} anyway"
-        )
-    return given, fit
