@@ -11,7 +11,7 @@ transformers' cache classes :data:`.kv_files.CACHE_CLASSES` are allowed, which a
   positions are cut off), or any cache whose ``layers`` hold ``keys``/``values`` tensors;
 * a list or tuple of ``(keys, values)`` pairs, one per block (``cache.to_legacy_cache()``, or
   ``[(l.keys, l.values) for l in cache.layers]``), also as a dict entry ``past_key_values`` beside an
-  ``attention_mask``;
+  ``attention_mask``; one block's pair alone (``(layer.keys, layer.values)``, two 4-D tensors of one shape);
 * one block's tensors in a dict: ``keys``/``values``, ``key``/``value``, ``k``/``v``, ``key_cache``/``value_cache``
   (any case), with an optional ``attention_mask`` or ``mask``;
 * ``.safetensors`` with any key names: key and value tensors are paired by the block index in their names
@@ -34,14 +34,18 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .captures import MASK_KEYS, _is_states, _natural, _read_mask, generated_steps, pad_span
+from .captures import MASK_KEYS, _is_states, _natural, _read_mask, pad_span
 from .errors import LminvertError
 from .kv_files import (
     SAVE_HINT,
     _check_groups,
     _groups,
     _has_pair,
+    _is_cache,
+    _is_one_pair,
+    _is_pairs,
     _load,
+    _looks_kv,
     _torch_load,
     _unsafe_globals,
     windowed,
@@ -143,33 +147,6 @@ def _pop_mask(loaded: Any) -> torch.Tensor | None:
     return None
 
 
-def _is_cache(value: Any) -> bool:
-    layers = getattr(value, "layers", None)
-    if isinstance(layers, (list, tuple)):
-        return bool(layers) and all(
-            not isinstance(layer, dict) and hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers
-        )
-    return isinstance(getattr(value, "key_cache", None), list) and isinstance(getattr(value, "value_cache", None), list)
-
-
-def _is_pairs(value: Any) -> bool:
-    if not isinstance(value, (list, tuple)) or not value or generated_steps(value):
-        return False
-    return all(
-        isinstance(p, (list, tuple)) and len(p) >= 2 and all(isinstance(t, torch.Tensor) for t in p[:2]) for p in value
-    )
-
-
-def _looks_kv(loaded: Any) -> bool:
-    if _is_cache(loaded) or _is_pairs(loaded):
-        return True
-    if not isinstance(loaded, dict):
-        return False
-    if any(_is_cache(v) or _is_pairs(v) for v in loaded.values()):
-        return True
-    return _has_pair([str(k) for k, v in loaded.items() if isinstance(v, torch.Tensor)])
-
-
 def _find(path: Path, loaded: Any, key: str | None) -> _Found:
     """The blocks ``loaded`` holds, with a note saying how they were read and numbered."""
     if key is not None:
@@ -180,6 +157,8 @@ def _find(path: Path, loaded: Any, key: str | None) -> _Found:
         loaded = _keyed(path, loaded, key)
     if _is_cache(loaded):
         return _from_cache(loaded)
+    if _is_one_pair(loaded):
+        return _Found({None: tuple(loaded)}, ["read one block's (keys, values) pair"])
     if _is_pairs(loaded):
         return _Found(
             dict(enumerate(loaded, start=1)),

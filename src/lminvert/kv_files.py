@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .captures import _natural
+from .captures import _natural, generated_steps
 from .errors import LminvertError
 
 CACHE_CLASSES = (  # transformers.cache_utils classes a saved cache may pickle: plain attribute holders
@@ -159,3 +159,40 @@ def windowed(entries: dict[Any, Any]) -> dict[int, tuple[int, int]]:
     held = {n: h for n, e in entries.items() if n is not None and (h := _held(e)) is not None}
     most = max(held.values(), default=0)
     return {n: (h, most) for n, h in held.items() if h < most}
+
+
+def _is_cache(value: Any) -> bool:
+    layers = getattr(value, "layers", None)
+    if isinstance(layers, (list, tuple)):
+        return bool(layers) and all(
+            not isinstance(layer, dict) and hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers
+        )
+    return isinstance(getattr(value, "key_cache", None), list) and isinstance(getattr(value, "value_cache", None), list)
+
+
+def _is_pairs(value: Any) -> bool:
+    if not isinstance(value, (list, tuple)) or not value or generated_steps(value):
+        return False
+    return all(
+        isinstance(p, (list, tuple)) and len(p) >= 2 and all(isinstance(t, torch.Tensor) for t in p[:2]) for p in value
+    )
+
+
+def _is_one_pair(value: Any) -> bool:
+    """One block's ``(keys, values)``: two 4-D tensors of one shape (``[batch, kv_heads, T, head_dim]``)."""
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in value)
+        and value[0].shape == value[1].shape
+    )
+
+
+def _looks_kv(loaded: Any) -> bool:
+    if _is_cache(loaded) or _is_pairs(loaded) or _is_one_pair(loaded):
+        return True
+    if not isinstance(loaded, dict):
+        return False
+    if any(_is_cache(v) or _is_pairs(v) for v in loaded.values()):
+        return True
+    return _has_pair([str(k) for k, v in loaded.items() if isinstance(v, torch.Tensor)])

@@ -163,6 +163,21 @@ def test_one_blocks_tensors_in_a_dict(tmp_path, run, k, v, m):
     assert any("does not say which block" in n for n in capture.notes)
 
 
+def test_one_blocks_pair_alone(tmp_path, run):
+    """``torch.save((layer.keys, layer.values), path)``: one block's two tensors, read as the block the caller names
+    (a list of two pairs is a cache of two blocks, not one pair)."""
+    torch.save(tuple(_pairs(run.cache)[1]), tmp_path / "pair.pt")
+    assert is_kv_file(tmp_path / "pair.pt")
+    capture = read_kv(tmp_path / "pair.pt", block=2, mask=None)
+    assert capture.notes[0] == "read one block's (keys, values) pair"
+    keys, values = _pairs(run.cache)[1]
+    torch.save({"keys": keys, "values": values}, tmp_path / "dict.pt")
+    same = read_kv(tmp_path / "dict.pt", block=2)
+    assert len(capture.rows) == len(PROMPTS) and all(map(torch.equal, capture.rows, same.rows))
+    torch.save(_pairs(run.cache)[:2], tmp_path / "two.pt")
+    assert read_kv(tmp_path / "two.pt", block=2).blocks == 2
+
+
 def test_one_prompts_tensors_as_heads_positions_dims(tmp_path, run):
     keys, values = _pairs(run.cache)[0]
     start = run.offsets[1]
