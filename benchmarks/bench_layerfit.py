@@ -7,7 +7,9 @@ Cases: 5 texts and 4 random-id prompts of 20 tokens at every layer (0..30 and fi
 bfloat16 model and scored against the float32 model's signature; the first text with relative noise 1e-3..1e-1
 (modelled with its noise source, and not); Gaussian random arrays [20, 576] of scales 0.03 to 10^4. Prints per case
 the wrong calls, the largest lead of a wrong call, the right calls' leads (min, 10th percentile, median, share at
-least MARGIN) and the largest spread.
+least MARGIN) and the largest spread. Last, windows cut from those prompts (rows from position 3 or 8 on) at every
+layer, with ``--layer`` given and without, beside the whole prompts: what :func:`resolve_layer` does with each (named
+a window, another one-line error, searched at the right layer, searched at another), by layer.
 """
 
 from __future__ import annotations
@@ -88,6 +90,27 @@ def main() -> None:
             said = str(exc)
             verdict = "refused: " + ("far from every embedding" if "embedding" in said else said[:40])
         print(f"random numbers x {scale:<6g} closest {fit.describe()}: {verdict}")
+    windows(model, layers, gen)
+
+
+def windows(model, layers: list, gen: torch.Generator) -> None:
+    """What resolve_layer does with whole prompts and with windows cut from them (module docstring)."""
+    ids = [torch.tensor(model.tokenize(text)) for text in TEXTS]
+    ids += list(torch.randint(0, model.probe.vocab_size, (4, 20), generator=gen))
+    counts: dict[tuple[str, str, str], int] = {}
+    for prompt in ids:
+        for layer, rows in model.probe.states(prompt[None], layers).items():
+            band = "12-28" if 12 <= int(layer) <= 28 else "other layers"
+            for what, cut in (("whole", rows[0]), ("window from 3", rows[0, 3:]), ("window from 8", rows[0, 8:])):
+                for given in (layer, None):
+                    try:
+                        got = "right layer" if resolve_layer(model, [cut], given)[0] == layer else "another layer"
+                    except LminvertError as exc:
+                        got = "named a window" if "later position on" in str(exc) else "another error"
+                    key = (what, band, got)
+                    counts[key] = counts.get(key, 0) + 1
+    for (what, band, got), n in sorted(counts.items()):
+        print(f"{what:>14} at layers {band:<12} (--layer given and not): {got:<14} {n}")
 
 
 if __name__ == "__main__":

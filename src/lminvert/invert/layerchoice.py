@@ -37,8 +37,17 @@ def resolve_layer(
 ) -> tuple[Layer, LayerFit]:
     """The layer to search at: ``given``, unless the states decisively come from another layer (a one-line error
     naming it) or fit no layer of the model; without ``given``, the best layer when it is decisive or position 0
-    chooses it (:func:`settle`). Where it refuses, states that look like one prompt's layers stacked, or a window
-    cut from a longer prompt, are named as such (:mod:`.misfits`)."""
+    chooses it (:func:`settle`). States that look like one prompt's layers stacked, or a window cut from a longer
+    prompt (:func:`window`: at a layer whose first row is an attention sink, a first row without its norm), are
+    refused as such, there or wherever the fit refuses them."""
+    layer, fit = _resolve(model, states, given, source)
+    refuse_window(model, states, source, layer)
+    return layer, fit
+
+
+def _resolve(
+    model: LoadedModel, states: list[torch.Tensor], given: Layer | None, source: ErrorModel | None
+) -> tuple[Layer, LayerFit]:
     refuse_stacked(model, states, source)
     fit = fit_layers(model, states, source)
     probe = model.probe
