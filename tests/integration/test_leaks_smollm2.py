@@ -104,6 +104,21 @@ def test_one_blocks_cache_saved_without_its_number_is_found_from_its_rows_and_in
     (doc,) = json.loads(done.stdout)
     assert doc["token_ids"] == ids
     assert any(note.startswith("block 15 found from the rows") for note in doc["notes"]), doc["notes"]
+    # keys and values as an attention hook sees them (repeat_kv: each of the 3 KV heads 3 times), a block given: the
+    # heads read once each and that block searched; a block the rows rule out refused in one line (it was ignored)
+    keys, values = (t.repeat_interleave(3, dim=1) for t in (cache.layers[14].keys, cache.layers[14].values))
+    torch.save((keys, values), path)
+    done = run_cli("invert", str(path), "--model", "smollm2-135m", "--layer", "15", "--json")
+    (doc,) = json.loads(done.stdout)
+    assert doc["token_ids"] == ids and doc["layer"] == "15", done.stderr
+    assert any("3 KV heads 3 times (repeat_kv" in n for n in doc["notes"]), doc["notes"]
+    assert not any("found from the rows" in n for n in doc["notes"]), doc["notes"]
+    done = run_cli("invert", str(path), "--model", "smollm2-135m", "--layer", "14")
+    assert done.returncode != 0 and "not block 14: pass --layer 15" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+    torch.save((keys.roll(1, dims=1), values), path)  # 9 heads that are no repeat of the model's 3
+    done = run_cli("invert", str(path), "--model", "smollm2-135m", "--layer", "15")
+    assert done.returncode != 0 and "keep 3 KV heads of 64" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_block_1s_cache_is_read_position_by_position_from_the_table(smollm2):

@@ -242,7 +242,7 @@ def _read(args: argparse.Namespace, leak: str):
         states = read_kv(args.states, block=block, key=args.key, mask=args.mask)
         if not args.model:
             raise LminvertError(f"{Path(args.states).name} is a KV cache, which records no model: pass --model")
-        name, layer = args.model, None
+        name, layer = args.model, block  # the block asked for: a file of one block's tensors does not say its own
         model, states = model_for_kv(args, states)
     else:
         states = HiddenStates.load(args.states, key=args.key, mask=args.mask)

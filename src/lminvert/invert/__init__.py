@@ -79,7 +79,7 @@ def invert(
     closest candidate verified (the notes say so)."""
     leak, search, run = grouped(leak, search, run, **options)
     deadline = None if search.max_seconds is None else clock() + search.max_seconds
-    states, layer, kind, offsets = _given(states, layer, leak, search, run)
+    states, layer, kind, offsets = _given(model, states, layer, leak, search, run)
     model = require_loaded(model, "invert")
     _check_screen(model, search.screen, search.scout)
     error_model = _source(states, leak.source, leak.noise)
@@ -126,7 +126,7 @@ def _resume(
 
 
 def _given(
-    states: Any, layer: LayerSpec | None, leak: Leak, search: Search, run: Run
+    model: LoadedModel, states: Any, layer: LayerSpec | None, leak: Leak, search: Search, run: Run
 ) -> tuple[HiddenStates, LayerSpec | None, str, list[int] | None]:
     """What ``invert`` was given as rows, its layer (a KV cache's block), the leak's kind and a KV cache's left
     padding: a :class:`KVCapture`'s rows and block, a cache still in memory with ``leak="kv"`` (``out.past_key_values``,
@@ -135,7 +135,7 @@ def _given(
     if kind == "kv" and not isinstance(states, KVCapture) and not _array_like(states):
         states = read_kv(states, block=block_number(layer))
     if isinstance(states, KVCapture):
-        states, layer, kind, offsets = kv_states(states, layer, kind)
+        states, layer, kind, offsets = kv_states(model, states, layer, kind, leak.check)
         check_rows_options(replace(leak, kind=kind), search, run)
     return _as_states(states), layer, kind, offsets
 

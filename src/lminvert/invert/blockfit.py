@@ -53,3 +53,15 @@ def resolve_block(
             "--layer with the block (transformers' cache.layers[B - 1] is block B)"
         )
     return model.probe.layer(int(fit.best)), fit
+
+
+def refuse_other_block(model: LoadedModel, rows: list[torch.Tensor], block: int) -> None:
+    """A one-line error where the rows of a KV cache that does not say its block, given as block ``block``, fit
+    another block and rule ``block`` out (as :func:`lminvert.invert.layerchoice.resolve_layer` does for states)."""
+    names = [str(b) for b in range(1, model.probe.n_layers + 1)]
+    fit = score(kv_signature(model), names, rows, None, model.name, what="block")
+    if str(block) in fit.scores and fit.rules_out(str(block)):
+        raise LminvertError(
+            f"these rows are {model.name}'s {fit.describe()} KV cache, not block {block}: pass --layer {fit.best} (or "
+            f"leave --layer out), or --no-check to search block {block} anyway"
+        )

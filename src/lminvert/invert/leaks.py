@@ -13,11 +13,11 @@ from ..errors import LminvertError
 from ..kv_captures import KVCapture
 from ..models import Layer, LayerSpec, LoadedModel
 from ..models.compat import check_dtype
-from ..models.kv import sliding_window
+from ..models.kv import kv_block, sliding_window
 from ..paths import past
 from ..states import HiddenStates
 from .acceptor import UNCERTAIN
-from .blockfit import resolve_block
+from .blockfit import refuse_other_block, resolve_block
 from .engine import bound_source
 from .last import LastOptions, invert_last
 from .results import KNOWN, InversionResult
@@ -106,16 +106,44 @@ def block_number(layer: LayerSpec | None) -> int | None:
 
 
 def kv_states(
-    capture: KVCapture, layer: LayerSpec | None, leak: str
+    model: LoadedModel, capture: KVCapture, layer: LayerSpec | None, leak: str, check: bool = True
 ) -> tuple[HiddenStates, LayerSpec | None, str, list[int]]:
-    """A KV cache read from a file (:func:`lminvert.kv_captures.read_kv`) as rows, its block and left padding."""
+    """A KV cache read from a file (:func:`lminvert.kv_captures.read_kv`) as rows of ``model``'s KV heads
+    (:func:`kv_heads`), its block and left padding; ``check``: a block given for a file that does not say its own is
+    refused where the rows rule it out (:func:`.blockfit.refuse_other_block`)."""
     if leak not in ("states", "kv"):
         raise LminvertError(f"a KV cache is the kv leak, not {leak}: drop --leak {leak}")
     layer = block_number(layer)
     if layer is not None and capture.block is not None and layer != capture.block:
         raise LminvertError(f"the file holds block {capture.block}'s cache, not block {layer}: drop --layer")
+    capture = kv_heads(model, capture)
+    if check and layer is not None and capture.block is None:
+        refuse_other_block(model, [r.float() for r in capture.rows], layer)
     states = HiddenStates(states=capture.rows, dtype=capture.dtype, notes=capture.notes)
     return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
+
+
+def kv_heads(model: LoadedModel, capture: KVCapture) -> KVCapture:
+    """``capture`` where it holds ``model``'s KV heads; where it holds each of them repeated alike (transformers'
+    ``repeat_kv``: the ``num_attention_heads`` keys and values an attention hook sees), one of each, with a note; a
+    one-line error where its heads or head size are not the model's."""
+    block = kv_block(model, capture.block or 1)
+    heads, size, n = block.heads, block.head_dim, capture.heads // block.heads
+    if (capture.heads, capture.head_dim) == (heads, size):
+        return capture
+    if capture.head_dim == size and capture.heads == n * heads and n > 1:
+        grouped = [r.view(len(r), 2, heads, n, size) for r in capture.rows]  # repeat_kv: head h is KV head h // n
+        if all(torch.equal(g, g[:, :, :, :1].expand_as(g)) for g in grouped):
+            rows = tuple(g[:, :, :, 0].reshape(len(g), -1) for g in grouped)
+            note = (
+                f"the cache holds {capture.heads} heads: each of {model.name}'s {heads} KV heads {n} times (repeat_kv, "
+                "as attention sees them); each read once"
+            )
+            return replace(capture, rows=rows, heads=heads, notes=(*capture.notes, note))
+    raise LminvertError(
+        f"this cache holds {capture.heads} heads of {capture.head_dim} numbers at each position, but {model.name}'s "
+        f"blocks keep {heads} KV heads of {size}: pass the model that produced it with --model"
+    )
 
 
 def view_layer(
