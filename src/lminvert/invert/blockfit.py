@@ -35,13 +35,18 @@ def _sample_rows(model: LoadedModel) -> torch.Tensor:
     ).double()
 
 
+def fit_blocks(model: LoadedModel, rows: list[torch.Tensor], source: ErrorModel | None = None) -> LayerFit:
+    """Every block's KV signature scored against ``rows`` (each prompt's ``[T, D]``, from position 0)."""
+    names = [str(b) for b in range(1, model.probe.n_layers + 1)]
+    return score(kv_signature(model), names, rows, source, model.name, what="block")
+
+
 def resolve_block(
     model: LoadedModel, rows: list[torch.Tensor], source: ErrorModel | None = None
 ) -> tuple[Layer, LayerFit]:
     """The block whose KV cache ``rows`` (each prompt's ``[T, D]``, from position 0) are: the best-scoring block where
     it fits and is decisive; a one-line error else."""
-    names = [str(b) for b in range(1, model.probe.n_layers + 1)]
-    fit = score(kv_signature(model), names, rows, source, model.name, what="block")
+    fit = fit_blocks(model, rows, source)
     if not fit.fits:
         raise LminvertError(
             f"these rows fit no block's KV cache of {model.name}: the closest is {fit.describe()}; are they another "
@@ -58,8 +63,7 @@ def resolve_block(
 def refuse_other_block(model: LoadedModel, rows: list[torch.Tensor], block: int) -> None:
     """A one-line error where the rows of a KV cache that does not say its block, given as block ``block``, fit
     another block and rule ``block`` out (as :func:`lminvert.invert.layerchoice.resolve_layer` does for states)."""
-    names = [str(b) for b in range(1, model.probe.n_layers + 1)]
-    fit = score(kv_signature(model), names, rows, None, model.name, what="block")
+    fit = fit_blocks(model, rows)
     if str(block) in fit.scores and fit.rules_out(str(block)):
         raise LminvertError(
             f"these rows are {model.name}'s {fit.describe()} KV cache, not block {block}: pass --layer {fit.best} (or "

@@ -19,7 +19,6 @@ from .layerfit import (
     centred,
     embedding_gap,
     fit_layers,
-    score,
     settle,
     signature,
 )
@@ -122,14 +121,12 @@ def window(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | 
     the later rows' norm or more, and every prompt's first row lies under ``1/SHORT`` of that ratio."""
     if any(len(s) < 2 for s in states):
         return ""
-    sig = signature(model)
-    n = model.probe.n_layers
-    names = [Layer(i, n).name for i in range(n + 2)]
-    later = score(sig, names, states, source, model.name, from_first=False)
+    later = fit_layers(model, states, source, from_first=False)
     if not later.fits:
         return ""
     close = [given.name] if given is not None and not later.rules_out(given.name) else later.close
-    ratios = [float(sig.first_scale[names.index(name)] / sig.rest_scale[names.index(name)]) for name in close]
+    sig, index = signature(model), [int(model.probe.layer(name)) for name in close]
+    ratios = [float(sig.first_scale[i] / sig.rest_scale[i]) for i in index]
     seen = max(float(r[0] / r[1:].median()) for r in (s.detach().double().norm(dim=-1) for s in states))
     if min(ratios) < SINK or seen * SHORT > min(ratios):
         return ""

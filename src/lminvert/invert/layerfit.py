@@ -199,12 +199,15 @@ def statistics(every: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v.float() if k.endswith("mean") else v for k, v in out.items()}
 
 
-def fit_layers(model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | None = None) -> LayerFit:
-    """Score every layer of ``model`` against ``states`` (each ``[T, d]``, from position 0). ``source`` widens the
-    covariance by its bound's per-dimension share at each row (e.g. added noise)."""
+def fit_layers(
+    model: LoadedModel, states: list[torch.Tensor], source: ErrorModel | None = None, from_first: bool = True
+) -> LayerFit:
+    """Score every layer of ``model`` against ``states`` (each ``[T, d]``, from position 0; ``from_first=False``:
+    every row as a later position). ``source`` widens the covariance by its bound's per-dimension share at each row
+    (e.g. added noise)."""
     n_layers = model.probe.n_layers
     names = [Layer(i, n_layers).name for i in range(n_layers + 2)]
-    return score(signature(model), names, states, source, model.name)
+    return score(signature(model), names, states, source, model.name, from_first=from_first)
 
 
 def score(

@@ -118,7 +118,7 @@ def kv_states(
         raise LminvertError(f"the file holds block {capture.block}'s cache, not block {layer}: drop --layer")
     capture = kv_heads(model, capture)
     if check and layer is not None and capture.block is None:
-        refuse_other_block(model, [r.float() for r in capture.rows], layer)
+        refuse_other_block(model, list(capture.rows), layer)
     states = HiddenStates(states=capture.rows, dtype=capture.dtype, notes=capture.notes)
     return states, layer if layer is not None else capture.block, "kv", list(capture.offsets)
 
